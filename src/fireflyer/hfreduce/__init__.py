@@ -1,0 +1,27 @@
+"""HFReduce: CPU-side collectives for commodity GPU and CPU clusters (Fire-Flyer AI-HPC, paper section IV).
+
+``import fireflyer.hfreduce`` registers the torch.distributed backend ``"hfreduce"``.
+The direct API is :class:`Communicator`; configuration is :class:`HFReduceConfig`.
+"""
+
+from fireflyer.hfreduce.engine import Communicator, HFReduceConfig, memory_traffic, node_key
+from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
+from fireflyer.hfreduce.process_group import BACKEND, HFReduceProcessGroup, register
+from fireflyer.hfreduce.reduce import Op
+
+register()
+
+__all__ = [
+    "BACKEND",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "Communicator",
+    "HFReduceConfig",
+    "HFReduceError",
+    "HFReduceProcessGroup",
+    "Op",
+    "PeerFailure",
+    "memory_traffic",
+    "node_key",
+    "register",
+]

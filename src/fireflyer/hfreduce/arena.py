@@ -1,0 +1,281 @@
+"""The node's shared-memory arena: chunk slots, result buffers and the flags that hand chunks between local ranks.
+
+One arena per node and process group, a POSIX shared-memory file created with
+mode 0600 by local rank 0 and mapped by every local rank. It is unlinked as soon as
+every local rank has mapped it (the mappings keep it alive), so a crash at any
+later moment leaves nothing behind in /dev/shm.
+
+Layout (``depth`` pipeline buffers, ``L`` local ranks, chunk of ``chunk_bytes``)::
+
+    control | in[depth][L] | red[depth] | out[depth]
+
+``in[b][k]``   local rank k's stage-in copy of the chunk in buffer b
+``red[b]``     the node's partial sum (accumulation dtype) on its way into the trees
+``out[b]``     the finished chunk that every local rank copies out
+
+Flags are monotonically increasing chunk counters (int32, compared modulo 2**32),
+one per local rank and stage, each on its own cache line, written only by their
+owner. On x86-64 (total store order) a counter written after the data it
+announces is never seen before that data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fireflyer.hfreduce import futex
+from fireflyer.hfreduce.errors import HFReduceError
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "fireflyer-hfr-"
+MAGIC = 0x48465231  # "HFR1"
+
+STAGES = ("in", "red", "out", "done")
+_LINE = 64  # bytes per flag: one cache line each, so owners never share a line
+_DESC_BYTES = 64
+_ABORT_MSG_BYTES = 2048
+_HEADER = struct.Struct("<IIIIQ")  # magic, local_size, depth, reserved, chunk_bytes
+
+
+@dataclass(frozen=True)
+class ArenaShape:
+    local_size: int
+    chunk_bytes: int
+    depth: int
+
+    @property
+    def flags_offset(self) -> int:
+        return 4096
+
+    def flag_index(self, stage: str, local_rank: int) -> int:
+        """Index of a flag in int32 units from the start of the arena."""
+        return (self.flags_offset + (STAGES.index(stage) * self.local_size + local_rank) * _LINE) // 4
+
+    @property
+    def pid_offset(self) -> int:
+        return self.flags_offset + len(STAGES) * self.local_size * _LINE
+
+    @property
+    def desc_offset(self) -> int:
+        return self.pid_offset + self.local_size * 8
+
+    @property
+    def abort_offset(self) -> int:
+        return _align(self.desc_offset + self.local_size * _DESC_BYTES, _LINE)
+
+    @property
+    def control_bytes(self) -> int:
+        return _align(self.abort_offset + _LINE + _ABORT_MSG_BYTES, 4096)
+
+    def in_offset(self, buf: int, local_rank: int) -> int:
+        return self.control_bytes + (buf * self.local_size + local_rank) * self.chunk_bytes
+
+    def red_offset(self, buf: int) -> int:
+        return self.control_bytes + (self.depth * self.local_size + buf) * self.chunk_bytes
+
+    def out_offset(self, buf: int) -> int:
+        return self.control_bytes + (self.depth * (self.local_size + 1) + buf) * self.chunk_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.control_bytes + self.depth * (self.local_size + 2) * self.chunk_bytes
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def arena_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+class Arena:
+    """A mapped arena. Create with :meth:`create` (local rank 0) or :meth:`attach` (the others)."""
+
+    def __init__(self, name: str, shape: ArenaShape, fd: int) -> None:
+        self.name = name
+        self.shape = shape
+        try:
+            self._mm = mmap.mmap(fd, shape.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._words = (ctypes.c_int32 * (shape.control_bytes // 4)).from_buffer(self._mm)
+        self._base = ctypes.addressof(self._words)
+        self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._pinned = False
+
+    # -- life cycle -----------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, shape: ArenaShape) -> "Arena":
+        path = arena_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise HFReduceError(f"shared-memory arena {path} already exists; another job uses the same name") from None
+        except OSError as exc:
+            raise HFReduceError(f"cannot create shared-memory arena {path}: {exc.strerror}") from None
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, shape.total_bytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise HFReduceError(
+                        f"/dev/shm has no room for a {shape.total_bytes / 2**20:.1f} MiB arena; "
+                        "enlarge /dev/shm (e.g. docker --shm-size) or lower chunk_bytes/depth"
+                    ) from None
+                os.ftruncate(fd, shape.total_bytes)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        arena = cls(name, shape, fd)
+        arena._mm[:_HEADER.size] = _HEADER.pack(MAGIC, shape.local_size, shape.depth, 0, shape.chunk_bytes)
+        return arena
+
+    @classmethod
+    def attach(cls, name: str, shape: ArenaShape, timeout: float) -> "Arena":
+        path = arena_path(name)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                if os.fstat(fd).st_size >= shape.total_bytes:
+                    break
+                os.close(fd)
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise HFReduceError(f"timed out after {timeout:.0f}s waiting for local rank 0 to create arena {path}")
+            time.sleep(0.005)
+        arena = cls(name, shape, fd)
+        magic, local_size, depth, _, chunk_bytes = _HEADER.unpack(bytes(arena._mm[:_HEADER.size]))
+        if (magic, local_size, depth, chunk_bytes) != (MAGIC, shape.local_size, shape.depth, shape.chunk_bytes):
+            arena.close()
+            raise HFReduceError(f"arena {path} has a different shape; do all local ranks use the same hfreduce config?")
+        return arena
+
+    def unlink(self) -> None:
+        _unlink_quietly(arena_path(self.name))
+
+    def close(self) -> None:
+        self.unpin()
+        self.bytes = None  # type: ignore[assignment]
+        self._words = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+
+    # -- CUDA ------------------------------------------------------------------------
+    def pin(self) -> None:
+        """Page-lock the mapping so D2H/H2D copies into it run asynchronously on copy engines."""
+        if self._pinned or not torch.cuda.is_available():
+            return
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.bytes.data_ptr(), self.shape.total_bytes, 0)
+        torch.cuda.check_error(err)
+        self._pinned = True
+
+    def unpin(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self._pinned = False
+
+    # -- flags -----------------------------------------------------------------------
+    def flag_address(self, stage: str, local_rank: int) -> int:
+        return self._base + 4 * self.shape.flag_index(stage, local_rank)
+
+    def read_flag(self, stage: str, local_rank: int) -> int:
+        return self._words[self.shape.flag_index(stage, local_rank)] & 0xFFFFFFFF
+
+    def publish(self, stage: str, local_rank: int, value: int) -> None:
+        self._words[self.shape.flag_index(stage, local_rank)] = _to_i32(value)
+        futex.wake(self.flag_address(stage, local_rank))
+
+    def set_pid(self, local_rank: int, pid: int) -> None:
+        struct.pack_into("<q", self._mm, self.shape.pid_offset + 8 * local_rank, pid)
+
+    def pid(self, local_rank: int) -> int:
+        return struct.unpack_from("<q", self._mm, self.shape.pid_offset + 8 * local_rank)[0]
+
+    def write_descriptor(self, local_rank: int, desc: bytes) -> None:
+        assert len(desc) <= _DESC_BYTES
+        off = self.shape.desc_offset + local_rank * _DESC_BYTES
+        self._mm[off : off + len(desc)] = desc
+
+    def descriptor(self, local_rank: int, size: int) -> bytes:
+        off = self.shape.desc_offset + local_rank * _DESC_BYTES
+        return bytes(self._mm[off : off + size])
+
+    # -- abort -----------------------------------------------------------------------
+    @property
+    def abort_address(self) -> int:
+        return self._base + self.shape.abort_offset
+
+    def aborted(self) -> bool:
+        return self._words[self.shape.abort_offset // 4] != 0
+
+    def abort(self, message: str) -> None:
+        """Record the first failure on this node and wake every local waiter."""
+        if self.aborted():
+            return
+        data = message.encode()[: _ABORT_MSG_BYTES - 4]
+        off = self.shape.abort_offset + _LINE
+        struct.pack_into("<I", self._mm, off, len(data))
+        self._mm[off + 4 : off + 4 + len(data)] = data
+        self._words[self.shape.abort_offset // 4] = 1
+        futex.wake(self.abort_address)
+        for stage in STAGES:
+            for k in range(self.shape.local_size):
+                futex.wake(self.flag_address(stage, k))
+
+    def abort_message(self) -> str:
+        off = self.shape.abort_offset + _LINE
+        (n,) = struct.unpack_from("<I", self._mm, off)
+        return bytes(self._mm[off + 4 : off + 4 + min(n, _ABORT_MSG_BYTES - 4)]).decode(errors="replace")
+
+
+def _to_i32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def reached(value: int, target: int) -> bool:
+    """Whether counter ``value`` has reached ``target``, modulo 2**32."""
+    return ((value - target) & 0xFFFFFFFF) < (1 << 31)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove arenas whose creating process no longer exists (left by a whole node being SIGKILLed at start-up)."""
+    removed = []
+    for name in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []:
+        if not name.startswith(NAME_PREFIX):
+            continue
+        try:
+            pid = int(name.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _unlink_quietly(os.path.join(shm_dir, name))
+            removed.append(name)
+        except PermissionError:
+            pass
+    return removed

@@ -1,0 +1,716 @@
+"""The HFReduce engine: one communicator per rank and process group.
+
+A collective runs as a pipeline over chunks of a flat buffer:
+
+1. stage-in   every local rank copies its chunk into its slot of the node's arena
+              (D2H on a copy stream for CUDA tensors);
+2. reduce     local rank k sums slice k of the chunk across all slots, in one pass;
+3. trees      with several nodes, rail r (local rank r of every node) allreduces
+              slice r of the node's partial over a double binary tree of nodes:
+              each tree carries half the slice, reduce-up and broadcast-down run in
+              their own threads at the same time, chunk after chunk;
+4. stage-out  every local rank copies the finished chunk back (H2D for CUDA).
+
+Local ranks hand chunks to each other through counters in the arena (futex waits);
+nodes talk over authenticated TCP links. Every wait has a deadline, a dead local
+peer is noticed by its pid, a dead remote one by its closed socket, and the first
+failure is broadcast to every rank, which then raises it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from fireflyer.hfreduce import collectives, futex
+from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape, reached
+from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
+from fireflyer.hfreduce.reduce import (
+    DESCRIPTOR_BYTES,
+    Descriptor,
+    Kind,
+    Op,
+    Plan,
+    Reducer,
+    acc_dtype,
+    check_dtype,
+    check_op,
+    chunk_elems,
+)
+from fireflyer.hfreduce.topology import Layout, split, tree_links
+from fireflyer.hfreduce.transport import Link, Listener, connect
+
+log = logging.getLogger("fireflyer.hfreduce")
+
+_SLICE = 0.05  # seconds between liveness checks while waiting
+_ERRORS = {cls.__name__: cls for cls in (HFReduceError, PeerFailure, CollectiveTimeout, CollectiveMismatch)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFReduceConfig:
+    """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
+
+    chunk_bytes: int = 1 << 20
+    """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap."""
+    depth: int = 4
+    """Chunks in flight per node (arena buffers). At least 2."""
+    timeout: float = 60.0
+    """Seconds a collective may take before every rank raises CollectiveTimeout."""
+    ifaddr: str | None = None
+    """IPv4 address to listen on for other nodes. Default: the address that routes to MASTER_ADDR."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
+            raise ValueError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
+        if self.depth < 2:
+            raise ValueError(f"depth must be at least 2, got {self.depth}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+
+    @classmethod
+    def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
+        kw: dict = {}
+        env = os.environ
+        for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str)):
+            raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
+            if raw:
+                try:
+                    kw[name] = conv(raw)
+                except ValueError:
+                    raise ValueError(f"FIREFLYER_HFREDUCE_{name.upper()}={raw!r} is not a valid {conv.__name__}") from None
+        if timeout is not None and "timeout" not in kw:
+            kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+def node_key() -> str:
+    """This process's node: ``FIREFLYER_NODE_ID`` if set, else the host (name and boot id)."""
+    explicit = os.environ.get("FIREFLYER_NODE_ID")
+    if explicit:
+        return explicit
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _route_address(config: HFReduceConfig) -> str:
+    if config.ifaddr:
+        return config.ifaddr
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass
+class _Job:
+    plan: Plan
+    future: torch.futures.Future
+    first_chunk: int = 0
+    nchunks: int = 1
+    elems: int = 1
+    seq: int = 0
+    deadline: float = 0.0
+    stream_event: object = None
+    errors: list = field(default_factory=list)
+
+
+class Communicator:
+    """HFReduce for one rank of one process group.
+
+    ``store`` is the job's torch.distributed store (the process group's prefix store).
+    All ranks must construct their communicator together and then issue the same
+    collectives in the same order, as with any torch.distributed backend.
+    """
+
+    def __init__(
+        self,
+        store: "torch.distributed.Store",
+        rank: int,
+        world_size: int,
+        *,
+        config: HFReduceConfig | None = None,
+        node: str | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.config = config or HFReduceConfig.from_env()
+        self.rank = rank
+        self.world_size = world_size
+        self._store = store
+        self._error: HFReduceError | None = None
+        self._error_lock = threading.Lock()
+        self._closed = False
+        self._links: list[Link] = []
+        self._listener: Listener | None = None
+        self._arena: Arena | None = None
+        self._seq = 0
+        self._chunk = 0
+        self._reducer = Reducer()
+        self._copy_stream = None
+        self._last_liveness = 0.0
+        self._tree_done = [0, 0]
+        self._tree_lock = threading.Lock()
+        try:
+            self._setup(node or node_key())
+        except BaseException:
+            self._teardown()
+            raise
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name=f"hfreduce-{rank}", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, node: str) -> None:
+        store, rank, cfg = self._store, self.rank, self.config
+        deadline = time.monotonic() + cfg.timeout
+        wait = timedelta(seconds=cfg.timeout)
+        if rank == 0:
+            store.set("hfreduce/secret", secrets.token_hex(32))
+        store.set(f"hfreduce/info/{rank}", json.dumps({"node": node, "pid": os.getpid()}))
+        keys = [f"hfreduce/info/{r}" for r in range(self.world_size)] + ["hfreduce/secret"]
+        try:
+            store.wait(keys, wait)
+        except Exception as exc:  # torch raises its own DistStoreError / RuntimeError flavours
+            missing = [k for k in keys if not store.check([k])]
+            raise CollectiveTimeout(f"hfreduce rendezvous timed out after {cfg.timeout:.0f}s; missing: {missing[:8]}") from exc
+        self._secret = bytes.fromhex(store.get("hfreduce/secret").decode())
+        infos = [json.loads(store.get(f"hfreduce/info/{r}")) for r in range(self.world_size)]
+        self.layout = Layout.from_node_keys([i["node"] for i in infos])
+        self._pids = [i["pid"] for i in infos]
+        self.node = self.layout.node_of(rank)
+        self.members = self.layout.nodes[self.node]
+        self.local_rank = self.members.index(rank)
+        self.local_size = len(self.members)
+        self.num_nodes = self.layout.num_nodes
+        self.rails = self.layout.rails
+        self._setup_arena(deadline)
+        if self.num_nodes > 1:
+            self._setup_links(deadline)
+
+    def describe(self, rank: int) -> str:
+        node = self.layout.node_of(rank)
+        return f"rank {rank} (node {node}, local rank {self.layout.local_rank(rank)})"
+
+    def _setup_arena(self, deadline: float) -> None:
+        store = self._store
+        shape = ArenaShape(local_size=self.local_size, chunk_bytes=self.config.chunk_bytes, depth=self.config.depth)
+        job = hashlib.sha256(self._secret).hexdigest()[:12]
+        key = f"hfreduce/arena/{self.node}"
+        if self.local_rank == 0:
+            name = f"{NAME_PREFIX}{job}-{self.node}-{os.getpid()}"
+            self._arena = Arena.create(name, shape)
+            store.set(key, name)
+        else:
+            try:
+                store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            except Exception as exc:
+                raise CollectiveTimeout(f"local rank 0 of node {self.node} never created its arena") from exc
+            name = store.get(key).decode()
+            self._arena = Arena.attach(name, shape, timeout=max(1.0, deadline - time.monotonic()))
+        self._arena.set_pid(self.local_rank, os.getpid())
+        # The last local rank to map the arena unlinks it; from then on only mappings keep it alive.
+        if store.add(f"{key}/attached", 1) == self.local_size:
+            self._arena.unlink()
+        self._shape = shape
+
+    def _setup_links(self, deadline: float) -> None:
+        if self.local_rank >= self.rails:
+            return
+        store = self._store
+        host = _route_address(self.config)
+        self._listener = Listener(host, self._secret, self.rank)
+        store.set(f"hfreduce/addr/{self.rank}", json.dumps(self._listener.address))
+        self._parents: list[Link | None] = [None, None]
+        self._children: list[list[Link]] = [[], []]
+        rail_ranks = [self.layout.rail_peer(n, self.local_rank) for n in range(self.num_nodes)]
+        for t in (0, 1):
+            links = tree_links(self.num_nodes, self.node, t)
+            if links.parent >= 0:
+                peer = rail_ranks[links.parent]
+                key = f"hfreduce/addr/{peer}"
+                store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                phost, pport = json.loads(store.get(key))
+                sock = connect(phost, pport, my_rank=self.rank, peer_rank=peer, tag=t, secret=self._secret, deadline=deadline)
+                self._parents[t] = Link(sock, peer, self.describe(peer))
+                self._links.append(self._parents[t])
+        for t in (0, 1):
+            for child in tree_links(self.num_nodes, self.node, t).children:
+                peer = rail_ranks[child]
+                sock = self._listener.take(peer, t, deadline, self._check)
+                link = Link(sock, peer, self.describe(peer))
+                self._children[t].append(link)
+                self._links.append(link)
+        self._tree_queues = []
+        self._tree_threads = []
+        self._tree_signal = [threading.Condition(), threading.Condition()]
+        self._root_ready = [0, 0]
+        for t in (0, 1):
+            for role in ("up", "down"):
+                q: queue.Queue = queue.Queue()
+                th = threading.Thread(target=self._tree_loop, args=(t, role, q), name=f"hfreduce-{self.rank}-t{t}{role}", daemon=True)
+                self._tree_queues.append(q)
+                self._tree_threads.append(th)
+                th.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, plan: Plan) -> torch.futures.Future:
+        """Queue a collective; the future completes with None when every sink holds its result."""
+        fut: torch.futures.Future = torch.futures.Future()
+        if self._closed:
+            fut.set_exception(HFReduceError("hfreduce communicator is closed"))
+            return fut
+        if self._error is not None:
+            fut.set_exception(self._error)
+            return fut
+        job = _Job(plan=plan, future=fut)
+        if any(t.is_cuda for _, t in plan.sources + plan.sinks):
+            job.stream_event = torch.cuda.Event()
+            job.stream_event.record(torch.cuda.current_stream())
+        self._queue.put(job)
+        return fut
+
+    # Direct API: each returns a torch.futures.Future that completes when the result is in place.
+    def allreduce(self, tensor: torch.Tensor, op: Op | str = Op.SUM) -> torch.futures.Future:
+        return self.submit(collectives.allreduce(tensor, _op(op), self.world_size))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op | str = Op.SUM) -> torch.futures.Future:
+        return self.submit(collectives.reduce_scatter(output, input, _op(op), self.rank, self.world_size))
+
+    def allgather(self, output: torch.Tensor, input: torch.Tensor) -> torch.futures.Future:
+        return self.submit(collectives.allgather(output, input, self.rank, self.world_size))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.futures.Future:
+        return self.submit(collectives.broadcast(tensor, root, self.rank, self.world_size))
+
+    def barrier(self) -> torch.futures.Future:
+        return self.submit(collectives.barrier(self.world_size))
+
+    def close(self) -> None:
+        """Stop the worker threads and release the arena and sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_queue"):
+            self._queue.put(None)
+            self._worker.join(timeout=self.config.timeout)
+        self._teardown()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ failure handling
+    def _fail(self, exc: BaseException) -> HFReduceError:
+        if not isinstance(exc, HFReduceError):
+            exc = HFReduceError(f"hfreduce {self.describe(self.rank)}: {type(exc).__name__}: {exc}")
+        with self._error_lock:
+            first = self._error is None
+            if first:
+                self._error = exc
+        if first:
+            text = f"{type(exc).__name__}|{exc}"
+            if self._arena is not None:
+                self._arena.abort(text)
+            for link in self._links:
+                link.send_error(text)
+            for link in self._links:
+                link.close()
+            for cond in getattr(self, "_tree_signal", []):
+                with cond:
+                    cond.notify_all()
+        return self._error
+
+    def _check(self) -> None:
+        """Raise if this rank or its node has failed, or a local peer has died."""
+        if self._error is not None:
+            raise self._error
+        arena = self._arena
+        if arena is not None and arena.aborted():
+            raise _from_text(arena.abort_message())
+        now = time.monotonic()
+        if now - self._last_liveness > _SLICE:
+            self._last_liveness = now
+            for k, r in enumerate(self.members):
+                if r != self.rank and not _alive(self._pids[r]):
+                    raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
+
+    def _wait(self, stage: str, local_ranks, target: int, job: _Job, what: str) -> None:
+        arena = self._arena
+        for k in local_ranks:
+            addr = arena.flag_address(stage, k)
+            while True:
+                value = arena.read_flag(stage, k)
+                if reached(value, target):
+                    break
+                self._check()
+                left = job.deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeout(
+                        f"{job.plan.desc} timed out after {self.config.timeout:g}s on {self.describe(self.rank)} "
+                        f"waiting for {self.describe(self.members[k])} to finish '{stage}' of chunk "
+                        f"{target - 1 - job.first_chunk} of {job.nchunks}"
+                    )
+                futex.wait(addr, value - (1 << 32) if value >= 1 << 31 else value, min(_SLICE, left))
+
+    # ------------------------------------------------------------------ the pipeline
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                for q in getattr(self, "_tree_queues", []):
+                    q.put(None)
+                return
+            if self._error is not None:
+                job.future.set_exception(self._error)
+                continue
+            try:
+                self._execute(job)
+                for fn in job.plan.on_done:
+                    fn()
+                job.future.set_result(job.plan.result)
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+                job.future.set_exception(self._fail(exc))
+
+    def _execute(self, job: _Job) -> None:
+        plan, desc = job.plan, job.plan.desc
+        job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op)
+        job.nchunks = max(1, -(-desc.numel // job.elems))
+        job.first_chunk = self._chunk
+        job.seq = self._seq
+        job.deadline = time.monotonic() + self.config.timeout
+        self._seq += 1
+        self._chunk += job.nchunks
+        if job.stream_event is not None:
+            self._cuda_prepare(job)
+        if self.num_nodes > 1 and self.local_rank < self.rails:
+            for q in self._tree_queues:
+                q.put(job)
+        depth = self.config.depth
+        lag = depth - 1 if self.num_nodes > 1 else 0
+        L, lr = self.local_size, self.local_rank
+        all_local = range(L)
+        rails = range(self.rails)
+        for c in range(job.nchunks):
+            g = job.first_chunk + c
+            self._wait("red", all_local, g - depth + 1, job, "stage-in")
+            if c == 0:
+                self._arena.write_descriptor(lr, job.seq.to_bytes(8, "little") + desc.pack())
+            self._stage_in(job, c)
+            self._arena.publish("in", lr, g + 1)
+            self._wait("in", all_local, g + 1, job, "reduce")
+            if c == 0:
+                self._check_descriptors(job)
+            if self.num_nodes == 1:
+                self._wait("done", all_local, g - depth + 1, job, "reduce")
+                self._reduce(job, c, final=True)
+                self._arena.publish("red", lr, g + 1)
+                self._arena.publish("out", lr, g + 1)
+            else:
+                self._wait("out", rails, g - depth + 1, job, "reduce")
+                self._reduce(job, c, final=False)
+                self._arena.publish("red", lr, g + 1)
+            if c >= lag:
+                self._stage_out(job, c - lag)
+        for c in range(max(0, job.nchunks - lag), job.nchunks):
+            self._stage_out(job, c)
+        self._check()
+
+    def _chunk_range(self, job: _Job, c: int) -> tuple[int, int]:
+        lo = c * job.elems
+        return lo, min(job.plan.desc.numel, lo + job.elems)
+
+    def _buf(self, job: _Job, c: int) -> int:
+        return (job.first_chunk + c) % self.config.depth
+
+    def _view(self, offset: int, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        size = dtype.itemsize
+        return self._arena.bytes[offset + lo * size : offset + hi * size].view(dtype)
+
+    def _stage_in(self, job: _Job, c: int) -> None:
+        c0, c1 = self._chunk_range(job, c)
+        slot = self._shape.in_offset(self._buf(job, c), self.local_rank)
+        dtype = job.plan.desc.dtype
+        for off, src in job.plan.sources:
+            lo, hi = max(c0, off), min(c1, off + src.numel())
+            if lo < hi:
+                self._copy(self._view(slot, dtype, lo - c0, hi - c0), src[lo - off : hi - off])
+
+    def _stage_out(self, job: _Job, c: int) -> None:
+        g = job.first_chunk + c
+        producers = range(self.local_size) if self.num_nodes == 1 else range(self.rails)
+        self._wait("out", producers, g + 1, job, "stage-out")
+        c0, c1 = self._chunk_range(job, c)
+        out = self._shape.out_offset(self._buf(job, c))
+        dtype = job.plan.desc.dtype
+        for off, dst in job.plan.sinks:
+            lo, hi = max(c0, off), min(c1, off + dst.numel())
+            if lo < hi:
+                self._copy(dst[lo - off : hi - off], self._view(out, dtype, lo - c0, hi - c0))
+        self._cuda_sync()
+        self._arena.publish("done", self.local_rank, g + 1)
+
+    def _reduce(self, job: _Job, c: int, *, final: bool) -> None:
+        """Reduce this local rank's slice of chunk ``c`` across the node's slots."""
+        desc, b = job.plan.desc, self._buf(job, c)
+        c0, c1 = self._chunk_range(job, c)
+        s0, s1 = split(c1 - c0, self.local_size, self.local_rank)
+        if s0 == s1:
+            return
+        dtype, acc = desc.dtype, acc_dtype(desc.dtype, desc.op)
+        if final:
+            target = self._view(self._shape.out_offset(b), dtype, s0, s1)
+        else:
+            target = self._view(self._shape.red_offset(b), acc, s0, s1)
+        if not job.plan.dense:
+            self._gather_slice(job, b, c0, s0, s1, target)
+            return
+        inputs = [self._view(self._shape.in_offset(b, k), dtype, s0, s1) for k in range(self.local_size)]
+        if final and (acc != dtype or desc.op == Op.AVG):
+            work = self._reducer.acc_scratch(s1 - s0) if acc != dtype else target
+            self._reducer.reduce_into(work, inputs, desc.op)
+            self._reducer.finish(target, work, desc.op, self.world_size)
+        else:
+            self._reducer.reduce_into(target, inputs, desc.op)
+
+    def _gather_slice(self, job: _Job, b: int, c0: int, s0: int, s1: int, target: torch.Tensor) -> None:
+        """Collectives with one contributor per element: copy each owner's range, zero what other nodes own."""
+        dtype = job.plan.desc.dtype
+        for lo, hi, owner in job.plan.owners:
+            a, z = max(lo, c0 + s0), min(hi, c0 + s1)
+            if a >= z:
+                continue
+            piece = target[a - c0 - s0 : z - c0 - s0]
+            if owner in self.members:
+                k = self.members.index(owner)
+                piece.copy_(self._view(self._shape.in_offset(b, k), dtype, a - c0, z - c0))
+            else:
+                piece.view(torch.uint8).zero_()
+
+    def _check_descriptors(self, job: _Job) -> None:
+        mine = self._arena.descriptor(self.local_rank, 8 + DESCRIPTOR_BYTES)
+        for k in range(self.local_size):
+            theirs = self._arena.descriptor(k, 8 + DESCRIPTOR_BYTES)
+            ahead = int.from_bytes(theirs[:8], "little") > job.seq  # it checked against us already and moved on
+            if theirs != mine and not ahead:
+                other = Descriptor.unpack(theirs[8:])
+                raise CollectiveMismatch(
+                    f"collective mismatch: {self.describe(self.rank)} called {job.plan.desc} (#{job.seq}) but "
+                    f"{self.describe(self.members[k])} called {other} (#{int.from_bytes(theirs[:8], 'little')})"
+                )
+
+    # ------------------------------------------------------------------ trees
+    def _tree_loop(self, t: int, role: str, q: queue.Queue) -> None:
+        reducer = Reducer()
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                for c in range(job.nchunks):
+                    if role == "up":
+                        self._tree_up(job, t, c, reducer)
+                    else:
+                        self._tree_down(job, t, c)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(exc)
+
+    def _tree_half(self, job: _Job, t: int, c: int) -> tuple[int, int]:
+        c0, c1 = self._chunk_range(job, c)
+        r0, r1 = split(c1 - c0, self.rails, self.local_rank)
+        h0, h1 = split(r1 - r0, 2, t)
+        return r0 + h0, r0 + h1
+
+    def _expect(self, link: Link, job: _Job, c: int, nbytes: int, what: str) -> None:
+        _, seq, chunk, got, digest = link.recv_header(self._check, job.deadline, what)
+        desc = job.plan.desc.pack()
+        if digest != desc:
+            other = Descriptor.unpack(digest)
+            raise CollectiveMismatch(
+                f"collective mismatch: {self.describe(self.rank)} called {job.plan.desc} (#{job.seq}) but "
+                f"{link.peer_desc} called {other} (#{seq})"
+            )
+        if seq != job.seq & 0xFFFFFFFF or chunk != c or got != nbytes:
+            raise CollectiveMismatch(
+                f"collective mismatch: {link.peer_desc} sent collective #{seq} chunk {chunk} ({got} bytes) while "
+                f"{self.describe(self.rank)} expected #{job.seq} chunk {c} ({nbytes} bytes) of {job.plan.desc}"
+            )
+
+    def _tree_up(self, job: _Job, t: int, c: int, reducer: Reducer) -> None:
+        desc, g, b = job.plan.desc, job.first_chunk + c, self._buf(job, c)
+        h0, h1 = self._tree_half(job, t, c)
+        # Wait for the local reducers whose slices overlap this half.
+        c0, c1 = self._chunk_range(job, c)
+        owners = [k for k in range(self.local_size) if _overlaps(split(c1 - c0, self.local_size, k), (h0, h1))]
+        self._wait("red", owners, g + 1, job, f"tree {t} reduce-up")
+        acc = acc_dtype(desc.dtype, desc.op)
+        partial = self._view(self._shape.red_offset(b), acc, h0, h1)
+        payload = memoryview(partial.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
+        for i, link in enumerate(self._children[t]):
+            what = f"receiving chunk {c} of {desc} from a child in tree {t}"
+            self._expect(link, job, c, len(payload), what)
+            incoming = self._scratch(t, i, acc, h1 - h0)
+            if h1 > h0:
+                link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.deadline, what)
+                reducer.combine(partial, incoming, desc.op)
+        parent = self._parents[t]
+        if parent is not None:
+            parent.send_frame(job.seq, c, desc.pack(), payload, self._check, job.deadline, f"sending chunk {c} up tree {t}")
+        else:
+            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root")
+            out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
+            if h1 > h0:
+                reducer.finish(out, partial, desc.op, self.world_size)
+            with self._tree_signal[t]:
+                self._root_ready[t] = g + 1
+                self._tree_signal[t].notify_all()
+
+    def _tree_down(self, job: _Job, t: int, c: int) -> None:
+        desc, g, b = job.plan.desc, job.first_chunk + c, self._buf(job, c)
+        h0, h1 = self._tree_half(job, t, c)
+        out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
+        payload = memoryview(out.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
+        parent = self._parents[t]
+        if parent is None:
+            cond = self._tree_signal[t]
+            with cond:
+                while not reached(self._root_ready[t], g + 1):
+                    self._check()
+                    if time.monotonic() > job.deadline:
+                        raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} in tree {t}")
+                    cond.wait(_SLICE)
+        else:
+            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast")
+            what = f"receiving chunk {c} of {desc} from the parent in tree {t}"
+            self._expect(parent, job, c, len(payload), what)
+            if h1 > h0:
+                parent.recv_all(payload, self._check, job.deadline, what)
+        for link in self._children[t]:
+            link.send_frame(job.seq, c, desc.pack(), payload, self._check, job.deadline, f"sending chunk {c} down tree {t}")
+        with self._tree_lock:
+            self._tree_done[t] = g + 1
+            if reached(self._tree_done[1 - t], g + 1):
+                self._arena.publish("out", self.local_rank, g + 1)
+
+    def _scratch(self, t: int, i: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        key = (t, i)
+        store = self.__dict__.setdefault("_scratch_bufs", {})
+        buf = store.get(key)
+        need = n * dtype.itemsize
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(max(need, self.config.chunk_bytes), dtype=torch.uint8)
+            store[key] = buf
+        return buf[:need].view(dtype)
+
+    # ------------------------------------------------------------------ CUDA
+    def _cuda_prepare(self, job: _Job) -> None:
+        self._arena.pin()
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        self._copy_stream.wait_event(job.stream_event)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.is_cuda or src.is_cuda:
+            with torch.cuda.stream(self._copy_stream):
+                dst.copy_(src, non_blocking=True)
+            if src.is_cuda:  # D2H must land before the flag announces it
+                self._copy_stream.synchronize()
+        else:
+            dst.copy_(src)
+
+    def _cuda_sync(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    # ------------------------------------------------------------------ teardown
+    def _teardown(self) -> None:
+        for th in getattr(self, "_tree_threads", []):
+            if th.is_alive() and self._error is not None:
+                pass
+        for link in self._links:
+            link.close()
+        self._links = []
+        for th in getattr(self, "_tree_threads", []):
+            th.join(timeout=2)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._arena is not None:
+            self._arena.unlink()  # harmless if already gone; covers a peer that never attached
+            self._arena.close()
+            self._arena = None
+
+
+def _op(op: Op | str) -> Op:
+    if isinstance(op, Op):
+        return op
+    try:
+        return Op[str(op).upper()]
+    except KeyError:
+        raise ValueError(f"unsupported op {op!r}; hfreduce supports: sum, avg, min, max") from None
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] or (a == b)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _from_text(text: str) -> HFReduceError:
+    name, _, msg = text.partition("|")
+    return _ERRORS.get(name, HFReduceError)(msg or text)
+
+
+def memory_traffic(nbytes: int, local_size: int, num_nodes: int, itemsize: int = 4) -> dict[str, float]:
+    """Bytes an allreduce of ``nbytes`` per rank moves, per node, for the roofline.
+
+    ``mem_bytes``: reads plus writes through memory: stage-in (read the tensor, write
+    the slot), the one-pass reduce (read L slots, write one result), stage-out (read
+    the result, write the tensor) and, with several nodes, the socket copies of the
+    tree traffic and its combines. ``floor_mem_bytes``: each rank's input read once
+    and output written once. ``link_bytes``: what one node sends on its NIC.
+    """
+    L, S = local_size, float(nbytes)
+    acc = 4.0 / itemsize if itemsize < 4 else 1.0
+    mem = 2 * L * S + L * S + S + 2 * L * S
+    link = 0.0
+    if num_nodes > 1:
+        up, down = S * acc, S  # per node over both trees: half up and half down in each
+        link = (up + down) / 2
+        mem += (S * acc - S) + 2 * 2 * (up + down) / 2 * 2 + 3 * S * acc / 2
+    return {"mem_bytes": mem, "floor_mem_bytes": 2.0 * L * S, "link_bytes": link}

@@ -1,0 +1,194 @@
+"""What a collective is, and the arithmetic on chunks: dtypes, ops, accumulation and rounding.
+
+Pure tensor code, no I/O. Sums of fp16, bf16 and fp8 accumulate in fp32 and are
+rounded once, at the very end; the order of every sum is fixed by the topology, so
+results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+
+class Op(IntEnum):
+    SUM = 0
+    AVG = 1
+    MIN = 2
+    MAX = 3
+    COPY = 4  # internal: every element has exactly one contributor (allgather, broadcast)
+
+
+class Kind(IntEnum):
+    ALLREDUCE = 0
+    REDUCE_SCATTER = 1
+    ALLGATHER = 2
+    BROADCAST = 3
+    BARRIER = 4
+
+
+DTYPES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.float8_e4m3fn: 5,
+    torch.float8_e5m2: 6,
+    torch.int32: 7,
+    torch.int64: 8,
+}
+_DTYPE_BY_CODE = {v: k for k, v in DTYPES.items()}
+LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+USER_OPS = (Op.SUM, Op.AVG, Op.MIN, Op.MAX)
+
+
+def supported_dtypes() -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in DTYPES:
+        raise TypeError(f"hfreduce does not support dtype {dtype}; supported: {supported_dtypes()}")
+
+
+def check_op(op: Op, dtype: torch.dtype) -> None:
+    if op == Op.AVG and not dtype.is_floating_point:
+        raise ValueError(f"hfreduce AVG needs a floating-point dtype, got {dtype}; use SUM and divide yourself")
+
+
+def acc_dtype(dtype: torch.dtype, op: Op) -> torch.dtype:
+    """The dtype partial results are kept in on their way through the node and the trees."""
+    if op == Op.COPY:
+        return dtype
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """What a rank believes the current collective is. Every rank must agree, or the collective fails."""
+
+    kind: Kind
+    dtype: torch.dtype
+    numel: int
+    op: Op
+    root: int = -1
+
+    _PACK = struct.Struct("<BBBxqi")
+
+    def pack(self) -> bytes:
+        return self._PACK.pack(int(self.kind), DTYPES[self.dtype], int(self.op), self.numel, self.root)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "Descriptor":
+        kind, dtype, op, numel, root = cls._PACK.unpack(data)
+        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, torch.uint8), Op(op), numel, root)
+
+    def __str__(self) -> str:
+        name = self.kind.name.lower()
+        dtype = str(self.dtype).replace("torch.", "")
+        extra = f", root={self.root}" if self.kind == Kind.BROADCAST else ""
+        op = f", {self.op.name}" if self.kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER) else ""
+        return f"{name}({dtype}[{self.numel}]{op}{extra})"
+
+
+DESCRIPTOR_BYTES = Descriptor._PACK.size
+
+
+@dataclass
+class Plan:
+    """One rank's part in one collective over a flat buffer of ``desc.numel`` elements.
+
+    ``sources`` are (offset, flat tensor) pieces this rank contributes; ``sinks`` are the
+    pieces of the result it wants back. ``owners`` lists (lo, hi, rank) for collectives
+    where every element has exactly one contributor.
+    """
+
+    desc: Descriptor
+    sources: list[tuple[int, torch.Tensor]]
+    sinks: list[tuple[int, torch.Tensor]]
+    owners: list[tuple[int, int, int]] | None = None
+    world_size: int = 1
+    on_done: list = field(default_factory=list)
+    result: object = None
+
+    @property
+    def dense(self) -> bool:
+        return self.owners is None
+
+
+def chunk_elems(chunk_bytes: int, dtype: torch.dtype, op: Op) -> int:
+    size = max(dtype.itemsize, acc_dtype(dtype, op).itemsize)
+    return max(1, chunk_bytes // size)
+
+
+class Reducer:
+    """Combines chunk slices. Holds the fp32 scratch that low-precision dtypes need."""
+
+    def __init__(self) -> None:
+        self._acc: torch.Tensor | None = None
+        self._conv: torch.Tensor | None = None
+
+    def acc_scratch(self, n: int) -> torch.Tensor:
+        """fp32 working space for one slice; owned by this reducer (one per thread)."""
+        if self._acc is None or self._acc.numel() < n:
+            self._acc = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+        return self._acc[:n]
+
+    def _tmp(self, n: int) -> torch.Tensor:
+        if self._conv is None or self._conv.numel() < n:
+            self._conv = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+        return self._conv[:n]
+
+    def combine(self, acc: torch.Tensor, other: torch.Tensor, op: Op) -> None:
+        """acc = acc (op) other, in place. ``acc`` is in the accumulation dtype."""
+        if other.dtype != acc.dtype and (other.dtype in FP8 or op in (Op.MIN, Op.MAX)):
+            tmp = self._tmp(other.numel())
+            tmp.copy_(other)
+            other = tmp
+        if op in (Op.SUM, Op.AVG):
+            acc.add_(other)
+        elif op == Op.MIN:
+            torch.minimum(acc, other, out=acc)
+        elif op == Op.MAX:
+            torch.maximum(acc, other, out=acc)
+        elif op == Op.COPY:
+            _bits(acc).bitwise_or_(_bits(other))
+        else:  # pragma: no cover - guarded by check_op
+            raise AssertionError(op)
+
+    def reduce_into(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op) -> None:
+        """out = inputs[0] (op) inputs[1] (op) ..., in this order, each input read once."""
+        first = inputs[0]
+        if out.dtype == first.dtype and len(inputs) >= 2 and op in (Op.SUM, Op.AVG):
+            torch.add(first, inputs[1], out=out)
+            rest = inputs[2:]
+        elif out.dtype == first.dtype and len(inputs) >= 2 and op in (Op.MIN, Op.MAX):
+            (torch.minimum if op == Op.MIN else torch.maximum)(first, inputs[1], out=out)
+            rest = inputs[2:]
+        else:
+            out.copy_(first)
+            rest = inputs[1:]
+        for x in rest:
+            self.combine(out, x, op)
+
+    def finish(self, out: torch.Tensor, acc: torch.Tensor, op: Op, world_size: int) -> None:
+        """Turn a complete accumulation into the result: divide for AVG, round once into ``out``."""
+        if op == Op.AVG:
+            acc.div_(world_size)
+        if out.data_ptr() != acc.data_ptr() or out.dtype != acc.dtype:
+            out.copy_(acc)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor, for exact bitwise merging."""
+    if t.dtype.itemsize == 8:
+        return t.view(torch.int64)
+    if t.dtype.itemsize == 4:
+        return t.view(torch.int32)
+    if t.dtype.itemsize == 2:
+        return t.view(torch.int16)
+    return t.view(torch.uint8)
