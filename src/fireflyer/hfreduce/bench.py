@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -298,7 +299,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, progress: Callable[[str], None]) -
     argv = [sys.executable, "-m", "fireflyer.hfreduce.bench_worker", spec_path]
     workers = _Workers()
     link = netns.ShapedLink(rate_mbit=cfg.link_mbit, nodes=lay.nodes) if lay.shaped else None
-    ok = False
+    keep_logs = False
     try:
         if link is not None:
             link.open()
@@ -318,15 +319,15 @@ def run_layout(cfg: BenchConfig, lay: Layout, progress: Callable[[str], None]) -
             log.close()
         events = _monitor(cfg, lay, workers, tmp, progress)
         _collect(res, cfg, lay, events)
-        ok = True
+    except RuntimeError:
+        keep_logs = True  # the error message points at them
+        raise
     finally:
         workers.kill()
         if link is not None:
             link.close()
-        if ok:
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+        if not keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
     return res
 
 
@@ -470,7 +471,7 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
         t.add_row(*cells)
     console.print(t)
     console.print(f"  GB/s = 1e9 B/s; ratio = {cand} algbw / gloo algbw"
-                  + ("; % of link = {cand} algbw / link rate" if res.link_mbit else ""))
+                  + (f"; % of link = {cand} algbw / link rate" if res.link_mbit else ""))
     rf = res.roofline
     console.print(f"  copy bandwidth, {rf['copy_ranks']} ranks at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
                   f"(read+written); traffic model: {rf['model']}")

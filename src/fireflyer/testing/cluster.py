@@ -1,0 +1,197 @@
+"""A local emulated cluster for tests: N nodes x M ranks as real processes on this host.
+
+Each rank is a spawned process that joins a real TCPStore, builds an HFReduce
+communicator (and, on request, a torch.distributed process group), then serves
+calls: ``cluster.run(fn, *args)`` runs the module-level function
+``fn(ctx, *args)`` on every rank and returns the per-rank results, or raises
+:class:`RankFailed` with each rank's error. Processes persist between calls, so a
+test module pays the start-up cost once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass
+class RankContext:
+    """What a function run on a rank receives."""
+
+    rank: int
+    world_size: int
+    node: int
+    local_rank: int
+    comm: Any  # fireflyer.hfreduce.Communicator, or None
+    store: Any
+
+
+class RankFailed(RuntimeError):
+    def __init__(self, errors: dict[int, str]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"rank {r}: {e.splitlines()[-1] if e else e}" for r, e in sorted(errors.items())))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        FIREFLYER_NODE_ID=f"node{node}",
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    comm = None
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+        if env.get("FIREFLYER_TEST_COMM", "1") == "1":
+            from fireflyer.hfreduce import Communicator, HFReduceConfig
+
+            comm = Communicator(dist.PrefixStore("test/", store), rank, world, config=HFReduceConfig.from_env())
+        outbox.put((rank, "ready", None))
+    except BaseException:  # noqa: BLE001
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    ctx = RankContext(rank, world, node, local_rank, comm, store)
+    while True:
+        item = inbox.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            outbox.put((rank, "ok", fn(ctx, *args)))
+        except BaseException as exc:  # noqa: BLE001
+            outbox.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+    if comm is not None:
+        comm.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class LocalCluster:
+    """``LocalCluster([2, 2])``: two emulated nodes of two ranks each."""
+
+    def __init__(self, layout: Sequence[int], *, env: dict[str, str] | None = None, start_timeout: float = 120.0) -> None:
+        if not layout or any(n < 1 for n in layout):
+            raise ValueError(f"layout needs one positive rank count per node, got {list(layout)}")
+        self.layout = list(layout)
+        self.world_size = sum(layout)
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = []
+        self.procs = []
+        port = free_port()
+        rank = 0
+        for node, size in enumerate(layout):
+            for local in range(size):
+                inbox = ctx.Queue()
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, self.world_size, node, local, size, port, dict(env or {}), inbox, self._outbox),
+                    daemon=True,
+                )
+                p.start()
+                self._inboxes.append(inbox)
+                self.procs.append(p)
+                rank += 1
+        try:
+            self._collect(start_timeout, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout:.0f}s")
+            try:
+                rank, status, value = self._outbox.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                for r, p in enumerate(self.procs):
+                    if not p.is_alive() and r not in results and r not in errors:
+                        errors[r] = f"process exited with code {p.exitcode}"
+                continue
+            if status == "error":
+                errors[rank] = value
+                results.pop(rank, None)
+            elif rank not in errors:
+                results[rank] = value
+        if errors:
+            raise RankFailed(errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank and return the results by rank."""
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        return self._collect(timeout, fn.__name__)
+
+    def submit(self, rank: int, fn: Callable, *args: Any) -> None:
+        """Start ``fn`` on one rank without waiting (for fault injection)."""
+        self._inboxes[rank].put((fn, args))
+
+    def gather(self, timeout: float = 120.0, expect: Sequence[int] | None = None) -> dict[int, tuple[str, Any]]:
+        """Collect one (status, value) per rank in ``expect`` (default: every live rank)."""
+        want = set(range(self.world_size) if expect is None else expect)
+        got: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while want - set(got):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"ranks {sorted(want - set(got))} did not answer within {timeout:.0f}s")
+            try:
+                rank, status, value = self._outbox.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            got[rank] = (status, value)
+        return got
+
+    def kill(self, rank: int) -> None:
+        os.kill(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].join(5)
+
+    def close(self) -> None:
+        for inbox, p in zip(self._inboxes, self.procs):
+            if p.is_alive():
+                try:
+                    inbox.put(None)
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

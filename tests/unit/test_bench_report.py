@@ -1,0 +1,114 @@
+"""The table math and flag parsing of `fireflyer bench allreduce`; no processes started."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fireflyer.errors import UserError
+from fireflyer.hfreduce import bench, bench_worker
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1048576", 1 << 20), ("512K", 512 << 10), ("64M", 64 << 20), ("64MiB", 64 << 20),
+    ("64mb", 64 << 20), ("1G", 1 << 30), ("1.5K", 1536), (" 4 ", 4),
+])
+def test_parse_size(text: str, expected: int) -> None:
+    assert bench.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "M", "64Q", "-1M", "1.3"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(UserError):
+        bench.parse_size(text)
+
+
+def test_format_size_round_trips() -> None:
+    for n in (4, 1000, 1 << 10, 3 << 20, 1 << 30):
+        assert bench.parse_size(bench.format_size(n)) == n
+
+
+def test_busbw_factor() -> None:
+    assert bench.busbw_factor(1) == 0.0
+    assert bench.busbw_factor(2) == 1.0
+    assert bench.busbw_factor(4) == 1.5
+    assert bench.busbw_factor(8) == pytest.approx(1.75)
+    with pytest.raises(ValueError):
+        bench.busbw_factor(0)
+
+
+def test_algbw_and_ratio() -> None:
+    assert bench.algbw_gbps(2_000_000_000, 2.0) == 1.0
+    assert math.isnan(bench.algbw_gbps(1, 0.0))
+    assert bench.ratio(3.0, 2.0) == 1.5
+    assert math.isnan(bench.ratio(1.0, 0.0))
+    assert math.isnan(bench.ratio(1.0, float("nan")))
+
+
+def test_roofline_and_percentages() -> None:
+    # memory-bound: 10 GB at 20 GB/s
+    assert bench.roofline_seconds(10e9, 20e9) == 0.5
+    # link-bound: 1 GB at 125 MB/s beats 0.5 s of memory
+    assert bench.roofline_seconds(10e9, 20e9, 1e9, 125e6) == 8.0
+    assert bench.pct_of_roofline(0.5, 1.0) == 50.0
+    assert bench.pct_of_link(0.125, 1000) == pytest.approx(100.0)
+    assert bench.pct_of_link(0.1, 1000) == pytest.approx(80.0)
+
+
+def test_fallback_memory_traffic() -> None:
+    s = 64 << 20
+    t = bench.fallback_memory_traffic(s, 4, 1, 4)
+    assert t["floor_mem_bytes"] == 8 * s
+    assert t["mem_bytes"] == 4 * (5 * s + s / 4)
+    assert t["link_bytes"] == 0
+    assert bench.fallback_memory_traffic(s, 2, 2, 4)["link_bytes"] == s
+
+
+def test_sizes_and_default_iters() -> None:
+    assert bench.power2_sizes(1 << 20, 16 << 20) == [1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
+    assert bench.default_iters(1 << 20) == 20
+    assert bench.default_iters(64 << 20) == 4
+    assert bench.default_iters(256 << 20) == 2
+
+
+def test_parse_layout() -> None:
+    assert bench.parse_layout("1x4") == bench.Layout(1, 4, False)
+    lay = bench.parse_layout("2x2-shaped")
+    assert (lay.world, lay.shaped, lay.name) == (4, True, "2x2-shaped")
+    for bad in ("1x1", "1x4-shaped", "4", "2x2-fast"):
+        with pytest.raises(UserError):
+            bench.parse_layout(bad)
+
+
+def test_build_config() -> None:
+    cfg = bench.build_config(["--quick", "--candidate", "gloo", "--layouts", "1x4"])
+    assert [s for s, _, _ in cfg.schedule] == bench.power2_sizes(1 << 20, 16 << 20)
+    assert all(it == 5 and wu == 1 for _, it, wu in cfg.schedule)
+    cfg = bench.build_config([])
+    assert cfg.schedule[-1][0] == 256 << 20 and cfg.dtypes == ("fp32", "bf16")
+    assert [lay.name for lay in cfg.layouts] == list(bench.DEFAULT_LAYOUTS)
+    for bad in (["--bogus"], ["--dtypes", "fp64"], ["--min-bytes", "8M", "--max-bytes", "4M"],
+                ["--iters", "0"], ["--link-mbit", "0"], ["--layouts", ""], ["--min-bytes", "6"]):
+        with pytest.raises(UserError):
+            bench.build_config(bad)
+
+
+def test_headline_row_prefers_64m_fp32() -> None:
+    rows = [{"dtype": d, "bytes": b} for d in ("fp32", "bf16") for b in (16 << 20, 64 << 20, 256 << 20)]
+    assert bench.headline_row(rows) == {"dtype": "fp32", "bytes": 64 << 20}
+    assert bench.headline_row(rows[:1]) == rows[0]
+    assert bench.headline_row([]) is None
+
+
+@pytest.mark.parametrize("n", [1, 100, bench_worker.PERIOD, 3 * bench_worker.PERIOD + 7])
+def test_worker_fill_and_count_wrong(n: int) -> None:
+    blocks = [bench_worker.seeded_block(r, 0, 0) for r in range(3)]
+    expected = torch.stack(blocks).sum(0).float()
+    buf = torch.empty(n)
+    bench_worker.fill(buf, expected)
+    assert bench_worker.count_wrong(buf, expected) == 0
+    buf[n // 2] += 1
+    assert bench_worker.count_wrong(buf, expected) == 1
+    assert bench_worker.segment_length(4) == 50
