@@ -114,3 +114,127 @@ def ping(ctx) -> int:
 def layout_info(ctx) -> tuple[int, int, int, int]:
     c = ctx.comm
     return c.node, c.local_rank, c.local_size, c.num_nodes
+
+
+# ---- fault injection -------------------------------------------------------------------
+def allreduce_until_failure(ctx, n: int, rounds: int, die_rank: int = -1, die_after: float = 0.0):
+    """Run allreduces; ``die_rank`` SIGKILLs itself ``die_after`` seconds into its first one.
+
+    Returns (exception type, message, seconds from the start of the failing call to the error).
+    """
+    import os
+    import signal
+    import time
+
+    x = torch.ones(n)
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        fut = ctx.comm.allreduce(x)
+        if ctx.rank == die_rank:
+            time.sleep(die_after)
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            fut.wait()
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None, None, 0.0
+
+
+def skip_collective(ctx, skipper: int):
+    """Every rank but ``skipper`` calls allreduce; returns (type, message, seconds)."""
+    import time
+
+    if ctx.rank == skipper:
+        time.sleep(0.2)
+        return None, None, 0.0
+    t0 = time.monotonic()
+    try:
+        ctx.comm.allreduce(torch.ones(1000)).wait()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None, None, 0.0
+
+
+def mismatched(ctx, what: str):
+    """Run one deliberately mismatched allreduce on a fresh communicator (the old one would be broken)."""
+    import torch.distributed as dist
+
+    from fireflyer.hfreduce import Communicator, HFReduceConfig
+
+    comm = Communicator(dist.PrefixStore(f"mismatch-{what}", ctx.store), ctx.rank, ctx.world_size, config=HFReduceConfig.from_env())
+    try:
+        return _mismatched(comm, ctx, what)
+    finally:
+        comm.close()
+
+
+def _mismatched(comm, ctx, what: str):
+    x = torch.ones(1000 + (ctx.rank == ctx.world_size - 1 and what == "size"))
+    if what == "dtype" and ctx.rank == ctx.world_size - 1:
+        x = x.double()
+    op = "max" if what == "op" and ctx.rank == ctx.world_size - 1 else "sum"
+    try:
+        comm.allreduce(x, op).wait()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return None, x[:3].tolist()
+
+
+def after_failure(ctx):
+    """Once broken, a communicator fails fast; close() leaves no engine threads behind."""
+    import threading
+
+    try:
+        ctx.comm.allreduce(torch.ones(4)).wait()
+        outcome = "worked"
+    except Exception as exc:  # noqa: BLE001
+        outcome = type(exc).__name__
+    ctx.comm.close()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("hfreduce") and t.is_alive()]
+    return outcome, left
+
+
+def intrude(ctx, target: int):
+    """From this rank, connect to ``target``'s listener with a wrong secret; report what happened."""
+    import json
+    import socket
+
+    import datetime
+
+    ctx.store.wait([f"test/hfreduce/addr/{target}"], datetime.timedelta(seconds=5))
+    host, port = json.loads(ctx.store.get(f"test/hfreduce/addr/{target}"))
+    from fireflyer.hfreduce.transport import connect
+
+    try:
+        connect(host, port, my_rank=ctx.rank, peer_rank=target, tag=0, secret=b"not the job secret", deadline=__import__("time").monotonic() + 3)
+        return "accepted"
+    except Exception as exc:  # noqa: BLE001
+        junk = socket.create_connection((host, port), timeout=3)
+        junk.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+        junk.close()
+        return type(exc).__name__
+
+
+def capture_refusals(ctx, seconds: float):
+    """Collect fireflyer.hfreduce warnings for a while, then return them and the refusal count."""
+    import logging
+    import time
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    h = Grab()
+    logging.getLogger("fireflyer.hfreduce").addHandler(h)
+    time.sleep(seconds)
+    logging.getLogger("fireflyer.hfreduce").removeHandler(h)
+    listener = ctx.comm._listener
+    return (listener.refused if listener else 0), records
+
+
+def arena_files(ctx):
+    import os
+
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("fireflyer-hfr-"))

@@ -57,6 +57,12 @@ def test_roofline_and_percentages() -> None:
     assert bench.pct_of_link(0.1, 1000) == pytest.approx(80.0)
 
 
+def test_aggregate_copy_bw_takes_best_trial() -> None:
+    copies = [{"trial": 0, "bytes": 100, "seconds": 1.0}, {"trial": 0, "bytes": 100, "seconds": 2.0},
+              {"trial": 1, "bytes": 100, "seconds": 0.5}, {"trial": 1, "bytes": 100, "seconds": 1.0}]
+    assert bench.aggregate_copy_bw(copies) == 200.0
+
+
 def test_fallback_memory_traffic() -> None:
     s = 64 << 20
     t = bench.fallback_memory_traffic(s, 4, 1, 4)
@@ -104,7 +110,7 @@ def test_headline_row_prefers_64m_fp32() -> None:
 
 @pytest.mark.parametrize("n", [1, 100, bench_worker.PERIOD, 3 * bench_worker.PERIOD + 7])
 def test_worker_fill_and_count_wrong(n: int) -> None:
-    blocks = [bench_worker.seeded_block(r, 0, 0) for r in range(3)]
+    blocks = [bench_worker.seeded_block(r, 0, 0, 3) for r in range(3)]
     expected = torch.stack(blocks).sum(0).float()
     buf = torch.empty(n)
     bench_worker.fill(buf, expected)

@@ -36,7 +36,14 @@ import torch
 
 from fireflyer.hfreduce import collectives, futex
 from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape, reached
-from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
+from fireflyer.hfreduce.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    HFReduceError,
+    PeerFailure,
+    error_from_text,
+    error_to_text,
+)
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     Descriptor,
@@ -55,7 +62,6 @@ from fireflyer.hfreduce.transport import Link, Listener, connect
 log = logging.getLogger("fireflyer.hfreduce")
 
 _SLICE = 0.05  # seconds between liveness checks while waiting
-_ERRORS = {cls.__name__: cls for cls in (HFReduceError, PeerFailure, CollectiveTimeout, CollectiveMismatch)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +136,7 @@ class _Job:
     elems: int = 1
     seq: int = 0
     deadline: float = 0.0
+    tree_deadline: float = 0.0  # a little later, so the rank that saw the root cause reports it first
     stream_event: object = None
     errors: list = field(default_factory=list)
 
@@ -330,7 +337,7 @@ class Communicator:
             if first:
                 self._error = exc
         if first:
-            text = f"{type(exc).__name__}|{exc}"
+            text = error_to_text(exc)
             if self._arena is not None:
                 self._arena.abort(text)
             for link in self._links:
@@ -348,7 +355,7 @@ class Communicator:
             raise self._error
         arena = self._arena
         if arena is not None and arena.aborted():
-            raise _from_text(arena.abort_message())
+            raise error_from_text(arena.abort_message(), HFReduceError)
         now = time.monotonic()
         if now - self._last_liveness > _SLICE:
             self._last_liveness = now
@@ -356,8 +363,14 @@ class Communicator:
                 if r != self.rank and not _alive(self._pids[r]):
                     raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
 
-    def _wait(self, stage: str, local_ranks, target: int, job: _Job, what: str) -> None:
+    def _wait(self, stage: str, local_ranks, target: int, job: _Job, what: str, *, late: bool = False) -> None:
+        """Block until every local rank in ``local_ranks`` has published ``stage`` up to ``target``.
+
+        ``late`` waits use the tree deadline: what they wait for depends on other nodes,
+        whose own errors should arrive before this rank gives up on its own account.
+        """
         arena = self._arena
+        deadline = job.tree_deadline if late else job.deadline
         for k in local_ranks:
             addr = arena.flag_address(stage, k)
             while True:
@@ -365,7 +378,7 @@ class Communicator:
                 if reached(value, target):
                     break
                 self._check()
-                left = job.deadline - time.monotonic()
+                left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeout(
                         f"{job.plan.desc} timed out after {self.config.timeout:g}s on {self.describe(self.rank)} "
@@ -400,6 +413,7 @@ class Communicator:
         job.first_chunk = self._chunk
         job.seq = self._seq
         job.deadline = time.monotonic() + self.config.timeout
+        job.tree_deadline = job.deadline + min(2.0, 0.25 * self.config.timeout)
         self._seq += 1
         self._chunk += job.nchunks
         if job.stream_event is not None:
@@ -428,7 +442,7 @@ class Communicator:
                 self._arena.publish("red", lr, g + 1)
                 self._arena.publish("out", lr, g + 1)
             else:
-                self._wait("out", rails, g - depth + 1, job, "reduce")
+                self._wait("out", rails, g - depth + 1, job, "reduce", late=True)
                 self._reduce(job, c, final=False)
                 self._arena.publish("red", lr, g + 1)
             if c >= lag:
@@ -460,7 +474,7 @@ class Communicator:
     def _stage_out(self, job: _Job, c: int) -> None:
         g = job.first_chunk + c
         producers = range(self.local_size) if self.num_nodes == 1 else range(self.rails)
-        self._wait("out", producers, g + 1, job, "stage-out")
+        self._wait("out", producers, g + 1, job, "stage-out", late=self.num_nodes > 1)
         c0, c1 = self._chunk_range(job, c)
         out = self._shape.out_offset(self._buf(job, c))
         dtype = job.plan.desc.dtype
@@ -545,7 +559,7 @@ class Communicator:
         return r0 + h0, r0 + h1
 
     def _expect(self, link: Link, job: _Job, c: int, nbytes: int, what: str) -> None:
-        _, seq, chunk, got, digest = link.recv_header(self._check, job.deadline, what)
+        _, seq, chunk, got, digest = link.recv_header(self._check, job.tree_deadline, what)
         desc = job.plan.desc.pack()
         if digest != desc:
             other = Descriptor.unpack(digest)
@@ -565,7 +579,7 @@ class Communicator:
         # Wait for the local reducers whose slices overlap this half.
         c0, c1 = self._chunk_range(job, c)
         owners = [k for k in range(self.local_size) if _overlaps(split(c1 - c0, self.local_size, k), (h0, h1))]
-        self._wait("red", owners, g + 1, job, f"tree {t} reduce-up")
+        self._wait("red", owners, g + 1, job, f"tree {t} reduce-up", late=True)
         acc = acc_dtype(desc.dtype, desc.op)
         partial = self._view(self._shape.red_offset(b), acc, h0, h1)
         payload = memoryview(partial.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
@@ -574,13 +588,13 @@ class Communicator:
             self._expect(link, job, c, len(payload), what)
             incoming = self._scratch(t, i, acc, h1 - h0)
             if h1 > h0:
-                link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.deadline, what)
+                link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.tree_deadline, what)
                 reducer.combine(partial, incoming, desc.op)
         parent = self._parents[t]
         if parent is not None:
-            parent.send_frame(job.seq, c, desc.pack(), payload, self._check, job.deadline, f"sending chunk {c} up tree {t}")
+            parent.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} up tree {t}")
         else:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root")
+            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
             out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
             if h1 > h0:
                 reducer.finish(out, partial, desc.op, self.world_size)
@@ -599,17 +613,17 @@ class Communicator:
             with cond:
                 while not reached(self._root_ready[t], g + 1):
                     self._check()
-                    if time.monotonic() > job.deadline:
+                    if time.monotonic() > job.tree_deadline:
                         raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} in tree {t}")
                     cond.wait(_SLICE)
         else:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast")
+            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast", late=True)
             what = f"receiving chunk {c} of {desc} from the parent in tree {t}"
             self._expect(parent, job, c, len(payload), what)
             if h1 > h0:
-                parent.recv_all(payload, self._check, job.deadline, what)
+                parent.recv_all(payload, self._check, job.tree_deadline, what)
         for link in self._children[t]:
-            link.send_frame(job.seq, c, desc.pack(), payload, self._check, job.deadline, f"sending chunk {c} down tree {t}")
+            link.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} down tree {t}")
         with self._tree_lock:
             self._tree_done[t] = g + 1
             if reached(self._tree_done[1 - t], g + 1):
@@ -689,11 +703,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][:1] not in ("Z", "X")
     except (OSError, IndexError):
         return True
-
-
-def _from_text(text: str) -> HFReduceError:
-    name, _, msg = text.partition("|")
-    return _ERRORS.get(name, HFReduceError)(msg or text)
 
 
 def memory_traffic(nbytes: int, local_size: int, num_nodes: int, itemsize: int = 4) -> dict[str, float]:

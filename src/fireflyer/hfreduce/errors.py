@@ -17,3 +17,19 @@ class CollectiveTimeout(HFReduceError):
 
 class CollectiveMismatch(HFReduceError):
     """Ranks called different collectives, or the same one with different sizes, dtypes or ops."""
+
+
+_BY_NAME = {cls.__name__: cls for cls in (HFReduceError, PeerFailure, CollectiveTimeout, CollectiveMismatch)}
+
+
+def error_to_text(exc: HFReduceError) -> str:
+    """Serialise an error to pass it to other ranks: ``"ClassName|message"``."""
+    return f"{type(exc).__name__}|{exc}"
+
+
+def error_from_text(text: str, default: type[HFReduceError] = PeerFailure) -> HFReduceError:
+    """Rebuild an error passed on by another rank, keeping its class."""
+    name, sep, msg = text.partition("|")
+    if sep and name in _BY_NAME:
+        return _BY_NAME[name](msg)
+    return default(text)

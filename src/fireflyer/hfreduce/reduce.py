@@ -85,7 +85,7 @@ class Descriptor:
     @classmethod
     def unpack(cls, data: bytes) -> "Descriptor":
         kind, dtype, op, numel, root = cls._PACK.unpack(data)
-        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, torch.uint8), Op(op), numel, root)
+        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, torch.uint8), numel, Op(op), root)
 
     def __str__(self) -> str:
         name = self.kind.name.lower()

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
+from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure, error_from_text
 
 log = logging.getLogger("fireflyer.hfreduce")
 
@@ -237,7 +237,7 @@ class Link:
                 self.recv_all(memoryview(msg), check, time.monotonic() + 2.0, what)
             except HFReduceError:
                 pass
-            raise PeerFailure(msg.decode(errors="replace") or f"{self.peer_desc} aborted")
+            raise error_from_text(msg.decode(errors="replace") or f"{self.peer_desc} aborted")
         if kind != DATA:
             raise PeerFailure(f"garbled frame from {self.peer_desc} while {what}")
         return kind, seq, chunk, nbytes, digest

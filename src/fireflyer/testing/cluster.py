@@ -68,7 +68,7 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
         if env.get("FIREFLYER_TEST_COMM", "1") == "1":
             from fireflyer.hfreduce import Communicator, HFReduceConfig
 
-            comm = Communicator(dist.PrefixStore("test/", store), rank, world, config=HFReduceConfig.from_env())
+            comm = Communicator(dist.PrefixStore("test", store), rank, world, config=HFReduceConfig.from_env())
         outbox.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001
         outbox.put((rank, "error", traceback.format_exc()))

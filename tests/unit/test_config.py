@@ -1,0 +1,108 @@
+"""HFReduceConfig: validation that names the field, and FIREFLYER_HFREDUCE_* environment overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from fireflyer.hfreduce import HFReduceConfig
+
+ENV = ("CHUNK_BYTES", "DEPTH", "TIMEOUT", "IFADDR")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(f"FIREFLYER_HFREDUCE_{name}", raising=False)
+
+
+def test_defaults_are_valid() -> None:
+    cfg = HFReduceConfig()
+    assert cfg.chunk_bytes >= 4096 and cfg.chunk_bytes % 64 == 0
+    assert cfg.depth >= 2
+    assert cfg.timeout > 0
+    assert cfg.ifaddr is None
+
+
+def test_config_is_keyword_only_and_frozen() -> None:
+    with pytest.raises(TypeError):
+        HFReduceConfig(8192)  # type: ignore[misc]
+    cfg = HFReduceConfig(chunk_bytes=8192)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.depth = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"chunk_bytes": 4032}, "chunk_bytes"),
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+        ({"chunk_bytes": 4096 + 32}, "chunk_bytes"),
+        ({"chunk_bytes": -4096}, "chunk_bytes"),
+        ({"depth": 1}, "depth"),
+        ({"depth": 0}, "depth"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": -1.5}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+    ],
+)
+def test_validation_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field) as info:
+        HFReduceConfig(**kwargs)
+    assert str(next(iter(kwargs.values()))) in str(info.value)  # and shows the bad value
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 4160, 1 << 20])
+def test_valid_chunk_sizes(chunk_bytes: int) -> None:
+    assert HFReduceConfig(chunk_bytes=chunk_bytes, depth=2, timeout=0.001).chunk_bytes == chunk_bytes
+
+
+def test_from_env_reads_every_variable(monkeypatch) -> None:
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_CHUNK_BYTES", "8192")
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_DEPTH", "6")
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_TIMEOUT", "2.5")
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_IFADDR", "10.1.2.3")
+    assert HFReduceConfig.from_env() == HFReduceConfig(chunk_bytes=8192, depth=6, timeout=2.5, ifaddr="10.1.2.3")
+
+
+def test_from_env_without_variables_gives_defaults() -> None:
+    assert HFReduceConfig.from_env() == HFReduceConfig()
+
+
+def test_from_env_empty_variable_means_unset(monkeypatch) -> None:
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_DEPTH", "")
+    assert HFReduceConfig.from_env().depth == HFReduceConfig().depth
+
+
+@pytest.mark.parametrize(("name", "raw"), [("CHUNK_BYTES", "1MiB"), ("DEPTH", "4.0"), ("TIMEOUT", "soon")])
+def test_from_env_rejects_bad_values_naming_the_variable(monkeypatch, name: str, raw: str) -> None:
+    monkeypatch.setenv(f"FIREFLYER_HFREDUCE_{name}", raw)
+    with pytest.raises(ValueError, match=f"FIREFLYER_HFREDUCE_{name}") as info:
+        HFReduceConfig.from_env()
+    assert raw in str(info.value)
+
+
+def test_from_env_validates_parsed_values(monkeypatch) -> None:
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_DEPTH", "1")
+    with pytest.raises(ValueError, match="depth"):
+        HFReduceConfig.from_env()
+
+
+def test_from_env_timeout_argument() -> None:
+    assert HFReduceConfig.from_env(timeout=timedelta(seconds=5)).timeout == 5.0
+    assert HFReduceConfig.from_env(timeout=timedelta(milliseconds=1500)).timeout == 1.5
+    assert HFReduceConfig.from_env(timeout=7).timeout == 7.0
+    with pytest.raises(ValueError, match="timeout"):
+        HFReduceConfig.from_env(timeout=timedelta(0))
+
+
+def test_from_env_precedence(monkeypatch) -> None:
+    # The named environment variable overrides the timeout argument; explicit overrides beat both.
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_TIMEOUT", "3")
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_DEPTH", "5")
+    cfg = HFReduceConfig.from_env(timeout=timedelta(seconds=5), depth=8, ifaddr=None)
+    assert cfg.timeout == 3.0
+    assert cfg.depth == 8
+    assert cfg.ifaddr is None  # None overrides are ignored
