@@ -146,18 +146,25 @@ class Arena:
         path = arena_path(name)
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                fd = os.open(path, os.O_RDWR)
-                if os.fstat(fd).st_size >= shape.total_bytes:
-                    break
-                os.close(fd)
-            except FileNotFoundError:
-                pass
+            while True:
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                    if os.fstat(fd).st_size >= shape.total_bytes:
+                        break
+                    os.close(fd)
+                except FileNotFoundError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise HFReduceError(f"timed out after {timeout:.0f}s waiting for local rank 0 to create arena {path}")
+                time.sleep(0.005)
+            arena = cls(name, shape, fd)
+            magic, local_size, depth, _, chunk_bytes = _HEADER.unpack(bytes(arena._mm[:_HEADER.size]))
+            if magic != 0:
+                break
+            arena.close()  # sized but the creator has not written the header yet
             if time.monotonic() > deadline:
-                raise HFReduceError(f"timed out after {timeout:.0f}s waiting for local rank 0 to create arena {path}")
+                raise HFReduceError(f"timed out after {timeout:.0f}s waiting for arena {path} to be initialised")
             time.sleep(0.005)
-        arena = cls(name, shape, fd)
-        magic, local_size, depth, _, chunk_bytes = _HEADER.unpack(bytes(arena._mm[:_HEADER.size]))
         if (magic, local_size, depth, chunk_bytes) != (MAGIC, shape.local_size, shape.depth, shape.chunk_bytes):
             arena.close()
             raise HFReduceError(f"arena {path} has a different shape; do all local ranks use the same hfreduce config?")
@@ -276,6 +283,6 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
         except ProcessLookupError:
             _unlink_quietly(os.path.join(shm_dir, name))
             removed.append(name)
-        except PermissionError:
+        except (PermissionError, OverflowError, ValueError):
             pass
     return removed

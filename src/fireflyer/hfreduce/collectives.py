@@ -18,23 +18,35 @@ import torch
 from fireflyer.hfreduce.reduce import Descriptor, Kind, Op, Plan, check_dtype, check_op
 
 
-def _flat(t: torch.Tensor, plan_done: list, write_back: bool) -> torch.Tensor:
+def _flat(t: torch.Tensor, plan_done: list, write_back: bool, as_bytes: bool = False) -> torch.Tensor:
+    """A flat contiguous view of ``t`` (or of a staging copy written back when the plan is done).
+
+    ``as_bytes`` reinterprets any dtype as raw bytes, for collectives that only move data.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"hfreduce collectives take torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"hfreduce supports dense (strided) tensors, got layout {t.layout}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"hfreduce supports cpu and cuda tensors, got a tensor on {t.device}")
-    if t.is_sparse:
-        raise ValueError("hfreduce does not support sparse tensors")
-    check_dtype(t.dtype)
+    if not as_bytes:
+        check_dtype(t.dtype)
     if t.is_contiguous():
-        return t.view(-1)
-    tmp = t.contiguous()
-    if write_back:
-        plan_done.append(lambda: t.copy_(tmp.view(t.shape)))
-    return tmp.view(-1)
+        flat = t.view(-1)
+    else:
+        flat = t.contiguous().view(-1)
+        if write_back:
+            tmp = flat
+            plan_done.append(lambda: t.copy_(tmp.view(t.shape)))
+    if as_bytes and flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return flat
 
 
 def _same_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hfreduce collectives take torch.Tensor, got {type(t).__name__}")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"hfreduce needs one dtype per collective, got {sorted(map(str, dtypes))}")
@@ -44,13 +56,14 @@ def _same_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def allreduce(tensor: torch.Tensor, op: Op, world_size: int) -> Plan:
     done: list = []
     flat = _flat(tensor, done, write_back=True)
-    check_op(op, tensor.dtype)
+    check_op(op, flat.dtype)
     desc = Descriptor(Kind.ALLREDUCE, tensor.dtype, flat.numel(), op)
     return Plan(desc, sources=[(0, flat)], sinks=[(0, flat)], world_size=world_size, on_done=done)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int, world_size: int) -> Plan:
     dtype = _same_dtype(output, input)
+    check_dtype(dtype)
     check_op(op, dtype)
     if input.numel() != output.numel() * world_size:
         raise ValueError(
@@ -72,10 +85,10 @@ def allgather(output: torch.Tensor, input: torch.Tensor, rank: int, world_size: 
             f"got {output.numel()}"
         )
     done: list = []
-    src = _flat(input, done, write_back=False)
-    dst = _flat(output, done, write_back=True)
+    src = _flat(input, done, write_back=False, as_bytes=True)
+    dst = _flat(output, done, write_back=True, as_bytes=True)
     k = src.numel()
-    desc = Descriptor(Kind.ALLGATHER, dtype, dst.numel(), Op.COPY)
+    desc = Descriptor(Kind.ALLGATHER, torch.uint8, dst.numel(), Op.COPY)
     owners = [(r * k, (r + 1) * k, r) for r in range(world_size)]
     return Plan(desc, sources=[(rank * k, src)], sinks=[(0, dst)], owners=owners, world_size=world_size, on_done=done)
 
@@ -84,8 +97,8 @@ def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int) -> Pl
     if not 0 <= root < world_size:
         raise ValueError(f"broadcast root must be in 0..{world_size - 1}, got {root}")
     done: list = []
-    flat = _flat(tensor, done, write_back=rank != root)
-    desc = Descriptor(Kind.BROADCAST, tensor.dtype, flat.numel(), Op.COPY, root)
+    flat = _flat(tensor, done, write_back=rank != root, as_bytes=True)
+    desc = Descriptor(Kind.BROADCAST, torch.uint8, flat.numel(), Op.COPY, root)
     sources = [(0, flat)] if rank == root else []
     sinks = [] if rank == root else [(0, flat)]
     return Plan(desc, sources, sinks, owners=[(0, flat.numel(), root)], world_size=world_size, on_done=done)

@@ -39,7 +39,9 @@ DTYPES: dict[torch.dtype, int] = {
     torch.float8_e5m2: 6,
     torch.int32: 7,
     torch.int64: 8,
+    torch.uint8: 9,  # raw bytes: what allgather and broadcast move for any other dtype
 }
+REDUCIBLE = [d for d in DTYPES if d is not torch.uint8]
 _DTYPE_BY_CODE = {v: k for k, v in DTYPES.items()}
 LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -47,11 +49,11 @@ USER_OPS = (Op.SUM, Op.AVG, Op.MIN, Op.MAX)
 
 
 def supported_dtypes() -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+    return ", ".join(str(d).replace("torch.", "") for d in REDUCIBLE)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in DTYPES:
+    if dtype not in REDUCIBLE:
         raise TypeError(f"hfreduce does not support dtype {dtype}; supported: {supported_dtypes()}")
 
 
@@ -85,7 +87,7 @@ class Descriptor:
     @classmethod
     def unpack(cls, data: bytes) -> "Descriptor":
         kind, dtype, op, numel, root = cls._PACK.unpack(data)
-        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, torch.uint8), numel, Op(op), root)
+        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, torch.bool), numel, Op(op), root)
 
     def __str__(self) -> str:
         name = self.kind.name.lower()

@@ -253,6 +253,10 @@ class Link:
         except OSError:
             pass
         finally:
+            try:
+                self.sock.settimeout(_SLICE)
+            except OSError:
+                pass
             self.send_lock.release()
 
     def close(self) -> None:

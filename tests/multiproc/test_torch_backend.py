@@ -1,0 +1,80 @@
+"""Backend "hfreduce" under real torchrun: plain collectives, errors, subgroups, DDP and FSDP2 against gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fireflyer.testing.cluster import free_port
+
+JOB = Path(__file__).with_name("torch_job.py")
+
+
+def _torchrun(nodes: int, per_node: int, out: Path) -> None:
+    port = free_port()
+    procs = []
+    for node in range(nodes):
+        env = dict(os.environ, FIREFLYER_NODE_ID=f"node{node}", OMP_NUM_THREADS="1", FIREFLYER_HFREDUCE_TIMEOUT="60")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={per_node}",
+            "--master-addr=127.0.0.1", f"--master-port={port}",
+            str(JOB), str(out),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=240)
+            logs.append(stdout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+
+
+@pytest.fixture(scope="module", params=[(1, 4), (2, 2)], ids=["1x4", "2x2"])
+def report(request, tmp_path_factory):
+    nodes, per_node = request.param
+    out = tmp_path_factory.mktemp("torchrun") / "report.json"
+    _torchrun(nodes, per_node, out)
+    return json.loads(out.read_text())
+
+
+def test_backend_and_plain_collectives(report):
+    w = report["world"]
+    assert report["backend"] == "hfreduce"
+    assert report["allreduce"] == w * (w + 1) / 2
+    assert report["async_max"] == w - 1
+    assert report["broadcast"] == [float(w - 1)] * 7
+    assert report["all_gather"] == [float(r) for r in range(w)]
+    assert report["all_gather_into_tensor"] == [float(r) for r in range(w) for _ in range(3)]
+    full = [w * float(i) for i in range(2 * w)]
+    assert report["reduce_scatter_tensor"] == [full[2 * r : 2 * r + 2] for r in range(w)]
+    assert report["avg"] == sum(range(w)) / w
+    assert report["subgroup_sum"] == len(range(0, w, 2))
+    assert report["complex"] == [float(w), float(sum(range(w)))]
+
+
+def test_unsupported_input_names_what_is_supported(report):
+    errs = report["errors"]
+    assert errs["bool"].startswith("TypeError") and "float32" in errs["bool"] and "bfloat16" in errs["bool"]
+    assert errs["uint8"].startswith("TypeError") and "uint8" in errs["uint8"]
+    assert errs["product"].startswith("ValueError") and "SUM, AVG, MIN, MAX" in errs["product"]
+
+
+def test_ddp_over_hfreduce_matches_ddp_over_gloo(report):
+    assert report["ddp_moved"] > 1e-3  # training changed the weights
+    assert report["ddp_max_diff"] < 1e-6
+
+
+def test_fsdp2_over_hfreduce_matches_fsdp2_over_gloo(report):
+    assert report["fsdp_vs_ddp_moved"] > 1e-3
+    assert report["fsdp_max_diff"] < 1e-6
