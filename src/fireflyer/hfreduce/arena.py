@@ -111,6 +111,7 @@ class Arena:
         self._base = ctypes.addressof(self._words)
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._pinned = False
+        self._index = {(st, k): shape.flag_index(st, k) for st in STAGES for k in range(shape.local_size)}
 
     # -- life cycle -----------------------------------------------------------------
     @classmethod
@@ -199,14 +200,15 @@ class Arena:
 
     # -- flags -----------------------------------------------------------------------
     def flag_address(self, stage: str, local_rank: int) -> int:
-        return self._base + 4 * self.shape.flag_index(stage, local_rank)
+        return self._base + 4 * self._index[stage, local_rank]
 
     def read_flag(self, stage: str, local_rank: int) -> int:
-        return self._words[self.shape.flag_index(stage, local_rank)] & 0xFFFFFFFF
+        return self._words[self._index[stage, local_rank]] & 0xFFFFFFFF
 
     def publish(self, stage: str, local_rank: int, value: int) -> None:
-        self._words[self.shape.flag_index(stage, local_rank)] = _to_i32(value)
-        futex.wake(self.flag_address(stage, local_rank))
+        i = self._index[stage, local_rank]
+        self._words[i] = _to_i32(value)
+        futex.wake(self._base + 4 * i)
 
     def set_pid(self, local_rank: int, pid: int) -> None:
         struct.pack_into("<q", self._mm, self.shape.pid_offset + 8 * local_rank, pid)

@@ -173,6 +173,7 @@ class Communicator:
         self._seq = 0
         self._chunk = 0
         self._reducer = Reducer()
+        self._views: dict = {}
         self._copy_stream = None
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
@@ -389,6 +390,10 @@ class Communicator:
 
     # ------------------------------------------------------------------ the pipeline
     def _run(self) -> None:
+        # One thread per rank: the local ranks already keep every core busy, and OpenMP
+        # teams spinning in four processes at once would starve the handoffs. This only
+        # changes this thread's setting, not the caller's.
+        torch.set_num_threads(1)
         while True:
             job = self._queue.get()
             if job is None:
@@ -439,8 +444,7 @@ class Communicator:
             if self.num_nodes == 1:
                 self._wait("done", all_local, g - depth + 1, job, "reduce")
                 self._reduce(job, c, final=True)
-                self._arena.publish("red", lr, g + 1)
-                self._arena.publish("out", lr, g + 1)
+                self._arena.publish("red", lr, g + 1)  # on one node "red" also means "out" is ready
             else:
                 self._wait("out", rails, g - depth + 1, job, "reduce", late=True)
                 self._reduce(job, c, final=False)
@@ -459,13 +463,36 @@ class Communicator:
         return (job.first_chunk + c) % self.config.depth
 
     def _view(self, offset: int, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
-        size = dtype.itemsize
-        return self._arena.bytes[offset + lo * size : offset + hi * size].view(dtype)
+        """A typed view of arena bytes; cached, since the same slices recur chunk after chunk."""
+        key = (offset, dtype, lo, hi)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 4096:
+                self._views.clear()
+            size = dtype.itemsize
+            view = self._views[key] = self._arena.bytes[offset + lo * size : offset + hi * size].view(dtype)
+        return view
+
+    def _own_source(self, job: _Job) -> torch.Tensor | None:
+        """The CPU tensor this rank reduces its own slice from directly, skipping its slot."""
+        plan = job.plan
+        if plan.dense and len(plan.sources) == 1 and plan.sources[0][0] == 0 and not plan.sources[0][1].is_cuda:
+            return plan.sources[0][1]
+        return None
 
     def _stage_in(self, job: _Job, c: int) -> None:
         c0, c1 = self._chunk_range(job, c)
         slot = self._shape.in_offset(self._buf(job, c), self.local_rank)
         dtype = job.plan.desc.dtype
+        own = self._own_source(job)
+        if own is not None:
+            # Only the other local ranks read this slot; our own slice goes straight into the reduce.
+            s0, s1 = split(c1 - c0, self.local_size, self.local_rank)
+            if s0 > 0:
+                self._copy(self._view(slot, dtype, 0, s0), own[c0 : c0 + s0])
+            if s1 < c1 - c0:
+                self._copy(self._view(slot, dtype, s1, c1 - c0), own[c0 + s1 : c1])
+            return
         for off, src in job.plan.sources:
             lo, hi = max(c0, off), min(c1, off + src.numel())
             if lo < hi:
@@ -473,8 +500,10 @@ class Communicator:
 
     def _stage_out(self, job: _Job, c: int) -> None:
         g = job.first_chunk + c
-        producers = range(self.local_size) if self.num_nodes == 1 else range(self.rails)
-        self._wait("out", producers, g + 1, job, "stage-out", late=self.num_nodes > 1)
+        if self.num_nodes == 1:
+            self._wait("red", range(self.local_size), g + 1, job, "stage-out")
+        else:
+            self._wait("out", range(self.rails), g + 1, job, "stage-out", late=True)
         c0, c1 = self._chunk_range(job, c)
         out = self._shape.out_offset(self._buf(job, c))
         dtype = job.plan.desc.dtype
@@ -501,6 +530,9 @@ class Communicator:
             self._gather_slice(job, b, c0, s0, s1, target)
             return
         inputs = [self._view(self._shape.in_offset(b, k), dtype, s0, s1) for k in range(self.local_size)]
+        own = self._own_source(job)
+        if own is not None:
+            inputs[self.local_rank] = own[c0 + s0 : c0 + s1]
         if final and (acc != dtype or desc.op == Op.AVG):
             work = self._reducer.acc_scratch(s1 - s0) if acc != dtype else target
             self._reducer.reduce_into(work, inputs, desc.op)
@@ -536,6 +568,7 @@ class Communicator:
 
     # ------------------------------------------------------------------ trees
     def _tree_loop(self, t: int, role: str, q: queue.Queue) -> None:
+        torch.set_num_threads(1)
         reducer = Reducer()
         while True:
             job = q.get()
