@@ -68,7 +68,7 @@ _SLICE = 0.05  # seconds between liveness checks while waiting
 class HFReduceConfig:
     """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
 
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 2 << 20
     """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap."""
     depth: int = 4
     """Chunks in flight per node (arena buffers). At least 2."""
@@ -427,7 +427,7 @@ class Communicator:
             for q in self._tree_queues:
                 q.put(job)
         depth = self.config.depth
-        lag = depth - 1 if self.num_nodes > 1 else 0
+        lag = depth - 1 if self.num_nodes > 1 else 0  # one node: stage out while the chunk is still in cache
         L, lr = self.local_size, self.local_rank
         all_local = range(L)
         rails = range(self.rails)
@@ -616,21 +616,31 @@ class Communicator:
         acc = acc_dtype(desc.dtype, desc.op)
         partial = self._view(self._shape.red_offset(b), acc, h0, h1)
         payload = memoryview(partial.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
-        for i, link in enumerate(self._children[t]):
+        parent = self._parents[t]
+        children = self._children[t]
+        out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
+        # The root of a plain sum with nothing left to do after the last child writes that
+        # child's sum straight into the result buffer instead of combining and then copying.
+        direct = parent is None and acc == desc.dtype and desc.op == Op.SUM and children
+        if direct:
+            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
+        for i, link in enumerate(children):
             what = f"receiving chunk {c} of {desc} from a child in tree {t}"
             self._expect(link, job, c, len(payload), what)
             incoming = self._scratch(t, i, acc, h1 - h0)
             if h1 > h0:
                 link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.tree_deadline, what)
-                reducer.combine(partial, incoming, desc.op)
-        parent = self._parents[t]
+                if direct and i == len(children) - 1:
+                    torch.add(partial, incoming, out=out)
+                else:
+                    reducer.combine(partial, incoming, desc.op)
         if parent is not None:
             parent.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} up tree {t}")
         else:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
-            out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
-            if h1 > h0:
-                reducer.finish(out, partial, desc.op, self.world_size)
+            if not direct:
+                self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
+                if h1 > h0:
+                    reducer.finish(out, partial, desc.op, self.world_size)
             with self._tree_signal[t]:
                 self._root_ready[t] = g + 1
                 self._tree_signal[t].notify_all()
