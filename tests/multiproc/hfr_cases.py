@@ -238,3 +238,29 @@ def arena_files(ctx):
     import os
 
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("fireflyer-hfr-"))
+
+
+# ---- CUDA -------------------------------------------------------------------------------
+def run_case_cuda(ctx, case: Case) -> torch.Tensor:
+    """``run_case`` with the rank's tensors on its GPU (ranks share GPUs round-robin)."""
+    device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    comm, rank, world = ctx.comm, ctx.rank, ctx.world_size
+    x = make_input(case, rank, world).to(device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        x.mul_(1)  # queued work on a side stream that the collective must wait for
+        if case.kind == "allreduce":
+            comm.allreduce(x, case.op).wait()
+            out = x
+        elif case.kind == "reduce_scatter":
+            out = torch.zeros(case.numel, dtype=case.dtype, device=device)
+            comm.reduce_scatter(out, x, case.op).wait()
+        elif case.kind == "allgather":
+            out = torch.zeros(case.numel * world, dtype=case.dtype, device=device)
+            comm.allgather(out, x).wait()
+        else:
+            comm.broadcast(x, case.root).wait()
+            out = x
+        result = out.cpu()
+    return result

@@ -19,7 +19,11 @@ def _shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("fireflyer-hfr-")}
 
 
-@pytest.mark.parametrize("layout,victim", [([4], 2), ([2, 2], 3), ([2, 2], 0)], ids=["1x4-rank2", "2x2-rank3", "2x2-rank0"])
+@pytest.mark.parametrize(
+    "layout,victim",
+    [([4], 2), ([2, 2], 3), ([2, 2], 0), ([1, 1, 2], 1)],
+    ids=["1x4-rank2", "2x2-rank3", "2x2-rank0", "1+1+2-lone-rank1"],
+)
 def test_dead_peer_is_named_on_every_survivor_within_the_timeout(layout, victim):
     before = _shm()
     with LocalCluster(layout, env=ENV) as cluster:

@@ -144,6 +144,7 @@ def test_acc_dtype_and_chunk_elems() -> None:
     assert chunk_elems(4096, torch.float16, Op.COPY) == 2048
     assert chunk_elems(4096, torch.float64, Op.SUM) == 512
     assert chunk_elems(1, torch.float64, Op.SUM) == 1
+    assert chunk_elems(4096, torch.bfloat16, Op.SUM, accumulate_in_arena=False) == 2048  # one node: data only
 
 
 # -- Reducer ---------------------------------------------------------------------------

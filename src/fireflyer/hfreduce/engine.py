@@ -242,6 +242,9 @@ class Communicator:
         self._shape = shape
 
     def _setup_links(self, deadline: float) -> None:
+        self._out_queue: queue.Queue = queue.Queue()
+        self._out_thread = threading.Thread(target=self._out_loop, name=f"hfreduce-{self.rank}-out", daemon=True)
+        self._out_thread.start()
         if self.local_rank >= self.rails:
             return
         store = self._store
@@ -291,9 +294,10 @@ class Communicator:
             fut.set_exception(self._error)
             return fut
         job = _Job(plan=plan, future=fut)
-        if any(t.is_cuda for _, t in plan.sources + plan.sinks):
+        cuda = [t for _, t in plan.sources + plan.sinks if t.is_cuda]
+        if cuda:
             job.stream_event = torch.cuda.Event()
-            job.stream_event.record(torch.cuda.current_stream())
+            job.stream_event.record(torch.cuda.current_stream(cuda[0].device))
         self._queue.put(job)
         return fut
 
@@ -331,8 +335,13 @@ class Communicator:
 
     # ------------------------------------------------------------------ failure handling
     def _fail(self, exc: BaseException) -> HFReduceError:
+        """Record this rank's first failure and pass it to every neighbour; return the error to raise."""
         if not isinstance(exc, HFReduceError):
             exc = HFReduceError(f"hfreduce {self.describe(self.rank)}: {type(exc).__name__}: {exc}")
+        if getattr(exc, "secondary", False):
+            exc = self._root_cause(exc)
+        if self._error is None:
+            self._publish_root_cause(exc)  # first writer wins, so a primary cause seen earlier stays
         with self._error_lock:
             first = self._error is None
             if first:
@@ -349,6 +358,48 @@ class Communicator:
                 with cond:
                     cond.notify_all()
         return self._error
+
+    def _root_cause(self, symptom: HFReduceError, patience: float = 1.0) -> HFReduceError:
+        """A closed connection is a symptom: give the rank that saw the cause a moment to report it.
+
+        The report arrives through another thread of this rank (an error frame), the node's
+        arena, or the job's store, where the first rank to fail leaves its error.
+        """
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline:
+            if self._error is not None:
+                return self._error
+            if self._arena is not None and self._arena.aborted():
+                return error_from_text(self._arena.abort_message(), HFReduceError)
+            text = self._store_error()
+            if text:
+                return error_from_text(text, HFReduceError)
+            time.sleep(0.02)
+        return symptom
+
+    def _store_error(self) -> str | None:
+        result: list = []
+
+        def look() -> None:
+            try:
+                if self._store.check(["hfreduce/error"]):
+                    result.append(self._store.get("hfreduce/error").decode())
+            except Exception:  # noqa: BLE001 - the store may be gone with a dead rank
+                pass
+
+        th = threading.Thread(target=look, daemon=True)
+        th.start()
+        th.join(0.2)
+        return result[0] if result else None
+
+    def _publish_root_cause(self, exc: HFReduceError) -> None:
+        def put() -> None:
+            try:
+                self._store.compare_set("hfreduce/error", "", error_to_text(exc))
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+        threading.Thread(target=put, daemon=True).start()
 
     def _check(self) -> None:
         """Raise if this rank or its node has failed, or a local peer has died."""
@@ -397,7 +448,7 @@ class Communicator:
         while True:
             job = self._queue.get()
             if job is None:
-                for q in getattr(self, "_tree_queues", []):
+                for q in getattr(self, "_tree_queues", []) + ([self._out_queue] if hasattr(self, "_out_queue") else []):
                     q.put(None)
                 return
             if self._error is not None:
@@ -413,7 +464,7 @@ class Communicator:
 
     def _execute(self, job: _Job) -> None:
         plan, desc = job.plan, job.plan.desc
-        job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op)
+        job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op, accumulate_in_arena=self.num_nodes > 1)
         job.nchunks = max(1, -(-desc.numel // job.elems))
         job.first_chunk = self._chunk
         job.seq = self._seq
@@ -427,7 +478,12 @@ class Communicator:
             for q in self._tree_queues:
                 q.put(job)
         depth = self.config.depth
-        lag = depth - 1 if self.num_nodes > 1 else 0  # one node: stage out while the chunk is still in cache
+        # One node: stage each chunk out right after reducing it, while it is still in cache.
+        # Several nodes: a separate thread stages out what the trees finish, so reducing the
+        # next chunks never waits on the network.
+        staged_out = threading.Event()
+        if self.num_nodes > 1:
+            self._out_queue.put((job, staged_out))
         L, lr = self.local_size, self.local_rank
         all_local = range(L)
         rails = range(self.rails)
@@ -449,11 +505,28 @@ class Communicator:
                 self._wait("out", rails, g - depth + 1, job, "reduce", late=True)
                 self._reduce(job, c, final=False)
                 self._arena.publish("red", lr, g + 1)
-            if c >= lag:
-                self._stage_out(job, c - lag)
-        for c in range(max(0, job.nchunks - lag), job.nchunks):
-            self._stage_out(job, c)
+            if self.num_nodes == 1:
+                self._stage_out(job, c)
+        while not staged_out.is_set() and self.num_nodes > 1:
+            self._check()
+            if time.monotonic() > job.tree_deadline:
+                raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} waiting for its stage-out")
+            staged_out.wait(_SLICE)
         self._check()
+
+    def _out_loop(self) -> None:
+        torch.set_num_threads(1)
+        while True:
+            item = self._out_queue.get()
+            if item is None:
+                return
+            job, staged_out = item
+            try:
+                for c in range(job.nchunks):
+                    self._stage_out(job, c)
+                staged_out.set()
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(exc)
 
     def _chunk_range(self, job: _Job, c: int) -> tuple[int, int]:
         lo = c * job.elems
@@ -684,21 +757,26 @@ class Communicator:
 
     # ------------------------------------------------------------------ CUDA
     def _cuda_prepare(self, job: _Job) -> None:
+        """Pin the arena once and order this collective's copies after the caller's stream."""
         self._arena.pin()
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
+        device = next(t.device for _, t in job.plan.sources + job.plan.sinks if t.is_cuda)
+        if self._copy_stream is None or self._copy_stream.device != device:
+            self._copy_stream = torch.cuda.Stream(device=device)
         self._copy_stream.wait_event(job.stream_event)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host copies run inline; D2H and H2D run on the copy stream (copy engines, no kernels)."""
         if dst.is_cuda or src.is_cuda:
-            with torch.cuda.stream(self._copy_stream):
+            stream = self._copy_stream
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             if src.is_cuda:  # D2H must land before the flag announces it
-                self._copy_stream.synchronize()
+                stream.synchronize()
         else:
             dst.copy_(src)
 
     def _cuda_sync(self) -> None:
+        """Wait for queued H2D copies before the arena buffer they read from is reused."""
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
@@ -710,7 +788,7 @@ class Communicator:
         for link in self._links:
             link.close()
         self._links = []
-        for th in getattr(self, "_tree_threads", []):
+        for th in getattr(self, "_tree_threads", []) + ([self._out_thread] if hasattr(self, "_out_thread") else []):
             th.join(timeout=2)
         if self._listener is not None:
             self._listener.close()

@@ -10,6 +10,16 @@ class HFReduceError(FireflyerError, RuntimeError):
 class PeerFailure(HFReduceError):
     """A peer rank died, closed its connections, or aborted."""
 
+    #: True when this rank only saw a symptom (a closed connection) whose cause may be
+    #: reported by another rank; the engine waits briefly for that report before raising.
+    secondary: bool = False
+
+
+class ConnectionLost(PeerFailure):
+    """A link to a peer closed. The peer died, or aborted for a reason it reports separately."""
+
+    secondary = True
+
 
 class CollectiveTimeout(HFReduceError):
     """A collective did not finish within its timeout."""
@@ -19,7 +29,7 @@ class CollectiveMismatch(HFReduceError):
     """Ranks called different collectives, or the same one with different sizes, dtypes or ops."""
 
 
-_BY_NAME = {cls.__name__: cls for cls in (HFReduceError, PeerFailure, CollectiveTimeout, CollectiveMismatch)}
+_BY_NAME = {cls.__name__: cls for cls in (HFReduceError, PeerFailure, ConnectionLost, CollectiveTimeout, CollectiveMismatch)}
 
 
 def error_to_text(exc: HFReduceError) -> str:

@@ -122,8 +122,10 @@ class Plan:
         return self.owners is None
 
 
-def chunk_elems(chunk_bytes: int, dtype: torch.dtype, op: Op) -> int:
-    size = max(dtype.itemsize, acc_dtype(dtype, op).itemsize)
+def chunk_elems(chunk_bytes: int, dtype: torch.dtype, op: Op, *, accumulate_in_arena: bool = True) -> int:
+    """Elements per chunk. When partial sums live in the arena (several nodes), the
+    accumulation dtype must fit a chunk buffer too; on one node only the data does."""
+    size = max(dtype.itemsize, acc_dtype(dtype, op).itemsize) if accumulate_in_arena else dtype.itemsize
     return max(1, chunk_bytes // size)
 
 

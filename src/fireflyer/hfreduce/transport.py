@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure, error_from_text
+from fireflyer.hfreduce.errors import CollectiveTimeout, ConnectionLost, HFReduceError, PeerFailure, error_from_text
 
 log = logging.getLogger("fireflyer.hfreduce")
 
@@ -190,8 +190,8 @@ class Link:
         self.send_lock = threading.Lock()
         self._header = bytearray(FRAME.size)
 
-    def _lost(self, what: str) -> PeerFailure:
-        return PeerFailure(f"lost the connection to {self.peer_desc} while {what} (the process died or aborted)")
+    def _lost(self, what: str) -> ConnectionLost:
+        return ConnectionLost(f"lost the connection to {self.peer_desc} while {what} (the process died or aborted)")
 
     def send_all(self, data: memoryview, check: Callable[[], None], deadline: float, what: str) -> None:
         sent, n = 0, len(data)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# hfreduce on a machine with a CUDA GPU: the correctness tests on CUDA tensors (several
+# processes share one GPU, since hfreduce uses only copy engines), then D2H/H2D bandwidth
+# next to the engine's stage-in and stage-out throughput.
+#
+# Runs with the machine's own python3 and torch (no install step; src/ goes on PYTHONPATH).
+# Usage: benchmarks/gpu_check.sh            PYTHON=/path/to/python benchmarks/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src:$PWD/tests/multiproc${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+"$PY" -c 'import sys, torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device")
+print("gpu_check:", torch.__version__, torch.cuda.get_device_name(0), "x", torch.cuda.device_count())'
+status=0
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/multiproc/test_cuda.py || status=$?
+"$PY" -m fireflyer.hfreduce.gpu_bench || status=$?
+exit $status
