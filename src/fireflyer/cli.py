@@ -2,67 +2,68 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Callable, Sequence
 
 from fireflyer.errors import UserError
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.part == "allreduce":
+def _bench(rest: list[str]) -> int:
+    parts = ("allreduce",)
+    if not rest or rest[0] in ("-h", "--help"):
+        print("usage: fireflyer bench PART [options]; PART is one of: " + ", ".join(parts))
+        return 0 if rest else 2
+    if rest[0] == "allreduce":
         from fireflyer.hfreduce import bench
 
-        return bench.main(args.rest)
-    raise UserError(f"unknown benchmark part {args.part!r}; choose one of: allreduce")
+        return bench.main(rest[1:])
+    raise UserError(f"unknown benchmark part {rest[0]!r}; choose one of: {', '.join(parts)}")
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(rest: list[str]) -> int:
     from fireflyer.hfreduce import demo
 
-    return demo.main(args.rest)
+    return demo.main(rest)
 
 
-def _hfreduce(args: argparse.Namespace) -> int:
+def _hfreduce(rest: list[str]) -> int:
     from fireflyer.hfreduce import admin
 
-    return admin.main(args.rest)
+    return admin.main(rest)
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
-    "demo": ("run the main demo job (today: an allreduce across emulated nodes)", _demo),
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "demo": ("run the main demo job (today: hfreduce across emulated nodes under torchrun)", _demo),
     "bench": ("measure a part against its baseline: fireflyer bench allreduce [--help]", _bench),
     "hfreduce": ("hfreduce housekeeping: fireflyer hfreduce clean", _hfreduce),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fireflyer", description="The Fire-Flyer AI-HPC software stack.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, _) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, add_help=name != "bench" and name != "demo" and name != "hfreduce")
-        if name == "bench":
-            p.add_argument("part", help="which part to benchmark: allreduce")
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return parser
+def usage() -> str:
+    lines = ["usage: fireflyer COMMAND [options]", "", "The Fire-Flyer AI-HPC software stack.", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, (text, _) in COMMANDS.items()]
+    lines += ["", "Run 'fireflyer COMMAND --help' for a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
     try:
-        return COMMANDS[args.command][1](args)
+        if command not in COMMANDS:
+            raise UserError(f"invalid choice: {command!r} (choose from {', '.join(COMMANDS)})")
+        return COMMANDS[command][1](rest)
     except UserError as exc:
-        print(f"fireflyer {args.command}: error: {exc}", file=sys.stderr)
+        print(f"fireflyer {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"fireflyer {args.command}: interrupted", file=sys.stderr)
+        print(f"fireflyer {command}: interrupted", file=sys.stderr)
         return 130
     except (RuntimeError, OSError, ValueError, TypeError) as exc:
-        print(f"fireflyer {args.command}: error: {exc}", file=sys.stderr)
+        print(f"fireflyer {command}: error: {exc}", file=sys.stderr)
         return 1
 
 

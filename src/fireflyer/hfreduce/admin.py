@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
+from fireflyer.cliutil import ArgumentParser
 
 from fireflyer.hfreduce.arena import sweep_stale
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="fireflyer hfreduce", description=__doc__)
+    p = ArgumentParser(prog="fireflyer hfreduce", description=__doc__)
     p.add_argument("action", choices=["clean"], help="clean: remove stale /dev/shm arenas and network namespaces")
     p.parse_args(argv)
     removed = sweep_stale()

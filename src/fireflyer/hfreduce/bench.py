@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 
 MiB = 1 << 20
@@ -180,13 +181,9 @@ class BenchConfig:
     png_path: str = "benchmarks/results/allreduce.png"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(message)
-
 
 def build_config(argv: list[str]) -> BenchConfig:
-    p = _Parser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--min-bytes", default=None, help="smallest buffer per rank (default 1M; --quick 1M)")
     p.add_argument("--max-bytes", default=None, help="largest buffer per rank (default 256M; --quick 16M)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of: " + ", ".join(DTYPE_ITEMSIZE))
@@ -412,7 +409,7 @@ def _collect(res: LayoutResult, cfg: BenchConfig, lay: Layout, events: list[list
                 row["gloo_pct_link"] = pct_of_link(row["gloo"]["algbw"], cfg.link_mbit)
             res.rows.append(row)
     head = headline_row(res.rows)
-    res.roofline = {"model": source, "copy_bw": res.copy_bw, "copy_ranks": lay.world, "copy_bytes_per_rank": 64 * MiB,
+    res.roofline = {"model": source, "copy_bw": res.copy_bw, "copy_ranks": min(lay.world, os.cpu_count() or 1), "copy_bytes_per_rank": 64 * MiB,
                     "host_mem_note": "memory traffic summed over the emulated nodes sharing this host"}
     if head is not None:
         traffic = model(head["bytes"], lay.local, lay.nodes, DTYPE_ITEMSIZE[head["dtype"]])
@@ -480,7 +477,7 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
     console.print(f"  GB/s = 1e9 B/s; ratio = {cand} algbw / gloo algbw"
                   + (f"; % of link = {cand} algbw / link rate" if res.link_mbit else ""))
     rf = res.roofline
-    console.print(f"  copy bandwidth, {rf['copy_ranks']} ranks at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
+    console.print(f"  copy bandwidth, {rf['copy_ranks']} cores copying at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
                   f"(read+written); traffic model: {rf['model']}")
     if "roofline_s" in rf:
         tr = rf["traffic"]

@@ -8,7 +8,7 @@ against gloo, times both, and trains a tiny model with torch DDP over hfreduce.
 
 from __future__ import annotations
 
-import argparse
+from fireflyer.cliutil import ArgumentParser
 import os
 import socket
 import subprocess
@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="fireflyer demo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer demo", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--mib", type=int, default=32, help="allreduce size per rank in MiB (default 32)")

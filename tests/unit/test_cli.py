@@ -1,0 +1,45 @@
+"""The fireflyer command: bad input gets one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def fireflyer(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fireflyer.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["nosuch"], "invalid choice"),
+        (["bench", "nosuch"], "unknown benchmark part"),
+        (["bench", "allreduce", "--dtypes", "fp64"], "fp64"),
+        (["bench", "allreduce", "--max-bytes", "lots"], "lots"),
+        (["demo", "--nodes", "0"], "--nodes"),
+        (["demo", "--mib", "x"], "--mib"),
+        (["hfreduce", "explode"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_non_zero(args, needle):
+    done = fireflyer(*args)
+    assert done.returncode != 0
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, done.stderr
+    assert needle in lines[0] and "Traceback" not in done.stderr
+
+
+def test_help_lists_the_subcommands():
+    done = fireflyer("--help")
+    assert done.returncode == 0
+    for cmd in ("demo", "bench", "hfreduce"):
+        assert cmd in done.stdout
+
+
+def test_hfreduce_clean_reports_what_it_removed():
+    done = fireflyer("hfreduce", "clean")
+    assert done.returncode == 0, done.stderr
+    assert "removed" in done.stdout and "stale arena" in done.stdout
