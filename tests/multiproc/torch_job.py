@@ -71,7 +71,7 @@ def main() -> None:
     report["allreduce"] = x[0].item()
     y = torch.full((5,), float(rank))
     work = dist.all_reduce(y, op=dist.ReduceOp.MAX, async_op=True)
-    overlap = torch.randn(200, 200) @ torch.randn(200, 200)  # compute while it runs
+    torch.randn(200, 200) @ torch.randn(200, 200)  # compute while it runs
     work.wait()
     report["async_max"] = y[0].item()
     b = torch.full((7,), float(rank))

@@ -12,7 +12,6 @@ algbw = bytes of one rank's buffer / time; busbw = algbw * 2(n-1)/n; GB = 1e9 B.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os

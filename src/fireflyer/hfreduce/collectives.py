@@ -78,7 +78,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int,
 
 
 def allgather(output: torch.Tensor, input: torch.Tensor, rank: int, world_size: int) -> Plan:
-    dtype = _same_dtype(output, input)
+    _same_dtype(output, input)
     if output.numel() != input.numel() * world_size:
         raise ValueError(
             f"allgather needs output.numel() == input.numel() * world_size ({input.numel()} * {world_size}), "

@@ -25,12 +25,10 @@ import logging
 import os
 import queue
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
 
 import torch
 
@@ -47,88 +45,24 @@ from fireflyer.hfreduce.errors import (
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     Descriptor,
-    Kind,
     Op,
     Plan,
     Reducer,
     acc_dtype,
-    check_dtype,
-    check_op,
     chunk_elems,
 )
-from fireflyer.hfreduce.topology import Layout, split, tree_links
-from fireflyer.hfreduce.transport import Link, Listener, connect
+from fireflyer.hfreduce.config import HFReduceConfig, node_key
+from fireflyer.hfreduce.topology import Layout, split
+from fireflyer.hfreduce.transport import Link, Listener
+from fireflyer.hfreduce.trees import Trees
 
 log = logging.getLogger("fireflyer.hfreduce")
 
 _SLICE = 0.05  # seconds between liveness checks while waiting
 
 
-@dataclass(frozen=True, kw_only=True)
-class HFReduceConfig:
-    """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
-
-    chunk_bytes: int = 2 << 20
-    """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap."""
-    depth: int = 4
-    """Chunks in flight per node (arena buffers). At least 2."""
-    timeout: float = 60.0
-    """Seconds a collective may take before every rank raises CollectiveTimeout."""
-    ifaddr: str | None = None
-    """IPv4 address to listen on for other nodes. Default: the address that routes to MASTER_ADDR."""
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
-            raise ValueError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
-        if self.depth < 2:
-            raise ValueError(f"depth must be at least 2, got {self.depth}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
-
-    @classmethod
-    def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
-        kw: dict = {}
-        env = os.environ
-        for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str)):
-            raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
-            if raw:
-                try:
-                    kw[name] = conv(raw)
-                except ValueError:
-                    raise ValueError(f"FIREFLYER_HFREDUCE_{name.upper()}={raw!r} is not a valid {conv.__name__}") from None
-        if timeout is not None and "timeout" not in kw:
-            kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw)
-
-
-def node_key() -> str:
-    """This process's node: ``FIREFLYER_NODE_ID`` if set, else the host (name and boot id)."""
-    explicit = os.environ.get("FIREFLYER_NODE_ID")
-    if explicit:
-        return explicit
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _route_address(config: HFReduceConfig) -> str:
-    if config.ifaddr:
-        return config.ifaddr
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(master), 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
 @dataclass
-class _Job:
+class Job:
     plan: Plan
     future: torch.futures.Future
     first_chunk: int = 0
@@ -141,7 +75,7 @@ class _Job:
     errors: list = field(default_factory=list)
 
 
-class Communicator:
+class Communicator(Trees):
     """HFReduce for one rank of one process group.
 
     ``store`` is the job's torch.distributed store (the process group's prefix store).
@@ -241,48 +175,6 @@ class Communicator:
             self._arena.unlink()
         self._shape = shape
 
-    def _setup_links(self, deadline: float) -> None:
-        self._out_queue: queue.Queue = queue.Queue()
-        self._out_thread = threading.Thread(target=self._out_loop, name=f"hfreduce-{self.rank}-out", daemon=True)
-        self._out_thread.start()
-        if self.local_rank >= self.rails:
-            return
-        store = self._store
-        host = _route_address(self.config)
-        self._listener = Listener(host, self._secret, self.rank)
-        store.set(f"hfreduce/addr/{self.rank}", json.dumps(self._listener.address))
-        self._parents: list[Link | None] = [None, None]
-        self._children: list[list[Link]] = [[], []]
-        rail_ranks = [self.layout.rail_peer(n, self.local_rank) for n in range(self.num_nodes)]
-        for t in (0, 1):
-            links = tree_links(self.num_nodes, self.node, t)
-            if links.parent >= 0:
-                peer = rail_ranks[links.parent]
-                key = f"hfreduce/addr/{peer}"
-                store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
-                phost, pport = json.loads(store.get(key))
-                sock = connect(phost, pport, my_rank=self.rank, peer_rank=peer, tag=t, secret=self._secret, deadline=deadline)
-                self._parents[t] = Link(sock, peer, self.describe(peer))
-                self._links.append(self._parents[t])
-        for t in (0, 1):
-            for child in tree_links(self.num_nodes, self.node, t).children:
-                peer = rail_ranks[child]
-                sock = self._listener.take(peer, t, deadline, self._check)
-                link = Link(sock, peer, self.describe(peer))
-                self._children[t].append(link)
-                self._links.append(link)
-        self._tree_queues = []
-        self._tree_threads = []
-        self._tree_signal = [threading.Condition(), threading.Condition()]
-        self._root_ready = [0, 0]
-        for t in (0, 1):
-            for role in ("up", "down"):
-                q: queue.Queue = queue.Queue()
-                th = threading.Thread(target=self._tree_loop, args=(t, role, q), name=f"hfreduce-{self.rank}-t{t}{role}", daemon=True)
-                self._tree_queues.append(q)
-                self._tree_threads.append(th)
-                th.start()
-
     # ------------------------------------------------------------------ public API
     def submit(self, plan: Plan) -> torch.futures.Future:
         """Queue a collective; the future completes with None when every sink holds its result."""
@@ -293,7 +185,7 @@ class Communicator:
         if self._error is not None:
             fut.set_exception(self._error)
             return fut
-        job = _Job(plan=plan, future=fut)
+        job = Job(plan=plan, future=fut)
         cuda = [t for _, t in plan.sources + plan.sinks if t.is_cuda]
         if cuda:
             job.stream_event = torch.cuda.Event()
@@ -415,7 +307,7 @@ class Communicator:
                 if r != self.rank and not _alive(self._pids[r]):
                     raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
 
-    def _wait(self, stage: str, local_ranks, target: int, job: _Job, what: str, *, late: bool = False) -> None:
+    def _wait(self, stage: str, local_ranks, target: int, job: Job, what: str, *, late: bool = False) -> None:
         """Block until every local rank in ``local_ranks`` has published ``stage`` up to ``target``.
 
         ``late`` waits use the tree deadline: what they wait for depends on other nodes,
@@ -462,8 +354,8 @@ class Communicator:
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
                 job.future.set_exception(self._fail(exc))
 
-    def _execute(self, job: _Job) -> None:
-        plan, desc = job.plan, job.plan.desc
+    def _execute(self, job: Job) -> None:
+        desc = job.plan.desc
         job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op, accumulate_in_arena=self.num_nodes > 1)
         job.nchunks = max(1, -(-desc.numel // job.elems))
         job.first_chunk = self._chunk
@@ -528,11 +420,11 @@ class Communicator:
             except BaseException as exc:  # noqa: BLE001
                 self._fail(exc)
 
-    def _chunk_range(self, job: _Job, c: int) -> tuple[int, int]:
+    def _chunk_range(self, job: Job, c: int) -> tuple[int, int]:
         lo = c * job.elems
         return lo, min(job.plan.desc.numel, lo + job.elems)
 
-    def _buf(self, job: _Job, c: int) -> int:
+    def _buf(self, job: Job, c: int) -> int:
         return (job.first_chunk + c) % self.config.depth
 
     def _view(self, offset: int, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
@@ -546,14 +438,14 @@ class Communicator:
             view = self._views[key] = self._arena.bytes[offset + lo * size : offset + hi * size].view(dtype)
         return view
 
-    def _own_source(self, job: _Job) -> torch.Tensor | None:
+    def _own_source(self, job: Job) -> torch.Tensor | None:
         """The CPU tensor this rank reduces its own slice from directly, skipping its slot."""
         plan = job.plan
         if plan.dense and len(plan.sources) == 1 and plan.sources[0][0] == 0 and not plan.sources[0][1].is_cuda:
             return plan.sources[0][1]
         return None
 
-    def _stage_in(self, job: _Job, c: int) -> None:
+    def _stage_in(self, job: Job, c: int) -> None:
         c0, c1 = self._chunk_range(job, c)
         slot = self._shape.in_offset(self._buf(job, c), self.local_rank)
         dtype = job.plan.desc.dtype
@@ -571,7 +463,7 @@ class Communicator:
             if lo < hi:
                 self._copy(self._view(slot, dtype, lo - c0, hi - c0), src[lo - off : hi - off])
 
-    def _stage_out(self, job: _Job, c: int) -> None:
+    def _stage_out(self, job: Job, c: int) -> None:
         g = job.first_chunk + c
         if self.num_nodes == 1:
             self._wait("red", range(self.local_size), g + 1, job, "stage-out")
@@ -587,7 +479,7 @@ class Communicator:
         self._cuda_sync()
         self._arena.publish("done", self.local_rank, g + 1)
 
-    def _reduce(self, job: _Job, c: int, *, final: bool) -> None:
+    def _reduce(self, job: Job, c: int, *, final: bool) -> None:
         """Reduce this local rank's slice of chunk ``c`` across the node's slots."""
         desc, b = job.plan.desc, self._buf(job, c)
         c0, c1 = self._chunk_range(job, c)
@@ -613,7 +505,7 @@ class Communicator:
         else:
             self._reducer.reduce_into(target, inputs, desc.op)
 
-    def _gather_slice(self, job: _Job, b: int, c0: int, s0: int, s1: int, target: torch.Tensor) -> None:
+    def _gather_slice(self, job: Job, b: int, c0: int, s0: int, s1: int, target: torch.Tensor) -> None:
         """Collectives with one contributor per element: copy each owner's range, zero what other nodes own."""
         dtype = job.plan.desc.dtype
         for lo, hi, owner in job.plan.owners:
@@ -627,7 +519,7 @@ class Communicator:
             else:
                 piece.view(torch.uint8).zero_()
 
-    def _check_descriptors(self, job: _Job) -> None:
+    def _check_descriptors(self, job: Job) -> None:
         mine = self._arena.descriptor(self.local_rank, 8 + DESCRIPTOR_BYTES)
         for k in range(self.local_size):
             theirs = self._arena.descriptor(k, 8 + DESCRIPTOR_BYTES)
@@ -639,124 +531,8 @@ class Communicator:
                     f"{self.describe(self.members[k])} called {other} (#{int.from_bytes(theirs[:8], 'little')})"
                 )
 
-    # ------------------------------------------------------------------ trees
-    def _tree_loop(self, t: int, role: str, q: queue.Queue) -> None:
-        torch.set_num_threads(1)
-        reducer = Reducer()
-        while True:
-            job = q.get()
-            if job is None:
-                return
-            if self._error is not None:
-                continue
-            try:
-                for c in range(job.nchunks):
-                    if role == "up":
-                        self._tree_up(job, t, c, reducer)
-                    else:
-                        self._tree_down(job, t, c)
-            except BaseException as exc:  # noqa: BLE001
-                self._fail(exc)
-
-    def _tree_half(self, job: _Job, t: int, c: int) -> tuple[int, int]:
-        c0, c1 = self._chunk_range(job, c)
-        r0, r1 = split(c1 - c0, self.rails, self.local_rank)
-        h0, h1 = split(r1 - r0, 2, t)
-        return r0 + h0, r0 + h1
-
-    def _expect(self, link: Link, job: _Job, c: int, nbytes: int, what: str) -> None:
-        _, seq, chunk, got, digest = link.recv_header(self._check, job.tree_deadline, what)
-        desc = job.plan.desc.pack()
-        if digest != desc:
-            other = Descriptor.unpack(digest)
-            raise CollectiveMismatch(
-                f"collective mismatch: {self.describe(self.rank)} called {job.plan.desc} (#{job.seq}) but "
-                f"{link.peer_desc} called {other} (#{seq})"
-            )
-        if seq != job.seq & 0xFFFFFFFF or chunk != c or got != nbytes:
-            raise CollectiveMismatch(
-                f"collective mismatch: {link.peer_desc} sent collective #{seq} chunk {chunk} ({got} bytes) while "
-                f"{self.describe(self.rank)} expected #{job.seq} chunk {c} ({nbytes} bytes) of {job.plan.desc}"
-            )
-
-    def _tree_up(self, job: _Job, t: int, c: int, reducer: Reducer) -> None:
-        desc, g, b = job.plan.desc, job.first_chunk + c, self._buf(job, c)
-        h0, h1 = self._tree_half(job, t, c)
-        # Wait for the local reducers whose slices overlap this half.
-        c0, c1 = self._chunk_range(job, c)
-        owners = [k for k in range(self.local_size) if _overlaps(split(c1 - c0, self.local_size, k), (h0, h1))]
-        self._wait("red", owners, g + 1, job, f"tree {t} reduce-up", late=True)
-        acc = acc_dtype(desc.dtype, desc.op)
-        partial = self._view(self._shape.red_offset(b), acc, h0, h1)
-        payload = memoryview(partial.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
-        parent = self._parents[t]
-        children = self._children[t]
-        out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
-        # The root of a plain sum with nothing left to do after the last child writes that
-        # child's sum straight into the result buffer instead of combining and then copying.
-        direct = parent is None and acc == desc.dtype and desc.op == Op.SUM and children
-        if direct:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
-        for i, link in enumerate(children):
-            what = f"receiving chunk {c} of {desc} from a child in tree {t}"
-            self._expect(link, job, c, len(payload), what)
-            incoming = self._scratch(t, i, acc, h1 - h0)
-            if h1 > h0:
-                link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.tree_deadline, what)
-                if direct and i == len(children) - 1:
-                    torch.add(partial, incoming, out=out)
-                else:
-                    reducer.combine(partial, incoming, desc.op)
-        if parent is not None:
-            parent.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} up tree {t}")
-        else:
-            if not direct:
-                self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
-                if h1 > h0:
-                    reducer.finish(out, partial, desc.op, self.world_size)
-            with self._tree_signal[t]:
-                self._root_ready[t] = g + 1
-                self._tree_signal[t].notify_all()
-
-    def _tree_down(self, job: _Job, t: int, c: int) -> None:
-        desc, g, b = job.plan.desc, job.first_chunk + c, self._buf(job, c)
-        h0, h1 = self._tree_half(job, t, c)
-        out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
-        payload = memoryview(out.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
-        parent = self._parents[t]
-        if parent is None:
-            cond = self._tree_signal[t]
-            with cond:
-                while not reached(self._root_ready[t], g + 1):
-                    self._check()
-                    if time.monotonic() > job.tree_deadline:
-                        raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} in tree {t}")
-                    cond.wait(_SLICE)
-        else:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast", late=True)
-            what = f"receiving chunk {c} of {desc} from the parent in tree {t}"
-            self._expect(parent, job, c, len(payload), what)
-            if h1 > h0:
-                parent.recv_all(payload, self._check, job.tree_deadline, what)
-        for link in self._children[t]:
-            link.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} down tree {t}")
-        with self._tree_lock:
-            self._tree_done[t] = g + 1
-            if reached(self._tree_done[1 - t], g + 1):
-                self._arena.publish("out", self.local_rank, g + 1)
-
-    def _scratch(self, t: int, i: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        key = (t, i)
-        store = self.__dict__.setdefault("_scratch_bufs", {})
-        buf = store.get(key)
-        need = n * dtype.itemsize
-        if buf is None or buf.numel() < need:
-            buf = torch.empty(max(need, self.config.chunk_bytes), dtype=torch.uint8)
-            store[key] = buf
-        return buf[:need].view(dtype)
-
     # ------------------------------------------------------------------ CUDA
-    def _cuda_prepare(self, job: _Job) -> None:
+    def _cuda_prepare(self, job: Job) -> None:
         """Pin the arena once and order this collective's copies after the caller's stream."""
         self._arena.pin()
         device = next(t.device for _, t in job.plan.sources + job.plan.sinks if t.is_cuda)
@@ -806,10 +582,6 @@ def _op(op: Op | str) -> Op:
         return Op[str(op).upper()]
     except KeyError:
         raise ValueError(f"unsupported op {op!r}; hfreduce supports: sum, avg, min, max") from None
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1] or (a == b)
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,73 @@
+"""Engine configuration, and where a rank sits: its node and the address it listens on."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFReduceConfig:
+    """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
+
+    chunk_bytes: int = 2 << 20
+    """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap."""
+    depth: int = 4
+    """Chunks in flight per node (arena buffers). At least 2."""
+    timeout: float = 60.0
+    """Seconds a collective may take before every rank raises CollectiveTimeout."""
+    ifaddr: str | None = None
+    """IPv4 address to listen on for other nodes. Default: the address that routes to MASTER_ADDR."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
+            raise ValueError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
+        if self.depth < 2:
+            raise ValueError(f"depth must be at least 2, got {self.depth}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+
+    @classmethod
+    def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
+        kw: dict = {}
+        env = os.environ
+        for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str)):
+            raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
+            if raw:
+                try:
+                    kw[name] = conv(raw)
+                except ValueError:
+                    raise ValueError(f"FIREFLYER_HFREDUCE_{name.upper()}={raw!r} is not a valid {conv.__name__}") from None
+        if timeout is not None and "timeout" not in kw:
+            kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+def node_key() -> str:
+    """This process's node: ``FIREFLYER_NODE_ID`` if set, else the host (name and boot id)."""
+    explicit = os.environ.get("FIREFLYER_NODE_ID")
+    if explicit:
+        return explicit
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def route_address(config: HFReduceConfig) -> str:
+    if config.ifaddr:
+        return config.ifaddr
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
