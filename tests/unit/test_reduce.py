@@ -140,11 +140,12 @@ def test_acc_dtype_and_chunk_elems() -> None:
     for d in REDUCIBLE:
         assert acc_dtype(d, Op.COPY) == d
         assert acc_dtype(d, Op.SUM) == (torch.float32 if d in LOW_PRECISION else d)
-    assert chunk_elems(4096, torch.float16, Op.SUM) == 1024  # sized by the fp32 accumulator
-    assert chunk_elems(4096, torch.float16, Op.COPY) == 2048
+    assert chunk_elems(4096, torch.float16, Op.SUM) == 2048  # one node: the data fills the chunk
+    assert chunk_elems(4096, torch.float16, Op.SUM, red_bytes=8192) == 2048  # fp32 partials fit twice the bytes
+    assert chunk_elems(4096, torch.float8_e4m3fn, Op.SUM, red_bytes=8192) == 2048  # fp8 is bound by its fp32 partials
+    assert chunk_elems(4096, torch.float16, Op.COPY, red_bytes=4096) == 2048
     assert chunk_elems(4096, torch.float64, Op.SUM) == 512
     assert chunk_elems(1, torch.float64, Op.SUM) == 1
-    assert chunk_elems(4096, torch.bfloat16, Op.SUM, accumulate_in_arena=False) == 2048  # one node: data only
 
 
 # -- Reducer ---------------------------------------------------------------------------

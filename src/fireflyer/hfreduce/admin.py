@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fireflyer.cliutil import ArgumentParser
-
 from fireflyer.hfreduce.arena import sweep_stale
 
 

@@ -7,7 +7,7 @@ later moment leaves nothing behind in /dev/shm.
 
 Layout (``depth`` pipeline buffers, ``L`` local ranks, chunk of ``chunk_bytes``)::
 
-    control | in[depth][L] | red[depth] | out[depth]
+    control | in[depth][L] | red[depth] (2 chunks each) | out[depth]
 
 ``in[b][k]``   local rank k's stage-in copy of the chunk in buffer b
 ``red[b]``     the node's partial sum (accumulation dtype) on its way into the trees
@@ -33,12 +33,14 @@ import torch
 
 from fireflyer.hfreduce import futex
 from fireflyer.hfreduce.errors import HFReduceError
+from fireflyer.hfreduce.procs import pid_alive
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "fireflyer-hfr-"
 MAGIC = 0x48465231  # "HFR1"
 
 STAGES = ("in", "red", "out", "done")
+RED_FACTOR = 2  # red buffers are twice a chunk: room for fp16/bf16 chunks accumulated in fp32
 _LINE = 64  # bytes per flag: one cache line each, so owners never share a line
 _DESC_BYTES = 64
 _ABORT_MSG_BYTES = 2048
@@ -78,15 +80,20 @@ class ArenaShape:
     def in_offset(self, buf: int, local_rank: int) -> int:
         return self.control_bytes + (buf * self.local_size + local_rank) * self.chunk_bytes
 
+    @property
+    def red_bytes(self) -> int:
+        """A partial-sum buffer holds a chunk in fp32 even when the data is 16-bit."""
+        return RED_FACTOR * self.chunk_bytes
+
     def red_offset(self, buf: int) -> int:
-        return self.control_bytes + (self.depth * self.local_size + buf) * self.chunk_bytes
+        return self.control_bytes + self.depth * self.local_size * self.chunk_bytes + buf * self.red_bytes
 
     def out_offset(self, buf: int) -> int:
-        return self.control_bytes + (self.depth * (self.local_size + 1) + buf) * self.chunk_bytes
+        return self.control_bytes + self.depth * (self.local_size * self.chunk_bytes + self.red_bytes) + buf * self.chunk_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.control_bytes + self.depth * (self.local_size + 2) * self.chunk_bytes
+        return self.control_bytes + self.depth * ((self.local_size + 1) * self.chunk_bytes + self.red_bytes)
 
 
 def _align(x: int, a: int) -> int:
@@ -280,11 +287,7 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
             pid = int(name.rsplit("-", 1)[1])
         except (IndexError, ValueError):
             continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             _unlink_quietly(os.path.join(shm_dir, name))
             removed.append(name)
-        except (PermissionError, OverflowError, ValueError):
-            pass
     return removed

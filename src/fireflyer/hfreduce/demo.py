@@ -8,13 +8,13 @@ against gloo, times both, and trains a tiny model with torch DDP over hfreduce.
 
 from __future__ import annotations
 
-from fireflyer.cliutil import ArgumentParser
 import os
 import socket
 import subprocess
 import sys
 import time
 
+from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 
 

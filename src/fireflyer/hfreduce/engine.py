@@ -34,6 +34,7 @@ import torch
 
 from fireflyer.hfreduce import collectives, futex
 from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape, reached
+from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -42,6 +43,7 @@ from fireflyer.hfreduce.errors import (
     error_from_text,
     error_to_text,
 )
+from fireflyer.hfreduce.procs import pid_alive
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     Descriptor,
@@ -51,7 +53,6 @@ from fireflyer.hfreduce.reduce import (
     acc_dtype,
     chunk_elems,
 )
-from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.topology import Layout, split
 from fireflyer.hfreduce.transport import Link, Listener
 from fireflyer.hfreduce.trees import Trees
@@ -304,7 +305,7 @@ class Communicator(Trees):
         if now - self._last_liveness > _SLICE:
             self._last_liveness = now
             for k, r in enumerate(self.members):
-                if r != self.rank and not _alive(self._pids[r]):
+                if r != self.rank and not pid_alive(self._pids[r]):
                     raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
 
     def _wait(self, stage: str, local_ranks, target: int, job: Job, what: str, *, late: bool = False) -> None:
@@ -356,7 +357,8 @@ class Communicator(Trees):
 
     def _execute(self, job: Job) -> None:
         desc = job.plan.desc
-        job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op, accumulate_in_arena=self.num_nodes > 1)
+        red = self._shape.red_bytes if self.num_nodes > 1 else None
+        job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op, red_bytes=red)
         job.nchunks = max(1, -(-desc.numel // job.elems))
         job.first_chunk = self._chunk
         job.seq = self._seq
@@ -558,9 +560,6 @@ class Communicator(Trees):
 
     # ------------------------------------------------------------------ teardown
     def _teardown(self) -> None:
-        for th in getattr(self, "_tree_threads", []):
-            if th.is_alive() and self._error is not None:
-                pass
         for link in self._links:
             link.close()
         self._links = []
@@ -582,20 +581,6 @@ def _op(op: Op | str) -> Op:
         return Op[str(op).upper()]
     except KeyError:
         raise ValueError(f"unsupported op {op!r}; hfreduce supports: sum, avg, min, max") from None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def memory_traffic(nbytes: int, local_size: int, num_nodes: int, itemsize: int = 4) -> dict[str, float]:

@@ -24,6 +24,8 @@ import signal
 import subprocess
 from types import TracebackType
 
+from fireflyer.hfreduce.procs import pid_alive
+
 CMD_TIMEOUT_S = 10.0
 """Timeout of every ``ip``/``tc`` call."""
 
@@ -79,21 +81,11 @@ def remove_stale_namespaces(prefix: str = "ffr") -> list[str]:
         if len(parts) < 3 or parts[0] != prefix or not parts[1].isdigit():
             continue
         pid = int(parts[1])
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         _run(["ip", "netns", "del", name], check=False)
         removed.append(name)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def tbf_params(rate_mbit: float) -> dict[str, int]:

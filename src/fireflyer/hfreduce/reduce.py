@@ -122,11 +122,13 @@ class Plan:
         return self.owners is None
 
 
-def chunk_elems(chunk_bytes: int, dtype: torch.dtype, op: Op, *, accumulate_in_arena: bool = True) -> int:
-    """Elements per chunk. When partial sums live in the arena (several nodes), the
-    accumulation dtype must fit a chunk buffer too; on one node only the data does."""
-    size = max(dtype.itemsize, acc_dtype(dtype, op).itemsize) if accumulate_in_arena else dtype.itemsize
-    return max(1, chunk_bytes // size)
+def chunk_elems(chunk_bytes: int, dtype: torch.dtype, op: Op, *, red_bytes: int | None = None) -> int:
+    """Elements per chunk: a chunk of data fills ``chunk_bytes``; when partial sums live
+    in the arena (several nodes), they must also fit a ``red_bytes`` buffer."""
+    n = chunk_bytes // dtype.itemsize
+    if red_bytes is not None:
+        n = min(n, red_bytes // acc_dtype(dtype, op).itemsize)
+    return max(1, n)
 
 
 class Reducer:

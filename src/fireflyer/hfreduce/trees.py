@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from fireflyer.hfreduce.arena import reached
+from fireflyer.hfreduce.config import route_address
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout
 from fireflyer.hfreduce.reduce import Descriptor, Op, Reducer, acc_dtype
 from fireflyer.hfreduce.topology import split, tree_links
-from fireflyer.hfreduce.config import route_address
 from fireflyer.hfreduce.transport import Link, Listener, connect
 
 if TYPE_CHECKING:
