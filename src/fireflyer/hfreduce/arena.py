@@ -28,6 +28,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -61,26 +62,26 @@ class ArenaShape:
         """Index of a flag in int32 units from the start of the arena."""
         return (self.flags_offset + (STAGES.index(stage) * self.local_size + local_rank) * _LINE) // 4
 
-    @property
+    @cached_property
     def pid_offset(self) -> int:
         return self.flags_offset + len(STAGES) * self.local_size * _LINE
 
-    @property
+    @cached_property
     def desc_offset(self) -> int:
         return self.pid_offset + self.local_size * 8
 
-    @property
+    @cached_property
     def abort_offset(self) -> int:
         return _align(self.desc_offset + self.local_size * _DESC_BYTES, _LINE)
 
-    @property
+    @cached_property
     def control_bytes(self) -> int:
         return _align(self.abort_offset + _LINE + _ABORT_MSG_BYTES, 4096)
 
     def in_offset(self, buf: int, local_rank: int) -> int:
         return self.control_bytes + (buf * self.local_size + local_rank) * self.chunk_bytes
 
-    @property
+    @cached_property
     def red_bytes(self) -> int:
         """A partial-sum buffer holds a chunk in fp32 even when the data is 16-bit."""
         return RED_FACTOR * self.chunk_bytes
@@ -91,7 +92,7 @@ class ArenaShape:
     def out_offset(self, buf: int) -> int:
         return self.control_bytes + self.depth * (self.local_size * self.chunk_bytes + self.red_bytes) + buf * self.chunk_bytes
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return self.control_bytes + self.depth * ((self.local_size + 1) * self.chunk_bytes + self.red_bytes)
 
@@ -119,6 +120,7 @@ class Arena:
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._pinned = False
         self._index = {(st, k): shape.flag_index(st, k) for st in STAGES for k in range(shape.local_size)}
+        self._abort_word = shape.abort_offset // 4
 
     # -- life cycle -----------------------------------------------------------------
     @classmethod
@@ -238,7 +240,7 @@ class Arena:
         return self._base + self.shape.abort_offset
 
     def aborted(self) -> bool:
-        return self._words[self.shape.abort_offset // 4] != 0
+        return self._words[self._abort_word] != 0
 
     def abort(self, message: str) -> None:
         """Record the first failure on this node and wake every local waiter."""

@@ -315,22 +315,31 @@ class Communicator(Trees):
         whose own errors should arrive before this rank gives up on its own account.
         """
         arena = self._arena
-        deadline = job.tree_deadline if late else job.deadline
+        words, index = arena._words, arena._index
         for k in local_ranks:
-            addr = arena.flag_address(stage, k)
-            while True:
-                value = arena.read_flag(stage, k)
-                if reached(value, target):
-                    break
-                self._check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CollectiveTimeout(
-                        f"{job.plan.desc} timed out after {self.config.timeout:g}s on {self.describe(self.rank)} "
-                        f"waiting for {self.describe(self.members[k])} to finish '{stage}' of chunk "
-                        f"{target - 1 - job.first_chunk} of {job.nchunks}"
-                    )
-                futex.wait(addr, value - (1 << 32) if value >= 1 << 31 else value, min(_SLICE, left))
+            i = index[stage, k]
+            if ((words[i] - target) & 0xFFFFFFFF) < 0x80000000:  # the common case: already there
+                continue
+            self._sleep_until(i, stage, k, target, job, late)
+
+    def _sleep_until(self, i: int, stage: str, k: int, target: int, job: Job, late: bool) -> None:
+        arena = self._arena
+        words = arena._words
+        deadline = job.tree_deadline if late else job.deadline
+        addr = arena.flag_address(stage, k)
+        while True:
+            value = words[i]
+            if ((value - target) & 0xFFFFFFFF) < 0x80000000:
+                return
+            self._check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeout(
+                    f"{job.plan.desc} timed out after {self.config.timeout:g}s on {self.describe(self.rank)} "
+                    f"waiting for {self.describe(self.members[k])} to finish '{stage}' of chunk "
+                    f"{target - 1 - job.first_chunk} of {job.nchunks}"
+                )
+            futex.wait(addr, value, min(_SLICE, left))
 
     # ------------------------------------------------------------------ the pipeline
     def _run(self) -> None:
