@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 
 from fireflyer.hfreduce import collectives, futex
-from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape, reached
+from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.errors import (
     CollectiveMismatch,
