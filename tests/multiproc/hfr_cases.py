@@ -196,10 +196,9 @@ def after_failure(ctx):
 
 def intrude(ctx, target: int):
     """From this rank, connect to ``target``'s listener with a wrong secret; report what happened."""
+    import datetime
     import json
     import socket
-
-    import datetime
 
     ctx.store.wait([f"test/hfreduce/addr/{target}"], datetime.timedelta(seconds=5))
     host, port = json.loads(ctx.store.get(f"test/hfreduce/addr/{target}"))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hfr_cases import DTYPES, INTS, Case, layout_info, reference, run_case, tolerance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fireflyer.testing.cluster import LocalCluster
-from hfr_cases import DTYPES, INTS, Case, layout_info, reference, run_case, tolerance
 
 # Small chunks (and a shallow pipeline in some layouts) so modest sizes already span
 # many chunks and reuse every arena buffer several times.

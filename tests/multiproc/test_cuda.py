@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hfr_cases import DTYPES, Case, reference, run_case_cuda, tolerance
 
 from fireflyer.testing.cluster import LocalCluster
-from hfr_cases import DTYPES, Case, reference, run_case_cuda, tolerance
 
 pytestmark = [
     pytest.mark.cuda,

@@ -6,9 +6,9 @@ import os
 import re
 
 import pytest
+from hfr_cases import after_failure, allreduce_until_failure, arena_files, capture_refusals, intrude, mismatched, skip_collective
 
 from fireflyer.testing.cluster import LocalCluster
-from hfr_cases import after_failure, allreduce_until_failure, arena_files, capture_refusals, intrude, mismatched, skip_collective
 
 TIMEOUT = 6.0
 ENV = {"FIREFLYER_HFREDUCE_TIMEOUT": str(TIMEOUT), "FIREFLYER_HFREDUCE_CHUNK_BYTES": "65536"}
@@ -73,9 +73,8 @@ def test_intruder_is_refused_logged_and_never_summed():
         refused, records = got[2][1]
         assert refused >= 2
         assert any("refused a connection" in m and "127.0.0.1" in m for m in records), records
-        from hfr_cases import Case, run_case
-
         import torch
+        from hfr_cases import Case, run_case
 
         sums = cluster.run(run_case, Case("allreduce", torch.float32, 1000, "sum", seed=1))
         for s in sums[1:]:

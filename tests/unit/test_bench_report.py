@@ -9,6 +9,7 @@ import torch
 
 from fireflyer.errors import UserError
 from fireflyer.hfreduce import bench, bench_worker
+from fireflyer.hfreduce import bench_report as report
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -65,11 +66,11 @@ def test_aggregate_copy_bw_takes_best_trial() -> None:
 
 def test_fallback_memory_traffic() -> None:
     s = 64 << 20
-    t = bench.fallback_memory_traffic(s, 4, 1, 4)
+    t = report.fallback_memory_traffic(s, 4, 1, 4)
     assert t["floor_mem_bytes"] == 8 * s
     assert t["mem_bytes"] == 4 * (5 * s + s / 4)
     assert t["link_bytes"] == 0
-    assert bench.fallback_memory_traffic(s, 2, 2, 4)["link_bytes"] == s
+    assert report.fallback_memory_traffic(s, 2, 2, 4)["link_bytes"] == s
 
 
 def test_sizes_and_default_iters() -> None:

@@ -9,8 +9,8 @@ from fireflyer.hfreduce import collectives
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     DTYPES,
-    REDUCIBLE,
     LOW_PRECISION,
+    REDUCIBLE,
     Descriptor,
     Kind,
     Op,
