@@ -106,3 +106,17 @@ def test_from_env_precedence(monkeypatch) -> None:
     assert cfg.timeout == 3.0
     assert cfg.depth == 8
     assert cfg.ifaddr is None  # None overrides are ignored
+
+
+def test_memory_traffic_counts_the_engine_copies():
+    from fireflyer.hfreduce import memory_traffic
+
+    S = 1 << 20
+    one = memory_traffic(S, 4, 1, 4)
+    # stage-in 2*3S (own slice skipped) + reduce 4S read + S written + stage-out 2*4S
+    assert one == {"mem_bytes": 19.0 * S, "floor_mem_bytes": 8.0 * S, "link_bytes": 0.0}
+    two = memory_traffic(S, 2, 2, 4)
+    assert two["link_bytes"] == S  # half of the data up one tree, half down the other
+    bf16 = memory_traffic(S, 2, 2, 2)
+    assert bf16["link_bytes"] == 1.5 * S  # partial sums go up in fp32
+    assert bf16["mem_bytes"] > two["mem_bytes"]
