@@ -63,6 +63,13 @@ def run_case(ctx, case: Case) -> torch.Tensor:
     if case.kind == "broadcast":
         comm.broadcast(x, case.root).wait()
         return x.clone()
+    if case.kind == "reduce":
+        before = x.clone()
+        comm.reduce(x, case.root, case.op).wait()
+        if rank == case.root:
+            return x.clone()
+        same = torch.equal(before.contiguous().view(torch.uint8), x.contiguous().view(torch.uint8))
+        return torch.tensor([0.0 if same else 1.0], dtype=torch.float64)
     raise ValueError(case.kind)
 
 
@@ -70,7 +77,7 @@ def reference(case: Case, world: int) -> list[torch.Tensor]:
     """Expected per-rank results in float64 (or int64), from every rank's input."""
     inputs = [make_input(case, r, world) for r in range(world)]
     wide = [x.to(torch.float64) if case.dtype in FLOATS else x.to(torch.int64) for x in inputs]
-    if case.kind in ("allreduce", "reduce_scatter"):
+    if case.kind in ("allreduce", "reduce_scatter", "reduce"):
         stacked = torch.stack(wide) if wide[0].numel() else torch.zeros(world, 0, dtype=wide[0].dtype)
         if case.op in ("sum", "avg"):
             full = stacked.sum(0)
@@ -82,6 +89,8 @@ def reference(case: Case, world: int) -> list[torch.Tensor]:
             full = stacked.max(0).values if stacked.shape[1] else stacked[0]
         if case.kind == "allreduce":
             return [full] * world
+        if case.kind == "reduce":  # the root gets the result; every other rank's tensor is untouched
+            return [full if r == case.root else torch.zeros(1, dtype=torch.float64) for r in range(world)]
         k = case.numel
         return [full[r * k : (r + 1) * k] for r in range(world)]
     if case.kind == "allgather":

@@ -27,7 +27,7 @@ SIZES = st.one_of(st.sampled_from([0, 1, 2, 3, 7, 13, 101, 1009, 4099, 65537]), 
 
 @st.composite
 def cases(draw, world: int) -> Case:
-    kind = draw(st.sampled_from(["allreduce", "allreduce", "reduce_scatter", "allgather", "broadcast"]))
+    kind = draw(st.sampled_from(["allreduce", "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"]))
     dtype = draw(st.sampled_from(DTYPES))
     ops = ["sum", "min", "max"] + ([] if dtype in INTS else ["avg"])
     return Case(
@@ -54,6 +54,9 @@ def check(cluster: LocalCluster, case: Case) -> list[torch.Tensor]:
     expected = reference(case, world)
     tol = tolerance(case, world)
     for rank, (got, want) in enumerate(zip(results, expected)):
+        if case.kind == "reduce" and rank != case.root:
+            assert got.item() == 0.0, f"reduce changed the tensor of non-root rank {rank}: {case}"
+            continue
         assert got.dtype == case.dtype and got.numel() == want.numel(), (rank, case)
         wide = got.to(torch.float64 if case.dtype not in INTS else torch.int64)
         if tol == 0.0:
@@ -61,7 +64,7 @@ def check(cluster: LocalCluster, case: Case) -> list[torch.Tensor]:
         else:
             err = (wide - want).abs().max().item() if want.numel() else 0.0
             assert err <= tol, f"rank {rank}: error {err} > {tol} for {case}"
-    if case.kind != "reduce_scatter":
+    if case.kind not in ("reduce_scatter", "reduce"):
         first = results[0].view(torch.uint8) if results[0].numel() else results[0]
         for rank, got in enumerate(results[1:], 1):
             assert torch.equal(got.view(torch.uint8) if got.numel() else got, first), f"rank {rank} differs bitwise from rank 0"

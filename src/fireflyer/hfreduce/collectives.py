@@ -3,6 +3,7 @@
 Every collective is a reduction of a flat buffer of ``numel`` elements:
 
 * allreduce       each rank contributes the whole buffer and gets the whole result;
+* reduce          like allreduce, but only the root gets the result;
 * reduce_scatter  each rank contributes the whole buffer and gets its own segment;
 * allgather       each rank contributes its own segment (one owner per element) and gets the whole;
 * broadcast       the root contributes the whole buffer, the others receive it;
@@ -59,6 +60,18 @@ def allreduce(tensor: torch.Tensor, op: Op, world_size: int) -> Plan:
     check_op(op, flat.dtype)
     desc = Descriptor(Kind.ALLREDUCE, tensor.dtype, flat.numel(), op)
     return Plan(desc, sources=[(0, flat)], sinks=[(0, flat)], world_size=world_size, on_done=done)
+
+
+def reduce(tensor: torch.Tensor, op: Op, root: int, rank: int, world_size: int) -> Plan:
+    """Like allreduce, but only ``root`` takes the result; the other ranks' tensors are left as they were."""
+    if not 0 <= root < world_size:
+        raise ValueError(f"reduce root must be in 0..{world_size - 1}, got {root}")
+    done: list = []
+    flat = _flat(tensor, done, write_back=rank == root)
+    check_op(op, flat.dtype)
+    desc = Descriptor(Kind.REDUCE, tensor.dtype, flat.numel(), op, root)
+    sinks = [(0, flat)] if rank == root else []
+    return Plan(desc, sources=[(0, flat)], sinks=sinks, world_size=world_size, on_done=done)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int, world_size: int) -> Plan:

@@ -198,6 +198,9 @@ class Communicator(Trees):
     def allreduce(self, tensor: torch.Tensor, op: Op | str = Op.SUM) -> torch.futures.Future:
         return self.submit(collectives.allreduce(tensor, _op(op), self.world_size))
 
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: Op | str = Op.SUM) -> torch.futures.Future:
+        return self.submit(collectives.reduce(tensor, _op(op), root, self.rank, self.world_size))
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op | str = Op.SUM) -> torch.futures.Future:
         return self.submit(collectives.reduce_scatter(output, input, _op(op), self.rank, self.world_size))
 

@@ -93,6 +93,11 @@ class HFReduceProcessGroup(dist.ProcessGroup):
         t = _one(tensors, "broadcast")
         return self._work([collectives.broadcast(t, root, self.rank(), self.size())], tensors)
 
+    def reduce(self, tensors, opts=None):
+        t = _one(tensors, "reduce")
+        root = getattr(opts, "rootRank", 0)
+        return self._work([collectives.reduce(t, _op(opts), root, self.rank(), self.size())], tensors)
+
     def allgather(self, output_tensors, input_tensors, opts=None):
         inp = _one(input_tensors, "allgather")
         outs = output_tensors[0]

@@ -28,6 +28,7 @@ class Kind(IntEnum):
     ALLGATHER = 2
     BROADCAST = 3
     BARRIER = 4
+    REDUCE = 5
 
 
 DTYPES: dict[torch.dtype, int] = {
@@ -92,8 +93,8 @@ class Descriptor:
     def __str__(self) -> str:
         name = self.kind.name.lower()
         dtype = str(self.dtype).replace("torch.", "")
-        extra = f", root={self.root}" if self.kind == Kind.BROADCAST else ""
-        op = f", {self.op.name}" if self.kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER) else ""
+        extra = f", root={self.root}" if self.kind in (Kind.BROADCAST, Kind.REDUCE) else ""
+        op = f", {self.op.name}" if self.kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.REDUCE) else ""
         return f"{name}({dtype}[{self.numel}]{op}{extra})"
 
 
