@@ -59,6 +59,8 @@ def test_backend_and_plain_collectives(report):
     full = [w * float(i) for i in range(2 * w)]
     assert report["reduce_scatter_tensor"] == [full[2 * r : 2 * r + 2] for r in range(w)]
     assert report["avg"] == sum(range(w)) / w
+    total = float(w * (w + 1) // 2)
+    assert report["reduce"] == [[float(r + 1)] * 3 for r in range(w - 1)] + [[total] * 3]  # only the root changes
     assert report["subgroup_sum"] == len(range(0, w, 2))
     assert report["complex"] == [float(w), float(sum(range(w)))]
 
