@@ -209,8 +209,9 @@ def intrude(ctx, target: int):
     import json
     import socket
 
-    ctx.store.wait([f"test/hfreduce/addr/{target}"], datetime.timedelta(seconds=5))
-    host, port = json.loads(ctx.store.get(f"test/hfreduce/addr/{target}"))
+    key = f"test/hfreduce/{ctx.comm.incarnation}/addr/{target}"
+    ctx.store.wait([key], datetime.timedelta(seconds=5))
+    host, port = json.loads(ctx.store.get(key))
     from fireflyer.hfreduce.transport import connect
 
     try:

@@ -15,7 +15,7 @@ from fireflyer.testing.cluster import free_port
 JOB = Path(__file__).with_name("torch_job.py")
 
 
-def _torchrun(nodes: int, per_node: int, out: Path) -> None:
+def _torchrun(nodes: int, per_node: int, out: Path, job: Path = JOB) -> None:
     port = free_port()
     procs = []
     for node in range(nodes):
@@ -24,7 +24,7 @@ def _torchrun(nodes: int, per_node: int, out: Path) -> None:
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={per_node}",
             "--master-addr=127.0.0.1", f"--master-port={port}",
-            str(JOB), str(out),
+            str(job), str(out),
         ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
@@ -80,3 +80,11 @@ def test_ddp_over_hfreduce_matches_ddp_over_gloo(report):
 def test_fsdp2_over_hfreduce_matches_fsdp2_over_gloo(report):
     assert report["fsdp_vs_ddp_moved"] > 1e-3
     assert report["fsdp_max_diff"] < 1e-6
+
+
+def test_a_group_can_be_destroyed_and_created_again_on_the_same_store(tmp_path):
+    out = tmp_path / "reinit"
+    _torchrun(1, 2, out, job=JOB.with_name("reinit_job.py"))
+    lines = Path(f"{out}.r").read_text().split()
+    # ranks 0 and 1 add (rank + i) for i = 0, 1, 2: sums 1, 3, 5 on both ranks
+    assert sorted(lines) == sorted(["1.0", "3.0", "5.0"] * 2)

@@ -124,20 +124,26 @@ class Communicator(Trees):
 
     # ------------------------------------------------------------------ setup
     def _setup(self, node: str) -> None:
+        # Every incarnation of a group on the same store (init, destroy, init again) gets
+        # fresh keys: each rank counts itself in once, so the k-th incarnation's ranks all
+        # draw numbers in k*W+1 .. (k+1)*W.
+        drawn = self._store.add("hfreduce/incarnations", 1)
+        self.incarnation = (drawn - 1) // self.world_size
+        self._store = torch.distributed.PrefixStore(f"hfreduce/{self.incarnation}", self._store)
         store, rank, cfg = self._store, self.rank, self.config
         deadline = time.monotonic() + cfg.timeout
         wait = timedelta(seconds=cfg.timeout)
         if rank == 0:
-            store.set("hfreduce/secret", secrets.token_hex(32))
-        store.set(f"hfreduce/info/{rank}", json.dumps({"node": node, "pid": os.getpid()}))
-        keys = [f"hfreduce/info/{r}" for r in range(self.world_size)] + ["hfreduce/secret"]
+            store.set("secret", secrets.token_hex(32))
+        store.set(f"info/{rank}", json.dumps({"node": node, "pid": os.getpid()}))
+        keys = [f"info/{r}" for r in range(self.world_size)] + ["secret"]
         try:
             store.wait(keys, wait)
         except Exception as exc:  # torch raises its own DistStoreError / RuntimeError flavours
             missing = [k for k in keys if not store.check([k])]
             raise CollectiveTimeout(f"hfreduce rendezvous timed out after {cfg.timeout:.0f}s; missing: {missing[:8]}") from exc
-        self._secret = bytes.fromhex(store.get("hfreduce/secret").decode())
-        infos = [json.loads(store.get(f"hfreduce/info/{r}")) for r in range(self.world_size)]
+        self._secret = bytes.fromhex(store.get("secret").decode())
+        infos = [json.loads(store.get(f"info/{r}")) for r in range(self.world_size)]
         self.layout = Layout.from_node_keys([i["node"] for i in infos])
         self._pids = [i["pid"] for i in infos]
         self.node = self.layout.node_of(rank)
@@ -158,7 +164,7 @@ class Communicator(Trees):
         store = self._store
         shape = ArenaShape(local_size=self.local_size, chunk_bytes=self.config.chunk_bytes, depth=self.config.depth)
         job = hashlib.sha256(self._secret).hexdigest()[:12]
-        key = f"hfreduce/arena/{self.node}"
+        key = f"arena/{self.node}"
         if self.local_rank == 0:
             name = f"{NAME_PREFIX}{job}-{self.node}-{os.getpid()}"
             self._arena = Arena.create(name, shape)
@@ -278,8 +284,8 @@ class Communicator(Trees):
 
         def look() -> None:
             try:
-                if self._store.check(["hfreduce/error"]):
-                    result.append(self._store.get("hfreduce/error").decode())
+                if self._store.check(["error"]):
+                    result.append(self._store.get("error").decode())
             except Exception:  # noqa: BLE001 - the store may be gone with a dead rank
                 pass
 
@@ -291,7 +297,7 @@ class Communicator(Trees):
     def _publish_root_cause(self, exc: HFReduceError) -> None:
         def put() -> None:
             try:
-                self._store.compare_set("hfreduce/error", "", error_to_text(exc))
+                self._store.compare_set("error", "", error_to_text(exc))
             except Exception:  # noqa: BLE001 - best effort
                 pass
 

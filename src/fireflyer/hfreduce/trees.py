@@ -43,7 +43,7 @@ class Trees:
         store = self._store
         host = route_address(self.config)
         self._listener = Listener(host, self._secret, self.rank)
-        store.set(f"hfreduce/addr/{self.rank}", json.dumps(self._listener.address))
+        store.set(f"addr/{self.rank}", json.dumps(self._listener.address))
         self._parents: list[Link | None] = [None, None]
         self._children: list[list[Link]] = [[], []]
         rail_ranks = [self.layout.rail_peer(n, self.local_rank) for n in range(self.num_nodes)]
@@ -51,7 +51,7 @@ class Trees:
             links = tree_links(self.num_nodes, self.node, t)
             if links.parent >= 0:
                 peer = rail_ranks[links.parent]
-                key = f"hfreduce/addr/{peer}"
+                key = f"addr/{peer}"
                 store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
                 phost, pport = json.loads(store.get(key))
                 sock = connect(phost, pport, my_rank=self.rank, peer_rank=peer, tag=t, secret=self._secret, deadline=deadline)
