@@ -26,35 +26,33 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
 
 
-def train_ddp(group, steps: int = 4) -> list[torch.Tensor]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _train(net: nn.Module, steps: int) -> None:
     rank = dist.get_rank()
-    net = DDP(model(), process_group=group, bucket_cap_mb=0.01)  # several buckets
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(steps):
         x, y = batch(rank, step)
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
+
+
+def train_ddp(group, steps: int = 4) -> list[torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = DDP(model(), process_group=group, bucket_cap_mb=0.01)  # several buckets
+    _train(net, steps)
     return [p.detach().clone() for p in net.parameters()]
 
 
 def train_fsdp(mesh, steps: int = 3) -> list[torch.Tensor]:
     from torch.distributed.fsdp import fully_shard
 
-    rank = dist.get_rank()
     net = model()
     for layer in net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
-        opt.step()
+    _train(net, steps)
     return [p.full_tensor().detach().clone() for p in net.parameters()]
 
 

@@ -152,26 +152,20 @@ def test_attach_to_a_missing_arena_times_out(arenas) -> None:
         arenas.attach(arenas.name(), timeout=0.05)
 
 
-def test_attach_to_a_foreign_file_raises(arenas) -> None:
+@pytest.mark.parametrize(
+    "header,error",
+    [(b"JUNK" * 8, "different shape"), (b"", "initialised")],
+    ids=["foreign-file", "uninitialised-file"],
+)
+def test_attach_to_a_file_that_is_not_an_arena_raises(arenas, header: bytes, error: str) -> None:
     name = arenas.name()
     fd = os.open(arena_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, SHAPE.total_bytes)
-        os.pwrite(fd, b"JUNK" * 8, 0)
+        os.pwrite(fd, header, 0)
     finally:
         os.close(fd)
-    with pytest.raises(HFReduceError, match="different shape"):
-        arenas.attach(name, timeout=0.2)
-
-
-def test_attach_to_an_uninitialised_file_times_out(arenas) -> None:
-    name = arenas.name()
-    fd = os.open(arena_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, SHAPE.total_bytes)
-    finally:
-        os.close(fd)
-    with pytest.raises(HFReduceError, match="initialised"):
+    with pytest.raises(HFReduceError, match=error):
         arenas.attach(name, timeout=0.2)
 
 
