@@ -14,7 +14,8 @@ from fireflyer.testing.cluster import LocalCluster
 # many chunks and reuse every arena buffer several times.
 LAYOUTS = {
     "1": ([1], {}),
-    "1x2": ([2], {"FIREFLYER_HFREDUCE_CHUNK_BYTES": "8192", "FIREFLYER_HFREDUCE_DEPTH": "2"}),
+    # this layout keeps the /dev/shm file arena (the fallback where memfd is missing) tested
+    "1x2": ([2], {"FIREFLYER_HFREDUCE_CHUNK_BYTES": "8192", "FIREFLYER_HFREDUCE_DEPTH": "2", "FIREFLYER_HFREDUCE_ARENA": "file"}),
     "1x4": ([4], {"FIREFLYER_HFREDUCE_CHUNK_BYTES": "16384"}),
     "2x2": ([2, 2], {"FIREFLYER_HFREDUCE_CHUNK_BYTES": "8192", "FIREFLYER_HFREDUCE_DEPTH": "3"}),
     "3+1": ([3, 1], {"FIREFLYER_HFREDUCE_CHUNK_BYTES": "8192"}),

@@ -119,6 +119,7 @@ class Arena:
         self._base = ctypes.addressof(self._words)
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._pinned = False
+        self.private = False
         self._index = {(st, k): shape.flag_index(st, k) for st in STAGES for k in range(shape.local_size)}
         self._abort_word = shape.abort_offset // 4
 
@@ -152,6 +153,49 @@ class Arena:
         return arena
 
     @classmethod
+    def create_private(cls, name: str, shape: ArenaShape) -> tuple["Arena", int]:
+        """An arena in anonymous shared memory (``memfd_create``); returns it and a descriptor to share.
+
+        Nothing appears in /dev/shm, and the memory is gone with the last process holding it.
+        """
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, shape.total_bytes)
+            try:
+                os.posix_fallocate(fd, 0, shape.total_bytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise HFReduceError(
+                        f"no memory for a {shape.total_bytes / 2**20:.1f} MiB arena; lower chunk_bytes or depth"
+                    ) from None
+            share = os.dup(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena = cls(name, shape, fd)
+        arena.private = True
+        arena._mm[: _HEADER.size] = _HEADER.pack(MAGIC, shape.local_size, shape.depth, 0, shape.chunk_bytes)
+        return arena, share
+
+    @classmethod
+    def from_fd(cls, name: str, shape: ArenaShape, fd: int) -> "Arena":
+        """Map an arena received as a descriptor from local rank 0 (takes ownership of ``fd``)."""
+        if os.fstat(fd).st_size < shape.total_bytes:
+            os.close(fd)
+            raise HFReduceError("the shared arena is smaller than this rank expects; do all local ranks use one config?")
+        arena = cls(name, shape, fd)
+        arena.private = True
+        arena._check_header()
+        return arena
+
+    def _check_header(self) -> None:
+        magic, local_size, depth, _, chunk_bytes = _HEADER.unpack(bytes(self._mm[: _HEADER.size]))
+        shape = self.shape
+        if (magic, local_size, depth, chunk_bytes) != (MAGIC, shape.local_size, shape.depth, shape.chunk_bytes):
+            self.close()
+            raise HFReduceError(f"arena {self.name} has a different shape; do all local ranks use the same hfreduce config?")
+
+    @classmethod
     def attach(cls, name: str, shape: ArenaShape, timeout: float) -> "Arena":
         path = arena_path(name)
         deadline = time.monotonic() + timeout
@@ -181,7 +225,8 @@ class Arena:
         return arena
 
     def unlink(self) -> None:
-        _unlink_quietly(arena_path(self.name))
+        if not self.private:
+            _unlink_quietly(arena_path(self.name))
 
     def close(self) -> None:
         self.unpin()

@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import torch
 
-from fireflyer.hfreduce import collectives, futex
+from fireflyer.hfreduce import collectives, fdshare, futex
 from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.errors import (
@@ -105,6 +105,7 @@ class Communicator(Trees):
         self._links: list[Link] = []
         self._listener: Listener | None = None
         self._arena: Arena | None = None
+        self._fd_server: fdshare.FdServer | None = None
         self._seq = 0
         self._chunk = 0
         self._reducer = Reducer()
@@ -165,19 +166,34 @@ class Communicator(Trees):
         shape = ArenaShape(local_size=self.local_size, chunk_bytes=self.config.chunk_bytes, depth=self.config.depth)
         job = hashlib.sha256(self._secret).hexdigest()[:12]
         key = f"arena/{self.node}"
+        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+        private = fdshare.SUPPORTED and os.environ.get("FIREFLYER_HFREDUCE_ARENA", "memfd") != "file"
         if self.local_rank == 0:
             name = f"{NAME_PREFIX}{job}-{self.node}-{os.getpid()}"
-            self._arena = Arena.create(name, shape)
-            store.set(key, name)
+            if private:
+                self._arena, share = Arena.create_private(name, shape)
+                try:
+                    if self.local_size > 1:
+                        self._fd_server = fdshare.FdServer(name, share, self._secret, self.local_size - 1)
+                finally:
+                    os.close(share)
+            else:
+                self._arena = Arena.create(name, shape)
+            store.set(key, json.dumps({"name": name, "private": private}))
         else:
             try:
-                store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                store.wait([key], timedelta(seconds=left()))
             except Exception as exc:
                 raise CollectiveTimeout(f"local rank 0 of node {self.node} never created its arena") from exc
-            name = store.get(key).decode()
-            self._arena = Arena.attach(name, shape, timeout=max(1.0, deadline - time.monotonic()))
+            info = json.loads(store.get(key))
+            name = info["name"]
+            if info["private"]:
+                fd = fdshare.fetch_fd(name, self._secret, time.monotonic() + left())
+                self._arena = Arena.from_fd(name, shape, fd)
+            else:
+                self._arena = Arena.attach(name, shape, timeout=left())
         self._arena.set_pid(self.local_rank, os.getpid())
-        # The last local rank to map the arena unlinks it; from then on only mappings keep it alive.
+        # A file arena: the last local rank to map it unlinks it; from then on only mappings keep it alive.
         if store.add(f"{key}/attached", 1) == self.local_size:
             self._arena.unlink()
         self._shape = shape
@@ -586,6 +602,9 @@ class Communicator(Trees):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._fd_server is not None:
+            self._fd_server.close()
+            self._fd_server = None
         if self._arena is not None:
             self._arena.unlink()  # harmless if already gone; covers a peer that never attached
             self._arena.close()
