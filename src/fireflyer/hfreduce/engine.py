@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -57,13 +56,13 @@ from fireflyer.hfreduce.topology import Layout, split, tree_links
 from fireflyer.hfreduce.transport import Link, Listener
 from fireflyer.hfreduce.trees import Trees
 
-log = logging.getLogger("fireflyer.hfreduce")
-
 _SLICE = 0.05  # seconds between liveness checks while waiting
 
 
 @dataclass
 class Job:
+    """One collective in flight on this rank: its plan, its place in the chunk sequence, its deadlines."""
+
     plan: Plan
     future: torch.futures.Future
     first_chunk: int = 0
@@ -73,7 +72,6 @@ class Job:
     deadline: float = 0.0
     tree_deadline: float = 0.0  # a little later, so the rank that saw the root cause reports it first
     stream_event: object = None
-    errors: list = field(default_factory=list)
 
 
 class Communicator(Trees):

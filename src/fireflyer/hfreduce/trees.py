@@ -28,7 +28,7 @@ from fireflyer.hfreduce.transport import Link, Listener, connect
 if TYPE_CHECKING:
     from fireflyer.hfreduce.engine import Job
 
-_SLICE = 0.05
+_SLICE = 0.05  # seconds between checks while the root waits for its own reduce-up
 
 
 class Trees:
