@@ -57,6 +57,7 @@ from fireflyer.hfreduce.transport import Link, Listener
 from fireflyer.hfreduce.trees import Trees
 
 _SLICE = 0.05  # seconds between liveness checks while waiting
+INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
 
 
 @dataclass
@@ -108,6 +109,9 @@ class Communicator(Trees):
         self._chunk = 0
         self._reducer = Reducer()
         self._views: dict = {}
+        self._submit_lock = threading.Lock()
+        self._exec_lock = threading.Lock()
+        self._pending = 0  # collectives submitted and not yet finished
         self._copy_stream = None
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
@@ -211,7 +215,21 @@ class Communicator(Trees):
         if cuda:
             job.stream_event = torch.cuda.Event()
             job.stream_event.record(torch.cuda.current_stream(cuda[0].device))
-        self._queue.put(job)
+        # A small CPU collective with nothing ahead of it runs right here: handing it to the
+        # engine thread and back would cost more than the collective itself.
+        small = not cuda and plan.desc.numel * plan.desc.dtype.itemsize <= INLINE_BYTES
+        with self._submit_lock:
+            inline = small and self._pending == 0
+            self._pending += 1
+            if inline:
+                self._exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
+            else:
+                self._queue.put(job)
+        if inline:
+            try:
+                self._run_job(job)
+            finally:
+                self._exec_lock.release()
         return fut
 
     # Direct API: each returns a torch.futures.Future that completes when the result is in place.
@@ -376,16 +394,28 @@ class Communicator(Trees):
                 for q in getattr(self, "_tree_queues", []) + ([self._out_queue] if hasattr(self, "_out_queue") else []):
                     q.put(None)
                 return
+            with self._exec_lock:
+                self._run_job(job)
+
+    def _run_job(self, job: Job) -> None:
+        """Run one collective to completion and settle its future. Callers hold ``_exec_lock``."""
+        try:
             if self._error is not None:
-                job.future.set_exception(self._error)
-                continue
-            try:
-                self._execute(job)
-                for fn in job.plan.on_done:
-                    fn()
-                job.future.set_result(job.plan.result)
-            except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-                job.future.set_exception(self._fail(exc))
+                raise self._error
+            self._execute(job)
+            for fn in job.plan.on_done:
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            error = self._fail(exc)
+            self._settle()
+            job.future.set_exception(error)
+            return
+        self._settle()
+        job.future.set_result(job.plan.result)
+
+    def _settle(self) -> None:
+        with self._submit_lock:
+            self._pending -= 1
 
     def _execute(self, job: Job) -> None:
         desc = job.plan.desc

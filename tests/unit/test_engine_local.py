@@ -1,0 +1,47 @@
+"""The engine in one process (world size 1): inline small collectives, ordering, bad input."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fireflyer.hfreduce import Communicator, HFReduceConfig
+from fireflyer.hfreduce.engine import INLINE_BYTES
+
+
+def _comm() -> Communicator:
+    return Communicator(dist.HashStore(), 0, 1, config=HFReduceConfig(timeout=10))
+
+
+def test_a_small_collective_on_an_idle_engine_is_done_when_submit_returns():
+    with _comm() as comm:
+        x = torch.arange(16, dtype=torch.float32)
+        fut = comm.allreduce(x, "avg")
+        assert fut.done()
+        assert torch.equal(x, torch.arange(16, dtype=torch.float32))
+
+
+def test_collectives_finish_in_submission_order_even_when_small_ones_could_run_inline():
+    with _comm() as comm:
+        order: list[str] = []
+        big = torch.ones(8 * INLINE_BYTES)  # goes to the engine thread
+        small = torch.ones(4)
+        f_big = comm.allreduce(big)
+        f_big.then(lambda f: order.append("big"))
+        f_small = comm.allreduce(small)  # something is pending: it must queue behind the big one
+        f_small.then(lambda f: order.append("small"))
+        f_small.wait()
+        f_big.wait()
+        assert order == ["big", "small"]
+
+
+def test_a_closed_communicator_fails_fast():
+    comm = _comm()
+    comm.close()
+    fut = comm.allreduce(torch.ones(3))
+    try:
+        fut.wait()
+        raised = None
+    except Exception as exc:  # noqa: BLE001
+        raised = exc
+    assert raised is not None and "closed" in str(raised)
