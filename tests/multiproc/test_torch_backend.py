@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.testing.cluster import free_port
+from fireflyer.hfreduce.transport import free_port
 
 JOB = Path(__file__).with_name("torch_job.py")
 

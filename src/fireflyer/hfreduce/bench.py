@@ -49,6 +49,7 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
     write_json,
     write_png,
 )
+from fireflyer.hfreduce.transport import free_port
 
 MiB = 1 << 20
 DEFAULT_LAYOUTS = ("1x4", "2x2", "2x2-shaped")
@@ -158,12 +159,6 @@ class LayoutResult:
     roofline: dict[str, Any] = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _LAYOUT_ENV = ("GLOO_SOCKET_IFNAME", "FIREFLYER_NODE_ID", "FIREFLYER_HFREDUCE_IFADDR")
 """Set per layout; any other FIREFLYER_* setting passes through to the workers."""
 
@@ -226,7 +221,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, progress: Callable[[str], None]) -
     try:
         if link is not None:
             link.open()
-        master, port = (link.addrs[0], 29500) if link else ("127.0.0.1", _free_port())
+        master, port = (link.addrs[0], 29500) if link else ("127.0.0.1", free_port())
         for rank in range(lay.world):
             env = _worker_env(lay, rank, master, port)
             log = open(os.path.join(tmp, f"rank{rank}.log"), "wb")

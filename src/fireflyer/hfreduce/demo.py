@@ -9,19 +9,13 @@ against gloo, times both, and trains a tiny model with torch DDP over hfreduce.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fireflyer.hfreduce.transport import free_port
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +29,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--nodes and --ranks-per-node must be at least 1")
     if not 1 <= args.mib <= 1024:
         raise UserError("--mib must be between 1 and 1024")
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in range(args.nodes):
         env = dict(os.environ, FIREFLYER_NODE_ID=f"node{node}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -73,6 +73,7 @@ class Job:
     deadline: float = 0.0
     tree_deadline: float = 0.0  # a little later, so the rank that saw the root cause reports it first
     stream_event: object = None
+    own: torch.Tensor | None = None  # the CPU tensor this rank reduces its own slice from directly
 
 
 class Communicator(Trees):
@@ -112,6 +113,12 @@ class Communicator(Trees):
         self._submit_lock = threading.Lock()
         self._exec_lock = threading.Lock()
         self._pending = 0  # collectives submitted and not yet finished
+        # Threads and queues of the inter-node stage; they stay empty on a single node.
+        self._tree_queues: list[queue.Queue] = []
+        self._tree_threads: list[threading.Thread] = []
+        self._tree_signal: list[threading.Condition] = []
+        self._out_queue: queue.Queue | None = None
+        self._out_thread: threading.Thread | None = None
         self._copy_stream = None
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
@@ -256,9 +263,8 @@ class Communicator(Trees):
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_queue"):
-            self._queue.put(None)
-            self._worker.join(timeout=self.config.timeout)
+        self._queue.put(None)
+        self._worker.join(timeout=self.config.timeout)
         self._teardown()
 
     def __enter__(self) -> "Communicator":
@@ -288,7 +294,7 @@ class Communicator(Trees):
                 link.send_error(text)
             for link in self._links:
                 link.close()
-            for cond in getattr(self, "_tree_signal", []):
+            for cond in self._tree_signal:
                 with cond:
                     cond.notify_all()
         return self._error
@@ -391,7 +397,7 @@ class Communicator(Trees):
         while True:
             job = self._queue.get()
             if job is None:
-                for q in getattr(self, "_tree_queues", []) + ([self._out_queue] if hasattr(self, "_out_queue") else []):
+                for q in self._tree_queues + ([self._out_queue] if self._out_queue else []):
                     q.put(None)
                 return
             with self._exec_lock:
@@ -423,6 +429,7 @@ class Communicator(Trees):
         job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op, red_bytes=red)
         job.nchunks = max(1, -(-desc.numel // job.elems))
         job.first_chunk = self._chunk
+        job.own = self._own_source(job.plan)
         job.seq = self._seq
         job.deadline = time.monotonic() + self.config.timeout
         job.tree_deadline = job.deadline + min(2.0, 0.25 * self.config.timeout)
@@ -502,9 +509,9 @@ class Communicator(Trees):
             view = self._views[key] = self._arena.bytes[offset + lo * size : offset + hi * size].view(dtype)
         return view
 
-    def _own_source(self, job: Job) -> torch.Tensor | None:
+    @staticmethod
+    def _own_source(plan: Plan) -> torch.Tensor | None:
         """The CPU tensor this rank reduces its own slice from directly, skipping its slot."""
-        plan = job.plan
         if plan.dense and len(plan.sources) == 1 and plan.sources[0][0] == 0 and not plan.sources[0][1].is_cuda:
             return plan.sources[0][1]
         return None
@@ -513,7 +520,7 @@ class Communicator(Trees):
         c0, c1 = self._chunk_range(job, c)
         slot = self._shape.in_offset(self._buf(job, c), self.local_rank)
         dtype = job.plan.desc.dtype
-        own = self._own_source(job)
+        own = job.own
         if own is not None:
             # Only the other local ranks read this slot; our own slice goes straight into the reduce.
             s0, s1 = split(c1 - c0, self.local_size, self.local_rank)
@@ -559,7 +566,7 @@ class Communicator(Trees):
             self._gather_slice(job, b, c0, s0, s1, target)
             return
         inputs = [self._view(self._shape.in_offset(b, k), dtype, s0, s1) for k in range(self.local_size)]
-        own = self._own_source(job)
+        own = job.own
         if own is not None:
             inputs[self.local_rank] = own[c0 + s0 : c0 + s1]
         if final and (acc != dtype or desc.op == Op.AVG):
@@ -587,13 +594,15 @@ class Communicator(Trees):
         mine = self._arena.descriptor(self.local_rank, 8 + DESCRIPTOR_BYTES)
         for k in range(self.local_size):
             theirs = self._arena.descriptor(k, 8 + DESCRIPTOR_BYTES)
-            ahead = int.from_bytes(theirs[:8], "little") > job.seq  # it checked against us already and moved on
-            if theirs != mine and not ahead:
-                other = Descriptor.unpack(theirs[8:])
-                raise CollectiveMismatch(
-                    f"collective mismatch: {self.describe(self.rank)} called {job.plan.desc} (#{job.seq}) but "
-                    f"{self.describe(self.members[k])} called {other} (#{int.from_bytes(theirs[:8], 'little')})"
-                )
+            their_seq = int.from_bytes(theirs[:8], "little")
+            if theirs != mine and their_seq <= job.seq:  # a rank ahead of us already checked against us
+                raise self._mismatch(job, self.describe(self.members[k]), Descriptor.unpack(theirs[8:]), their_seq)
+
+    def _mismatch(self, job: Job, who: str, theirs: Descriptor, their_seq: int) -> CollectiveMismatch:
+        return CollectiveMismatch(
+            f"collective mismatch: {self.describe(self.rank)} called {job.plan.desc} (#{job.seq}) but "
+            f"{who} called {theirs} (#{their_seq})"
+        )
 
     # ------------------------------------------------------------------ CUDA
     def _cuda_prepare(self, job: Job) -> None:
@@ -625,7 +634,7 @@ class Communicator(Trees):
         for link in self._links:
             link.close()
         self._links = []
-        for th in getattr(self, "_tree_threads", []) + ([self._out_thread] if hasattr(self, "_out_thread") else []):
+        for th in self._tree_threads + ([self._out_thread] if self._out_thread else []):
             th.join(timeout=2)
         if self._listener is not None:
             self._listener.close()

@@ -19,6 +19,7 @@ import threading
 import time
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.transport import recv_exact
 
 log = logging.getLogger("fireflyer.hfreduce")
 
@@ -34,21 +35,6 @@ def _mac(secret: bytes, nonce: bytes) -> bytes:
 
 def _address(name: str) -> str:
     return "\0" + name  # the abstract namespace: no file on disk, gone with the socket
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    data = b""
-    while len(data) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError("timed out")
-        try:
-            part = sock.recv(n - len(data))
-        except socket.timeout:
-            continue
-        if not part:
-            raise ConnectionError("closed")
-        data += part
-    return data
 
 
 class FdServer:
@@ -88,7 +74,7 @@ class FdServer:
         try:
             nonce = os.urandom(_NONCE)
             conn.sendall(nonce)
-            if not hmac.compare_digest(_recv_exact(conn, 32, deadline), _mac(self._secret, nonce)):
+            if not hmac.compare_digest(recv_exact(conn, 32, deadline), _mac(self._secret, nonce)):
                 raise PermissionError("bad credentials")
             socket.send_fds(conn, [b"K"], [self._fd])
             return True
@@ -118,7 +104,7 @@ def fetch_fd(name: str, secret: bytes, deadline: float) -> int:
         sock.settimeout(_SLICE)
         try:
             sock.connect(_address(name))
-            nonce = _recv_exact(sock, _NONCE, deadline)
+            nonce = recv_exact(sock, _NONCE, deadline)
             sock.sendall(_mac(secret, nonce))
             while True:
                 try:

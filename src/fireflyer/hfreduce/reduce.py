@@ -141,13 +141,12 @@ class Reducer:
 
     def acc_scratch(self, n: int) -> torch.Tensor:
         """fp32 working space for one slice; owned by this reducer (one per thread)."""
-        if self._acc is None or self._acc.numel() < n:
-            self._acc = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+        self._acc = _grown(self._acc, n)
         return self._acc[:n]
 
     def _tmp(self, n: int) -> torch.Tensor:
-        if self._conv is None or self._conv.numel() < n:
-            self._conv = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+        """fp32 space to convert one input into, apart from the accumulator."""
+        self._conv = _grown(self._conv, n)
         return self._conv[:n]
 
     def combine(self, acc: torch.Tensor, other: torch.Tensor, op: Op) -> None:
@@ -188,6 +187,10 @@ class Reducer:
             acc.div_(world_size)
         if out.data_ptr() != acc.data_ptr() or out.dtype != acc.dtype:
             out.copy_(acc)
+
+
+def _grown(buf: torch.Tensor | None, n: int) -> torch.Tensor:
+    return buf if buf is not None and buf.numel() >= n else torch.empty(max(n, 1 << 16), dtype=torch.float32)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,15 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for a rendezvous master)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Read exactly ``n`` bytes from a socket with a short timeout set, or fail at ``deadline``."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -106,9 +114,9 @@ class Listener:
         try:
             nonce = os.urandom(_NONCE)
             conn.sendall(nonce)
-            magic, rank, tag = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline))
-            their_nonce = _recv_exact(conn, _NONCE, deadline)
-            mac = _recv_exact(conn, 32, deadline)
+            magic, rank, tag = _HELLO.unpack(recv_exact(conn, _HELLO.size, deadline))
+            their_nonce = recv_exact(conn, _NONCE, deadline)
+            mac = recv_exact(conn, 32, deadline)
             want = _mac(self._secret, b"client", nonce, str(rank).encode(), str(tag).encode(), str(self._rank).encode())
             if magic != _HELLO_MAGIC or not hmac.compare_digest(mac, want):
                 raise PermissionError("bad credentials")
@@ -158,11 +166,11 @@ def connect(host: str, port: int, *, my_rank: int, peer_rank: int, tag: int, sec
         try:
             sock.connect((host, port))
             sock.settimeout(_SLICE)
-            nonce = _recv_exact(sock, _NONCE, deadline)
+            nonce = recv_exact(sock, _NONCE, deadline)
             mine = os.urandom(_NONCE)
             mac = _mac(secret, b"client", nonce, str(my_rank).encode(), str(tag).encode(), str(peer_rank).encode())
             sock.sendall(_HELLO.pack(_HELLO_MAGIC, my_rank, tag) + mine + mac)
-            reply = _recv_exact(sock, 32, deadline)
+            reply = recv_exact(sock, 32, deadline)
             if not hmac.compare_digest(reply, _mac(secret, b"server", mine, str(peer_rank).encode())):
                 sock.close()
                 raise HFReduceError(f"rank {peer_rank} at {host}:{port} failed authentication; is it part of this job?")

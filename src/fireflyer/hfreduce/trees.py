@@ -64,8 +64,6 @@ class Trees:
                 link = Link(sock, peer, self.describe(peer))
                 self._children[t].append(link)
                 self._links.append(link)
-        self._tree_queues = []
-        self._tree_threads = []
         self._tree_signal = [threading.Condition(), threading.Condition()]
         self._root_ready = [0, 0]
         for t in (0, 1):
@@ -104,11 +102,7 @@ class Trees:
         _, seq, chunk, got, digest = link.recv_header(self._check, job.tree_deadline, what)
         desc = job.plan.desc.pack()
         if digest != desc:
-            other = Descriptor.unpack(digest)
-            raise CollectiveMismatch(
-                f"collective mismatch: {self.describe(self.rank)} called {job.plan.desc} (#{job.seq}) but "
-                f"{link.peer_desc} called {other} (#{seq})"
-            )
+            raise self._mismatch(job, link.peer_desc, Descriptor.unpack(digest), seq)
         if seq != job.seq & 0xFFFFFFFF or chunk != c or got != nbytes:
             raise CollectiveMismatch(
                 f"collective mismatch: {link.peer_desc} sent collective #{seq} chunk {chunk} ({got} bytes) while "

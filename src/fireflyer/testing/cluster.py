@@ -14,11 +14,12 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from fireflyer.hfreduce.transport import free_port
 
 
 @dataclass
@@ -37,12 +38,6 @@ class RankFailed(RuntimeError):
     def __init__(self, errors: dict[int, str]) -> None:
         self.errors = errors
         super().__init__("; ".join(f"rank {r}: {e.splitlines()[-1] if e else e}" for r, e in sorted(errors.items())))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox) -> None:
