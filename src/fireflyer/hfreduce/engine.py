@@ -412,16 +412,14 @@ class Communicator(Trees):
             for fn in job.plan.on_done:
                 fn()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-            error = self._fail(exc)
-            self._settle()
-            job.future.set_exception(error)
-            return
-        self._settle()
-        job.future.set_result(job.plan.result)
-
-    def _settle(self) -> None:
-        with self._submit_lock:
-            self._pending -= 1
+            job.future.set_exception(self._fail(exc))
+        else:
+            job.future.set_result(job.plan.result)
+        finally:
+            # Only after the future is settled may a later collective run inline, so futures
+            # complete in the order their collectives were submitted.
+            with self._submit_lock:
+                self._pending -= 1
 
     def _execute(self, job: Job) -> None:
         desc = job.plan.desc
