@@ -2,40 +2,51 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Callable, Sequence
 
 from fireflyer.errors import UserError
 
 
+BENCHES = {
+    "allreduce": "fireflyer.hfreduce.bench",
+    "ddp": "fireflyer.haiscale.bench_ddp",
+    "fsdp": "fireflyer.haiscale.bench_fsdp",
+    "pp": "fireflyer.haiscale.bench_pp",
+}
+
+
 def _bench(rest: list[str]) -> int:
-    parts = ("allreduce",)
     if not rest or rest[0] in ("-h", "--help"):
-        print("usage: fireflyer bench PART [options]; PART is one of: " + ", ".join(parts))
+        print("usage: fireflyer bench PART [options]; PART is one of: " + ", ".join(BENCHES))
         return 0 if rest else 2
-    if rest[0] == "allreduce":
-        from fireflyer.hfreduce import bench
-
-        return bench.main(rest[1:])
-    raise UserError(f"unknown benchmark part {rest[0]!r}; choose one of: {', '.join(parts)}")
+    if rest[0] not in BENCHES:
+        raise UserError(f"unknown benchmark part {rest[0]!r}; choose one of: {', '.join(BENCHES)}")
+    return importlib.import_module(BENCHES[rest[0]]).main(rest[1:])
 
 
-def _demo(rest: list[str]) -> int:
-    from fireflyer.hfreduce import demo
+def _train(rest: list[str]) -> int:
+    from fireflyer.train import cli
 
-    return demo.main(rest)
+    return cli.main(rest)
 
 
 def _hfreduce(rest: list[str]) -> int:
+    if rest and rest[0] == "demo":
+        from fireflyer.hfreduce import demo
+
+        return demo.main(rest[1:])
     from fireflyer.hfreduce import admin
 
     return admin.main(rest)
 
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
-    "demo": ("run the main demo job (today: hfreduce across emulated nodes under torchrun)", _demo),
-    "bench": ("measure a part against its baseline: fireflyer bench allreduce [--help]", _bench),
-    "hfreduce": ("hfreduce housekeeping: fireflyer hfreduce clean", _hfreduce),
+    "train": ("train a small GPT with haiscale DDP on emulated nodes: fireflyer train [CONFIG] [--help]", _train),
+    "demo": ("the main job on its default config (same as 'fireflyer train')", _train),
+    "bench": ("measure a part against its baseline: fireflyer bench allreduce|ddp|fsdp|pp [--help]", _bench),
+    "hfreduce": ("hfreduce tools: fireflyer hfreduce demo | fireflyer hfreduce clean", _hfreduce),
 }
 
 

@@ -19,8 +19,8 @@ def fireflyer(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["bench", "nosuch"], "unknown benchmark part"),
         (["bench", "allreduce", "--dtypes", "fp64"], "fp64"),
         (["bench", "allreduce", "--max-bytes", "lots"], "lots"),
-        (["demo", "--nodes", "0"], "--nodes"),
-        (["demo", "--mib", "x"], "--mib"),
+        (["hfreduce", "demo", "--nodes", "0"], "--nodes"),
+        (["hfreduce", "demo", "--mib", "x"], "--mib"),
         (["hfreduce", "explode"], "invalid choice"),
     ],
 )

@@ -8,7 +8,7 @@ from fireflyer.hfreduce.arena import sweep_stale
 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="fireflyer hfreduce", description=__doc__)
-    p.add_argument("action", choices=["clean"], help="clean: remove stale /dev/shm arenas and network namespaces")
+    p.add_argument("action", choices=["clean", "demo"], help="clean: remove stale /dev/shm arenas and network namespaces; demo: hfreduce vs gloo on emulated nodes")
     p.parse_args(argv)
     removed = sweep_stale()
     from fireflyer.hfreduce.netns import remove_stale_namespaces

@@ -1,4 +1,4 @@
-"""``fireflyer demo``: HFReduce across emulated nodes, launched by real torchrun.
+"""``fireflyer hfreduce demo``: HFReduce across emulated nodes, launched by real torchrun.
 
 Starts one torchrun agent per emulated node (``--nnodes N --node-rank i`` on
 127.0.0.1, each with its own ``FIREFLYER_NODE_ID``), exactly as a multi-node job
@@ -19,7 +19,7 @@ from fireflyer.hfreduce.transport import free_port
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="fireflyer demo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer hfreduce demo", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--mib", type=int, default=32, help="allreduce size per rank in MiB (default 32)")

@@ -1,4 +1,4 @@
-"""The demo job, run under torchrun by ``fireflyer demo``. Rank 0 prints the report."""
+"""The demo job, run under torchrun by ``fireflyer hfreduce demo``. Rank 0 prints the report."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def main() -> None:
     gloo = dist.new_group(backend="gloo")
     comm = dist.group.WORLD.comm
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"fireflyer demo: hfreduce on {comm.num_nodes} emulated node(s) x {comm.local_size} ranks "
+    say(f"fireflyer hfreduce demo: hfreduce on {comm.num_nodes} emulated node(s) x {comm.local_size} ranks "
         f"(world {world}), chunks of {comm.config.chunk_bytes >> 20} MiB")
 
     # 1. Same answer as gloo, bitwise identical on every rank.

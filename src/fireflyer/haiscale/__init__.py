@@ -1,0 +1,31 @@
+"""HaiScale: data, sharded and pipeline parallel training on the hfreduce backend (paper §V).
+
+* :class:`DistributedDataParallel` starts each gradient bucket's allreduce as soon as
+  backward fills it, on the hfreduce engine, so communication overlaps the rest of backward.
+* :func:`fully_shard` is ZeRO-3 (torch FSDP2) over hfreduce's reduce_scatter and allgather,
+  optionally with the optimizer step run inside backward.
+* :func:`make_subgroups` places pipeline stages so a node's ranks go to different
+  data-parallel groups, and :func:`forward_backward` runs a pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DistributedDataParallel": "fireflyer.haiscale.ddp",
+    "fully_shard": "fireflyer.haiscale.fsdp",
+    "FullyShardedDataParallel": "fireflyer.haiscale.fsdp",
+    "make_subgroups": "fireflyer.haiscale.pipeline",
+    "forward_backward": "fireflyer.haiscale.pipeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fireflyer.haiscale' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

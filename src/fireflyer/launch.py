@@ -1,0 +1,155 @@
+"""Emulated nodes on this machine, started exactly as a multi-node job starts on a cluster.
+
+``run_local(["-m", "my.job", "--flag"], nodes=2, ranks_per_node=2)`` starts one real
+``torchrun`` agent per emulated node (``--nnodes N --node-rank i`` on 127.0.0.1), each
+with its own ``FIREFLYER_NODE_ID``, so hfreduce sees N nodes and ranks get the usual
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``. Node 0's output
+goes to this terminal (so rank 0 can draw a progress bar); everything else, node 0's
+stderr included, is kept in ``log_dir/node{i}.log``. Nothing can hang: past ``timeout`` every agent and rank is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from fireflyer.hfreduce.transport import free_port
+
+
+class LaunchFailed(RuntimeError):
+    """A rank of a local job failed; the message carries its last error line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalJob:
+    """One local multi-node job: what to run and on how many emulated nodes."""
+
+    target: Sequence[str]
+    """What torchrun runs: ``["-m", "pkg.module", args...]`` or ``["script.py", args...]``."""
+    nodes: int = 1
+    ranks_per_node: int = 1
+    timeout: float = 600.0
+    """Seconds before every process of the job is killed and TimeoutError raised."""
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    """Where each node's output is kept (``node{i}.log``). Default: a fresh temporary directory."""
+    quiet: bool = False
+    """Send node 0's output to the log only, not to this terminal."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"nodes and ranks_per_node must be at least 1, got {self.nodes} x {self.ranks_per_node}")
+        if not self.target:
+            raise ValueError("target is empty: give a script or '-m module' for torchrun to run")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads for one rank so the ranks together use the cores once, not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def run_local(job: LocalJob) -> Path:
+    """Run ``job`` to completion and return its log directory; raise LaunchFailed or TimeoutError."""
+    log_dir = Path(job.log_dir or tempfile.mkdtemp(prefix="fireflyer-job-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    threads = threads_per_rank(job.world_size)
+    procs: list[subprocess.Popen] = []
+    outputs = []
+    try:
+        for node in range(job.nodes):
+            env = dict(os.environ)
+            env.update(
+                FIREFLYER_NODE_ID=f"node{node}",
+                OMP_NUM_THREADS=str(threads),
+                PYTHONUNBUFFERED="1",
+            )
+            env.update(job.env)
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",
+                "--master-addr=127.0.0.1", f"--master-port={port}",
+                *job.target,
+            ]
+            out = open(log_dir / f"node{node}.log", "w")
+            outputs.append(out)
+            to_terminal = node == 0 and not job.quiet
+            procs.append(subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL,
+                stdout=None if to_terminal else out, stderr=out,
+                start_new_session=True,
+            ))
+        _wait(procs, job.timeout)
+    finally:
+        _kill(procs)
+        for out in outputs:
+            out.close()
+    failed = [(node, p.returncode) for node, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        node, code = failed[0]
+        raise LaunchFailed(f"node {node} exited with code {code}: {_first_error(log_dir)} (logs in {log_dir})")
+    return log_dir
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the job did not finish within {timeout:.0f}s and was stopped")
+        # One failed node means the others will only wait for it: stop them soon.
+        if any(p.returncode not in (None, 0) for p in procs):
+            grace = time.monotonic() + 15
+            while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                time.sleep(0.1)
+            return
+        time.sleep(0.05)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _first_error(log_dir: Path) -> str:
+    """The most telling error line any rank wrote: its exception, else the agent's summary."""
+    candidates: list[str] = []
+    for path in sorted(log_dir.rglob("*")):
+        if not path.is_file() or path.suffix == ".json":
+            continue
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            text = line.split("]:", 1)[-1].strip() if line.startswith("[") else line.strip()
+            if (text.endswith(("Error", "Exception")) or ("Error: " in text or "Exception: " in text)) \
+                    and not text.startswith(("torch.distributed.elastic", "raise ")):
+                candidates.append(text)
+                break
+    # Ranks that died of a peer's failure say so; prefer the root cause.
+    for text in candidates:
+        if "PeerFailure" not in text and "ConnectionLost" not in text and "ChildFailedError" not in text:
+            return text
+    return candidates[0] if candidates else "no error message; see the logs"
