@@ -1,0 +1,405 @@
+"""HaiScale DistributedDataParallel: each gradient bucket's allreduce starts the moment backward fills it.
+
+Paper §V-A: HaiScale DDP runs an asynchronous HFReduce allreduce on gradients as they
+are computed, so communication overlaps the rest of backward, and the reduction runs on
+the CPU, so it takes no GPU compute at all.
+
+How it works:
+
+* Gradients live in flat bucket buffers: each parameter's ``.grad`` is a view into its
+  bucket, so a bucket is reduced in place with one collective and no gathering copy.
+* A post-accumulate-grad hook on every parameter counts the bucket down; a full bucket
+  is handed to the hfreduce engine at once (``Communicator.allreduce(..., Op.AVG)``),
+  which moves it through shared memory and the inter-node trees on its own threads.
+  Buckets are launched strictly in order, so every rank issues the same collectives in
+  the same order even when gradients arrive in a different order.
+* The average is taken once, in the engine's final reduction step (fp16/bf16 are
+  accumulated in fp32 there and rounded once). ``reduce_dtype=torch.float32`` also
+  makes the whole collective, inter-node hops included, run in fp32 for bf16 models.
+* At the end of backward (an autograd engine callback) any bucket with unused
+  parameters is launched, then every bucket is awaited. When ``backward()`` returns,
+  ``.grad`` holds the average over ranks, exactly as with torch DDP.
+* After the first step the buckets are rebuilt in the order gradients actually arrived
+  (rank 0's order, so all ranks agree), which gives the best overlap.
+
+On another backend (gloo, nccl) the same wrapper uses plain ``dist.all_reduce`` with
+``async_op=True``; on hfreduce it talks to the engine directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fireflyer.haiscale.buckets import plan_buckets
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPConfig:
+    """How :class:`DistributedDataParallel` buckets and reduces gradients."""
+
+    bucket_cap_mb: float = 25.0
+    """Bucket size in MiB. Larger buckets mean fewer collectives; smaller ones start earlier."""
+    first_bucket_mb: float = 1.0
+    """The first bucket (the last layers) is smaller so communication starts early in backward."""
+    reduce_dtype: torch.dtype | None = None
+    """Reduce in this dtype (e.g. ``torch.float32`` for a bf16 model); default: the gradients' dtype."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank at each forward."""
+    check_model: bool = True
+    """Check at wrap time that every rank built the same model (names, shapes, dtypes)."""
+    rebuild_buckets: bool = True
+    """Re-plan the buckets after the first step in the order gradients actually arrived."""
+    timeout: float = 300.0
+    """Seconds to wait for a bucket at the end of backward on backends without their own timeout."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if not self.first_bucket_mb > 0:
+            raise ValueError(f"first_bucket_mb must be positive, got {self.first_bucket_mb}")
+        if self.reduce_dtype is not None and (not isinstance(self.reduce_dtype, torch.dtype) or not self.reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be a floating torch.dtype such as torch.float32, got {self.reduce_dtype!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+
+
+class _Bucket:
+    __slots__ = ("params", "offsets", "grads", "comm", "flags", "handle", "launched_at", "done_at")
+
+    def __init__(self, params: tuple[int, ...], offsets: tuple[int, ...], grads: torch.Tensor, comm: torch.Tensor,
+                 flags: torch.Tensor | None) -> None:
+        self.params, self.offsets, self.grads, self.comm, self.flags = params, offsets, grads, comm, flags
+        self.handle: Any = None
+        self.launched_at = 0.0
+        self.done_at = 0.0
+
+
+class _Step:
+    """What one synchronising backward has seen so far."""
+
+    __slots__ = ("ready", "used", "pending", "next_launch", "order")
+
+    def __init__(self, buckets: list[_Bucket]) -> None:
+        self.ready: set[int] = set()
+        self.used: set[int] = set()
+        self.pending = [len(b.params) for b in buckets]
+        self.next_launch = 0
+        self.order: list[int] = []
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallel training over hfreduce, a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
+
+    ``ddp = DistributedDataParallel(model)``; then ``loss = loss_fn(ddp(x), y)``,
+    ``loss.backward()`` and ``optimizer.step()`` as usual. Gradients are averaged
+    across the ranks of ``process_group`` (default: the whole job) when backward
+    returns. ``with ddp.no_sync():`` accumulates gradients locally. Call
+    :meth:`close` to remove the hooks.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        reduce_dtype: torch.dtype | None = None,
+        broadcast_buffers: bool = True,
+        check_model: bool = True,
+        rebuild_buckets: bool = True,
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialised: call dist.init_process_group('hfreduce') first "
+                             "(for example under torchrun)")
+        self.config = DDPConfig(
+            bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, reduce_dtype=reduce_dtype,
+            broadcast_buffers=broadcast_buffers, check_model=check_model, rebuild_buckets=rebuild_buckets,
+            timeout=timeout,
+        )
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self._comm = getattr(self.process_group, "comm", None)  # the hfreduce engine, when that is the backend
+        self._world = dist.get_world_size(self.process_group)
+        self._root = dist.get_global_rank(self.process_group, 0)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the module has no parameters that require grad, so there is nothing to synchronise")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        devices = {p.device for p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}; "
+                             "wrap one model replica per rank (use pipeline stages to split a model)")
+        self.device = devices.pop()
+        for n, p in named:
+            if p.layout != torch.strided:
+                raise ValueError(f"parameter {n!r} has layout {p.layout}; only dense parameters are supported")
+        self._buffers_list = [b for b in module.buffers()]
+        if self.config.check_model:
+            self._check_same_model()
+        self._sync_tensors([p.detach() for p in module.parameters()] + self._buffers_list)
+
+        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
+        self._buckets: list[_Bucket] = []
+        self._build(list(reversed(range(len(self._params)))))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)]
+        self._require_sync = True
+        self._sync_backward = True
+        self._step: _Step | None = None
+        self._rebuilt = not self.config.rebuild_buckets
+        self._closed = False
+        self._stats = {"steps": 0, "allreduce_bytes": 0, "allreduce_seconds": 0.0, "wait_seconds": 0.0}
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("this DistributedDataParallel was closed; wrap the module again to keep training")
+        self._sync_backward = self._require_sync
+        if self.config.broadcast_buffers and self._buffers_list and self._world > 1:
+            self._sync_tensors(self._buffers_list)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside this block accumulate gradients without communicating."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters: synchronised steps, bytes allreduced, engine busy seconds, seconds waited after backward."""
+        out = dict(self._stats)
+        out["buckets"] = len(self._buckets)
+        return out
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes per bucket, in launch order."""
+        return [b.comm.numel() * b.comm.element_size() for b in self._buckets]
+
+    def close(self) -> None:
+        """Remove the hooks; the module keeps its parameters and last gradients. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ wrap-time checks
+    def _check_same_model(self) -> None:
+        """Every rank must build the same model; otherwise gradients would be summed across unrelated tensors."""
+        mine = [f"param {n} {tuple(p.shape)} {p.dtype}" for n, p in zip(self._names, self._params)]
+        mine += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in self.module.named_buffers()]
+        digest = hashlib.sha256("\n".join(mine).encode()).hexdigest()
+        everyone: list[Any] = [None] * self._world
+        dist.all_gather_object(everyone, (digest, mine), group=self.process_group)
+        reference = everyone[0][1]
+        differing = [r for r, (d, _) in enumerate(everyone) if d != everyone[0][0]]
+        if not differing:
+            return
+        first = differing[0]
+        theirs = everyone[first][1]
+        detail = next(
+            (f"rank {first} has '{b}' where rank 0 has '{a}'" for a, b in zip(reference, theirs) if a != b),
+            f"rank {first} has {len(theirs)} parameters and buffers where rank 0 has {len(reference)}",
+        )
+        raise ValueError(f"the model differs across ranks (ranks {differing} differ from rank 0): {detail}; "
+                         "every rank must construct the same model before wrapping it")
+
+    def _sync_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Copy rank 0's values of ``tensors`` to every rank, one broadcast per (device, dtype)."""
+        if self._world == 1 or not tensors:
+            return
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        with torch.no_grad():
+            for group in groups.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                if self._comm is not None:
+                    self._comm.broadcast(flat, root=0).wait()
+                else:
+                    dist.broadcast(flat, src=self._root, group=self.process_group)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    # ------------------------------------------------------------------ buckets
+    def _build(self, order: list[int]) -> None:
+        reduce_dtype = self.config.reduce_dtype
+        plan = plan_buckets(
+            order,
+            [p.numel() for p in self._params],
+            [(reduce_dtype or p.dtype).itemsize for p in self._params],
+            [p.dtype for p in self._params],
+            cap_bytes=int(self.config.bucket_cap_mb * (1 << 20)),
+            first_cap_bytes=int(self.config.first_bucket_mb * (1 << 20)),
+        )
+        buckets = []
+        last = len(plan.buckets) - 1
+        with torch.no_grad():
+            for b, (params, offsets, numel) in enumerate(zip(plan.buckets, plan.offsets, plan.numels)):
+                dtype = self._params[params[0]].dtype
+                # The last bucket also carries one "used" flag per parameter: a parameter no rank used
+                # keeps grad None, as with torch DDP, at no cost of an extra collective.
+                extra = len(self._params) if b == last else 0
+                same = reduce_dtype is None or reduce_dtype == dtype
+                if same:
+                    comm = torch.zeros(numel + extra, dtype=dtype, device=self.device)
+                    grads = comm[:numel]
+                else:
+                    grads = torch.zeros(numel, dtype=dtype, device=self.device)
+                    comm = torch.empty(numel + extra, dtype=reduce_dtype, device=self.device)
+                flags = comm[numel:] if extra else None
+                for i, off in zip(params, offsets):
+                    p = self._params[i]
+                    view = grads[off : off + p.numel()].view_as(p)
+                    if p.grad is not None:  # keep what is there; a None grad stays None until backward fills it
+                        view.copy_(p.grad)
+                        p.grad = view
+                    self._views[i] = view
+                buckets.append(_Bucket(params, offsets, grads, comm, flags))
+        self._buckets = buckets
+        self._bucket_of = plan.bucket_of()
+
+    def _hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(i, p)
+
+        return hook
+
+    def _adopt(self, i: int, p: torch.Tensor) -> None:
+        """Make ``p.grad`` the bucket view again (after ``zero_grad(set_to_none=True)`` autograd made a new tensor)."""
+        view = self._views[i]
+        g = p.grad
+        if g is not None and g.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        self._adopt(i, p)
+        if not self._sync_backward:
+            return
+        step = self._step
+        if step is None:
+            step = self._step = _Step(self._buckets)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if i in step.ready:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} received a gradient twice in one backward pass; with DDP each "
+                "parameter may be reduced once per step (use no_sync() for several backward passes per step)")
+        step.ready.add(i)
+        step.used.add(i)
+        step.order.append(i)
+        b, _ = self._bucket_of[i]
+        step.pending[b] -= 1
+        self._launch_ready(step)
+
+    def _launch_ready(self, step: _Step) -> None:
+        while step.next_launch < len(self._buckets) and step.pending[step.next_launch] == 0:
+            self._launch(self._buckets[step.next_launch], step)
+            step.next_launch += 1
+
+    def _launch(self, bucket: _Bucket, step: _Step) -> None:
+        if bucket.comm.data_ptr() != bucket.grads.data_ptr():
+            bucket.comm[: bucket.grads.numel()].copy_(bucket.grads)
+        if bucket.flags is not None:  # the last bucket: every parameter's fate is known by now
+            if len(step.used) == len(self._params):
+                bucket.flags.fill_(1)
+            else:
+                used = torch.zeros(len(self._params), dtype=torch.bool)
+                used[list(step.used)] = True
+                bucket.flags.copy_(used)
+        bucket.launched_at = time.perf_counter()
+        bucket.done_at = 0.0
+        if self._comm is not None:
+            from fireflyer.hfreduce.reduce import Op
+
+            fut = self._comm.allreduce(bucket.comm, Op.AVG)
+
+            def done(_: torch.futures.Future, bucket: _Bucket = bucket) -> None:
+                bucket.done_at = time.perf_counter()
+
+            fut.add_done_callback(done)
+            bucket.handle = fut
+        else:
+            bucket.handle = dist.all_reduce(bucket.comm, group=self.process_group, async_op=True)
+
+    def _finish(self) -> None:
+        """End of a synchronising backward: launch what is left, wait for every bucket, publish averaged grads."""
+        step, self._step = self._step, None
+        assert step is not None
+        backward_done = time.perf_counter()
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                if i in step.ready:
+                    continue
+                # Not used in this step's graph on this rank: contribute what its grad holds (zeros if None).
+                if p.grad is None:
+                    self._views[i].zero_()
+                else:
+                    step.used.add(i)
+                    if p.grad.data_ptr() != self._views[i].data_ptr():
+                        self._views[i].copy_(p.grad)
+                step.order.append(i)
+                step.pending[self._bucket_of[i][0]] -= 1
+            self._launch_ready(step)
+            for bucket in self._buckets:
+                if self._comm is not None:
+                    bucket.handle.wait()  # the engine raises CollectiveTimeout/PeerFailure on its own deadline
+                else:
+                    bucket.handle.wait(timeout=timedelta(seconds=self.config.timeout))
+                    bucket.done_at = time.perf_counter()
+                    bucket.comm.div_(self._world)
+                bucket.handle = None
+                if bucket.comm.data_ptr() != bucket.grads.data_ptr():
+                    bucket.grads.copy_(bucket.comm[: bucket.grads.numel()])
+            flags = self._buckets[-1].flags
+            unused = [] if len(step.used) == len(self._params) else (flags <= 0).nonzero().flatten().tolist()
+            for i in unused:  # no rank used it: leave it as it was (None), so optimizers skip it
+                self._params[i].grad = None
+            for i, p in enumerate(self._params):
+                if p.grad is None and i not in unused:
+                    p.grad = self._views[i]
+        end = time.perf_counter()
+        st = self._stats
+        st["steps"] += 1
+        st["allreduce_bytes"] += sum(b.comm.numel() * b.comm.element_size() for b in self._buckets)
+        first = min(b.launched_at for b in self._buckets)
+        st["allreduce_seconds"] += max(b.done_at or end for b in self._buckets) - first
+        st["wait_seconds"] += end - backward_done
+        if not self._rebuilt:
+            self._rebuilt = True
+            self._rebuild(step.order)
+
+    def _rebuild(self, order: list[int]) -> None:
+        """Adopt rank 0's observed gradient order for the buckets (a collective: every rank takes part)."""
+        agreed = torch.tensor(order, dtype=torch.int64)
+        if self._world > 1:
+            if self._comm is not None:
+                self._comm.broadcast(agreed, root=0).wait()
+            else:
+                dist.broadcast(agreed, src=self._root, group=self.process_group)
+        agreed_order = agreed.tolist()
+        current = [i for bucket in self._buckets for i in bucket.params]
+        if agreed_order != current:
+            self._build(agreed_order)
