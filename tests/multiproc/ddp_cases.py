@@ -192,3 +192,24 @@ def bad_input_and_close(ctx) -> dict:
     nn.functional.mse_loss(ddp.module(x), y).backward()  # plain local backward, no hooks left
     out["local_grad_differs"] = ctx.rank  # gradients are now per rank; nothing hung
     return out
+
+
+def cuda_matches_cpu(ctx, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The same training with the model on CUDA (grads reduced by the CPU engine via D2H/H2D) and on CPU."""
+    from fireflyer.haiscale import DistributedDataParallel
+
+    ensure_pg(ctx)
+    results = []
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        net = Net().to(device)
+        ddp = DistributedDataParallel(net)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(steps):
+            x, y = batch(ctx.rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
+            opt.step()
+        ddp.close()
+        results.append([p.detach().cpu().float() for p in ddp.module.parameters()])
+    return results[0], results[1]

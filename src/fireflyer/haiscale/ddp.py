@@ -331,7 +331,10 @@ class DistributedDataParallel(nn.Module):
                 bucket.flags.copy_(used)
         bucket.launched_at = time.perf_counter()
         bucket.done_at = 0.0
-        if self._comm is not None:
+        if self._world == 1:  # the average over one rank is the gradient itself
+            bucket.handle = None
+            bucket.done_at = bucket.launched_at
+        elif self._comm is not None:
             from fireflyer.hfreduce.reduce import Op
 
             fut = self._comm.allreduce(bucket.comm, Op.AVG)
@@ -364,7 +367,9 @@ class DistributedDataParallel(nn.Module):
                 step.pending[self._bucket_of[i][0]] -= 1
             self._launch_ready(step)
             for bucket in self._buckets:
-                if self._comm is not None:
+                if bucket.handle is None:
+                    pass
+                elif self._comm is not None:
                     bucket.handle.wait()  # the engine raises CollectiveTimeout/PeerFailure on its own deadline
                 else:
                     bucket.handle.wait(timeout=timedelta(seconds=self.config.timeout))
