@@ -273,3 +273,20 @@ def run_case_cuda(ctx, case: Case) -> torch.Tensor:
             out = x
         result = out.cpu()
     return result
+
+
+def registered_allreduce(ctx, numel: int, dtype: torch.dtype, op: str, who: str, rounds: int) -> list[torch.Tensor]:
+    """Allreduce on registered (shared) buffers: 'all' ranks, 'odd' ranks only, or 'none'; several rounds."""
+    comm, rank = ctx.comm, ctx.rank
+    use = who == "all" or (who == "odd" and rank % 2 == 1)
+    # Allocation is collective per node, so every rank allocates; only some use the buffer.
+    buf = comm.shared_empty(numel, dtype)
+    out = []
+    for r in range(rounds):
+        x = make_input(Case("allreduce", dtype, numel, op, seed=r), rank, ctx.world_size)
+        t = buf if use else torch.empty(numel, dtype=dtype)
+        t.copy_(x)
+        comm.allreduce(t, op).wait()
+        out.append(t.clone())
+    comm.shared_release(buf)
+    return out

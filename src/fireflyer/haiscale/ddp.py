@@ -201,6 +201,7 @@ class DistributedDataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._release_buffers()
 
     # ------------------------------------------------------------------ wrap-time checks
     def _check_same_model(self) -> None:
@@ -253,6 +254,7 @@ class DistributedDataParallel(nn.Module):
             cap_bytes=int(self.config.bucket_cap_mb * (1 << 20)),
             first_cap_bytes=int(self.config.first_bucket_mb * (1 << 20)),
         )
+        self._release_buffers()
         buckets = []
         last = len(plan.buckets) - 1
         with torch.no_grad():
@@ -262,12 +264,8 @@ class DistributedDataParallel(nn.Module):
                 # keeps grad None, as with torch DDP, at no cost of an extra collective.
                 extra = len(self._params) if b == last else 0
                 same = reduce_dtype is None or reduce_dtype == dtype
-                if same:
-                    comm = torch.zeros(numel + extra, dtype=dtype, device=self.device)
-                    grads = comm[:numel]
-                else:
-                    grads = torch.zeros(numel, dtype=dtype, device=self.device)
-                    comm = torch.empty(numel + extra, dtype=reduce_dtype, device=self.device)
+                comm = self._alloc(numel + extra, dtype if same else reduce_dtype)
+                grads = comm[:numel] if same else torch.zeros(numel, dtype=dtype, device=self.device)
                 flags = comm[numel:] if extra else None
                 for i, off in zip(params, offsets):
                     p = self._params[i]
@@ -279,6 +277,17 @@ class DistributedDataParallel(nn.Module):
                 buckets.append(_Bucket(params, offsets, grads, comm, flags))
         self._buckets = buckets
         self._bucket_of = plan.bucket_of()
+
+    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed bucket buffer; on hfreduce and CPU, registered shared memory so the engine skips its copies."""
+        if self._comm is not None and self.device.type == "cpu" and self._world > 1:
+            return self._comm.shared_empty(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def _release_buffers(self) -> None:
+        if self._comm is not None:
+            for bucket in getattr(self, "_buckets", []):
+                self._comm.shared_release(bucket.comm)
 
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:

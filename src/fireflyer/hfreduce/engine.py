@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from fireflyer.hfreduce.errors import (
     error_to_text,
 )
 from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.hfreduce.shared import SharedBuffers
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     Descriptor,
@@ -58,6 +60,8 @@ from fireflyer.hfreduce.trees import Trees
 
 _SLICE = 0.05  # seconds between liveness checks while waiting
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
+_SHARED = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
+_IN_PLACE = 1 << 62
 
 
 @dataclass
@@ -74,6 +78,9 @@ class Job:
     tree_deadline: float = 0.0  # a little later, so the rank that saw the root cause reports it first
     stream_event: object = None
     own: torch.Tensor | None = None  # the CPU tensor this rank reduces its own slice from directly
+    shared: tuple[int, int, bool] | None = None  # this rank's input is registered: (buffer, byte offset, in place)
+    peer_in: list | None = None  # per local rank: its registered input, read directly instead of its arena slot
+    peer_out: list | None = None  # per local rank: its registered in-place buffer, written directly (one node)
 
 
 class Communicator(Trees):
@@ -106,6 +113,7 @@ class Communicator(Trees):
         self._listener: Listener | None = None
         self._arena: Arena | None = None
         self._fd_server: fdshare.FdServer | None = None
+        self._shared: SharedBuffers | None = None
         self._seq = 0
         self._chunk = 0
         self._reducer = Reducer()
@@ -206,6 +214,9 @@ class Communicator(Trees):
         if store.add(f"{key}/attached", 1) == self.local_size:
             self._arena.unlink()
         self._shape = shape
+        self._shared = SharedBuffers(store=store, node=self.node, local_rank=self.local_rank,
+                                     local_size=self.local_size, secret=self._secret,
+                                     timeout=self.config.timeout, enabled=private)
 
     # ------------------------------------------------------------------ public API
     def submit(self, plan: Plan) -> torch.futures.Future:
@@ -257,6 +268,21 @@ class Communicator(Trees):
 
     def barrier(self) -> torch.futures.Future:
         return self.submit(collectives.barrier(self.world_size))
+
+    def shared_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed flat CPU tensor in memory the node's ranks share; allreduce on it skips the arena copies.
+
+        Collective among the ranks of a node: each must allocate the same sizes in the same
+        order. Where memory cannot be shared, an ordinary tensor comes back (same results).
+        """
+        if self._closed:
+            raise HFReduceError("hfreduce communicator is closed")
+        return self._shared.alloc(numel, dtype)
+
+    def shared_release(self, tensor: torch.Tensor) -> None:
+        """Forget a tensor from :meth:`shared_empty` (after its last collective)."""
+        if self._shared is not None:
+            self._shared.release(tensor)
 
     def close(self) -> None:
         """Stop the worker threads and release the arena and sockets. Idempotent."""
@@ -428,6 +454,7 @@ class Communicator(Trees):
         job.nchunks = max(1, -(-desc.numel // job.elems))
         job.first_chunk = self._chunk
         job.own = self._own_source(job.plan)
+        job.shared = self._registered(job.plan)
         job.seq = self._seq
         job.deadline = time.monotonic() + self.config.timeout
         job.tree_deadline = job.deadline + min(2.0, 0.25 * self.config.timeout)
@@ -452,7 +479,9 @@ class Communicator(Trees):
             g = job.first_chunk + c
             self._wait("red", all_local, g - depth + 1, job, "stage-in")
             if c == 0:
-                self._arena.write_descriptor(lr, job.seq.to_bytes(8, "little") + desc.pack())
+                index, offset, in_place = job.shared or (-1, 0, False)
+                ext = _SHARED.pack((index + 1) | (_IN_PLACE if in_place else 0), offset)
+                self._arena.write_descriptor(lr, job.seq.to_bytes(8, "little") + desc.pack() + ext)
             self._stage_in(job, c)
             self._arena.publish("in", lr, g + 1)
             self._wait("in", all_local, g + 1, job, "reduce")
@@ -514,7 +543,23 @@ class Communicator(Trees):
             return plan.sources[0][1]
         return None
 
+    def _registered(self, plan: Plan) -> tuple[int, int, bool] | None:
+        """(buffer, byte offset, in place) when this rank's only input is a registered buffer."""
+        if not plan.dense or len(plan.sources) != 1 or plan.sources[0][0] != 0:
+            return None
+        src = plan.sources[0][1]
+        if src.numel() != plan.desc.numel:
+            return None
+        found = self._shared.locate(src) if self._shared is not None else None
+        if found is None:
+            return None
+        in_place = len(plan.sinks) == 1 and plan.sinks[0][0] == 0 and plan.sinks[0][1].data_ptr() == src.data_ptr() \
+            and plan.sinks[0][1].numel() == src.numel() and plan.sinks[0][1].dtype == src.dtype
+        return found[0], found[1], in_place
+
     def _stage_in(self, job: Job, c: int) -> None:
+        if job.shared is not None:
+            return  # the other local ranks read this rank's registered buffer directly
         c0, c1 = self._chunk_range(job, c)
         slot = self._shape.in_offset(self._buf(job, c), self.local_rank)
         dtype = job.plan.desc.dtype
@@ -541,6 +586,9 @@ class Communicator(Trees):
         c0, c1 = self._chunk_range(job, c)
         out = self._shape.out_offset(self._buf(job, c))
         dtype = job.plan.desc.dtype
+        if job.peer_out is not None and job.peer_out[self.local_rank] is not None:
+            self._arena.publish("done", self.local_rank, g + 1)  # every slice's owner wrote it here already
+            return
         for off, dst in job.plan.sinks:
             lo, hi = max(c0, off), min(c1, off + dst.numel())
             if lo < hi:
@@ -563,7 +611,12 @@ class Communicator(Trees):
         if not job.plan.dense:
             self._gather_slice(job, b, c0, s0, s1, target)
             return
-        inputs = [self._view(self._shape.in_offset(b, k), dtype, s0, s1) for k in range(self.local_size)]
+        peer_in = job.peer_in
+        inputs = [
+            peer_in[k][c0 + s0 : c0 + s1] if peer_in is not None and peer_in[k] is not None
+            else self._view(self._shape.in_offset(b, k), dtype, s0, s1)
+            for k in range(self.local_size)
+        ]
         own = job.own
         if own is not None:
             inputs[self.local_rank] = own[c0 + s0 : c0 + s1]
@@ -573,6 +626,10 @@ class Communicator(Trees):
             self._reducer.finish(target, work, desc.op, self.world_size)
         else:
             self._reducer.reduce_into(target, inputs, desc.op)
+        if final and job.peer_out is not None:
+            for dst in job.peer_out:  # one node, registered in place: the result goes straight home
+                if dst is not None:
+                    dst[c0 + s0 : c0 + s1].copy_(target)
 
     def _gather_slice(self, job: Job, b: int, c0: int, s0: int, s1: int, target: torch.Tensor) -> None:
         """Collectives with one contributor per element: copy each owner's range, zero what other nodes own."""
@@ -589,12 +646,29 @@ class Communicator(Trees):
                 piece.view(torch.uint8).zero_()
 
     def _check_descriptors(self, job: Job) -> None:
-        mine = self._arena.descriptor(self.local_rank, 8 + DESCRIPTOR_BYTES)
+        size = 8 + DESCRIPTOR_BYTES
+        mine = self._arena.descriptor(self.local_rank, size)
+        registered = []
         for k in range(self.local_size):
-            theirs = self._arena.descriptor(k, 8 + DESCRIPTOR_BYTES)
+            raw = self._arena.descriptor(k, size + _SHARED.size)
+            theirs = raw[:size]
             their_seq = int.from_bytes(theirs[:8], "little")
             if theirs != mine and their_seq <= job.seq:  # a rank ahead of us already checked against us
                 raise self._mismatch(job, self.describe(self.members[k]), Descriptor.unpack(theirs[8:]), their_seq)
+            registered.append(_SHARED.unpack(raw[size:]))
+        if not any(word for word, _ in registered):
+            return
+        desc = job.plan.desc
+        job.peer_in, job.peer_out = [None] * self.local_size, [None] * self.local_size
+        for k, (word, offset) in enumerate(registered):
+            if word and self._arena.descriptor(k, 8) != job.seq.to_bytes(8, "little"):
+                raise HFReduceError(f"{self.describe(self.members[k])} moved past collective #{job.seq} before this "
+                                    "rank read where its registered input lives")
+            if word:
+                view = self._shared.peer_view((word & ~_IN_PLACE) - 1, k, offset, desc.numel, desc.dtype)
+                job.peer_in[k] = view
+                if word & _IN_PLACE and self.num_nodes == 1:
+                    job.peer_out[k] = view
 
     def _mismatch(self, job: Job, who: str, theirs: Descriptor, their_seq: int) -> CollectiveMismatch:
         return CollectiveMismatch(
@@ -640,6 +714,8 @@ class Communicator(Trees):
         if self._fd_server is not None:
             self._fd_server.close()
             self._fd_server = None
+        if self._shared is not None:
+            self._shared.close()
         if self._arena is not None:
             self._arena.unlink()  # harmless if already gone; covers a peer that never attached
             self._arena.close()
