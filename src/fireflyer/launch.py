@@ -106,12 +106,15 @@ def run_local(job: LocalJob) -> Path:
 
 def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
+    while True:
+        codes = [p.poll() for p in procs]  # poll every agent, every time
+        if all(code is not None for code in codes):
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the job did not finish within {timeout:.0f}s and was stopped")
-        # One failed node means the others will only wait for it: stop them soon.
-        if any(p.returncode not in (None, 0) for p in procs):
-            grace = time.monotonic() + 15
+        # One failed node means the others will only wait for it: give them a moment, then stop them.
+        if any(code not in (None, 0) for code in codes):
+            grace = time.monotonic() + 10
             while any(p.poll() is None for p in procs) and time.monotonic() < grace:
                 time.sleep(0.1)
             return
