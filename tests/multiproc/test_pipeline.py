@@ -114,6 +114,8 @@ def bad_step(ctx, what: str) -> None:
     stage = partition(build_model(), dist.get_rank(pp_group), 2)
     if what == "microbatches":
         Pipeline(stage, pp_group, loss_fn=F.mse_loss, config=PipelineConfig(schedule="1F1B", n_microbatches=1))
+    elif what == "hfreduce":
+        Pipeline(stage, dist.group.WORLD, loss_fn=F.mse_loss, config=PipelineConfig(n_microbatches=2))
     elif what == "modules":
         Pipeline([stage, stage], pp_group, loss_fn=F.mse_loss, config=PipelineConfig(n_microbatches=2))
     elif what == "missing":
@@ -205,6 +207,7 @@ def test_bad_subgroups_say_what_to_do(two_nodes_two_ranks):
 @pytest.mark.parametrize("what, words", [
     ("microbatches", "1F1B needs n_microbatches >= pp_size"),
     ("modules", "runs one stage per rank"),
+    ("hfreduce", "no send/recv"),
     ("missing", "holds the (first|last) stage"),
     ("uneven", "does not split into n_microbatches=3"),
 ])

@@ -316,6 +316,10 @@ class Pipeline:
             raise ValueError(f"schedule {schedule.value} runs one stage per rank but got {len(mods)} modules; "
                              f"use schedule='Interleaved1F1B' for several stages per rank, or join them in one "
                              f"nn.Sequential")
+        backend = str(dist.get_backend(pp_group))
+        if "hfreduce" in backend.lower():
+            raise ValueError(f"pp_group runs on {backend!r}, which has collectives only and no send/recv; pass the "
+                             f"pp_group that make_subgroups returns (gloo or nccl)")
         self.pp_size = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         if self.pp_rank < 0:
