@@ -1,0 +1,20 @@
+"""The main job: ``fireflyer train`` trains a small GPT with haiscale DDP on emulated nodes.
+
+The parts, in the order a run meets them:
+
+* :mod:`~fireflyer.train.cli` resolves the config, readies the out directory and
+  launches the job (one torchrun agent per emulated node); afterwards it draws the loss
+  curve and prints the summary (:mod:`~fireflyer.train.report`).
+* :mod:`~fireflyer.train.config`: :class:`TrainConfig`, a keyword-only dataclass read
+  from TOML and flags, which checks itself.
+* :mod:`~fireflyer.train.job` is one rank: it joins the hfreduce process group and runs
+  the :class:`~fireflyer.train.trainer.Trainer`.
+* :mod:`~fireflyer.train.data` (corpus, character tokenizer, seeded batches),
+  :mod:`~fireflyer.train.model` (the GPT), :mod:`~fireflyer.train.optim` (AdamW,
+  warm-up and cosine), :mod:`~fireflyer.train.state` (save and ``--resume``),
+  :mod:`~fireflyer.train.progress` (rank 0's progress bar).
+"""
+
+from fireflyer.train.config import TrainConfig
+
+__all__ = ["TrainConfig"]

@@ -1,0 +1,145 @@
+"""``fireflyer train [CONFIG] [--FIELD VALUE ...] [--resume]``: the main job, launched on emulated nodes.
+
+This process resolves the config (the TOML file, default ``configs/demo.toml``, then
+flags), prepares the out directory, and starts the job with
+:func:`fireflyer.launch.run_local`: one real torchrun agent per emulated node, each rank
+running :mod:`fireflyer.train.job`. When the job ends it draws ``loss.png`` and prints
+the summary from the ``run.json`` rank 0 wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fireflyer.cliutil import ArgumentParser
+from fireflyer.errors import UserError
+from fireflyer.train import report
+from fireflyer.train.config import DEVICES, FIELD_NAMES, TrainConfig, builtin_config, check_resumable, read_toml
+from fireflyer.train.files import write_json
+
+EPILOG = """\
+examples:
+  fireflyer train                                  # the demo: configs/demo.toml, 2 nodes x 2 ranks
+  fireflyer train my.toml --steps 600 --out runs/long
+  fireflyer train --out runs/long --resume         # continue from the latest saved state there
+"""
+
+
+def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
+    """The command line: an optional CONFIG, ``--resume``, and one flag per config field."""
+    p = ArgumentParser(prog=prog, usage=f"{prog} [CONFIG] [--resume] [--FIELD VALUE ...]",
+                       description="Train a small GPT on Shakespeare with haiscale DDP across emulated nodes.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", metavar="CONFIG",
+                   help=f"TOML file of config fields (default: the shipped {builtin_config('demo').name})")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest state saved in the out directory; without CONFIG, "
+                        "the saved run's config is used")
+    fields = p.add_argument_group("config fields (override CONFIG)")
+    docs = _field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        kind = {"int": int, "float": float, "str": str}[str(f.type).split(" |")[0]]
+        fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
+                            metavar=kind.__name__.upper(), help=docs.get(f.name, ""),
+                            choices=DEVICES if f.name == "device" else None)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Run ``fireflyer train`` (and ``fireflyer demo``) with ``argv``; return the exit code."""
+    args = build_parser().parse_args(argv)
+    overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
+    cfg, resume_from = resolve(args.config, overrides, resume=args.resume)
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("device = 'cuda' but no CUDA device is visible here; use 'auto' or 'cpu'")
+    from fireflyer.launch import LocalJob, run_local  # imports torch: only once the config is known to be good
+
+    out = cfg.out_dir
+    config_path = write_json(out / "config.json", cfg.to_dict())
+    target = ["-m", "fireflyer.train.job", "--config", str(config_path)]
+    if resume_from is not None:
+        target += ["--resume", str(resume_from)]
+    print(f"fireflyer train: {cfg.nodes} node(s) x {cfg.ranks_per_node} rank(s), steps "
+          f"{_step_range(cfg, resume_from)}, out {out}/ (logs in {out / 'logs'}/)", flush=True)
+    t0 = time.monotonic()
+    run_local(LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,
+                       timeout=cfg.timeout, log_dir=str(out / "logs")))
+    wall = time.monotonic() - t0
+    run = report.load_run(out)
+    png = report.plot_losses(run, out / "loss.png")
+    print(report.summary(run, wall_s=wall, out=out, png=png))
+    return 0
+
+
+def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> tuple[TrainConfig, Path | None]:
+    """The run's config and, with ``resume``, the state to continue from; readies the out directory.
+
+    A fresh run clears an earlier run's state and results in the out directory. With
+    ``resume`` and no CONFIG, the saved run's own config is the base (its ``stop_at`` dropped).
+    """
+    base = read_toml(config) if config else None
+    if not resume:
+        cfg = TrainConfig.from_dict({**(base or read_toml(builtin_config("demo"))), **overrides},
+                                    source=config or "demo.toml")
+        _start_afresh(cfg.out_dir)
+        return cfg, None
+    from fireflyer.train import state as saved  # imports torch
+
+    out = overrides.get("out") or (base or {}).get("out") or TrainConfig.from_toml(builtin_config("demo")).out
+    latest = saved.latest_state(out)
+    if latest is None:
+        raise UserError(f"--resume: no saved state in {saved.state_dir(out)}/; run without --resume first")
+    state = saved.load_state(latest)
+    if base is None:
+        base = {k: v for k, v in state["config"].items() if k != "stop_at"}
+    cfg = TrainConfig.from_dict({**base, "out": str(out), **overrides}, source=config or str(latest))
+    changed = check_resumable(state["config"], cfg, state=str(latest))
+    if state["step"] >= (cfg.stop_at or cfg.steps):
+        raise UserError(f"{latest} is already at step {state['step']}; raise --steps (or --stop-at) to train further")
+    if changed:
+        print(f"note: resuming with changed {', '.join(changed)}")
+    for name in ("run.json", "loss.png"):
+        (cfg.out_dir / name).unlink(missing_ok=True)
+    return cfg, latest
+
+
+def _start_afresh(out: Path) -> None:
+    from fireflyer.train import state as saved
+
+    if saved.clear_states(out):
+        print(f"note: starting afresh in {out}/; the earlier run's saved state there was removed "
+              "(--resume continues a run instead)")
+    for name in ("run.json", "loss.png"):
+        (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _step_range(cfg: TrainConfig, resume_from: Path | None) -> str:
+    first = 1
+    if resume_from is not None:
+        first = int(resume_from.stem.removeprefix("step")) + 1
+    last = cfg.stop_at or cfg.steps
+    return f"{first}-{last} of {cfg.steps}"
+
+
+@lru_cache(maxsize=1)
+def _field_docs() -> dict[str, str]:
+    """Each TrainConfig field's docstring (the string literal after it), for --help."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value  # type: ignore[union-attr]
+    return docs
+

@@ -1,0 +1,237 @@
+"""The main job's configuration: one keyword-only dataclass that checks itself.
+
+A run is described by a :class:`TrainConfig`. It can come from a flat TOML file
+(``configs/demo.toml`` is the default, ``configs/tiny.toml`` is for tests), and
+command-line flags override single fields (``--steps 50`` sets ``steps``). Every field
+is checked when the object is made; a bad value raises :class:`UserError` (a
+``ValueError``) that names the field and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fireflyer.errors import UserError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one run of ``fireflyer train`` needs. Defaults are the demo's."""
+
+    # --- layout ---
+    nodes: int = 2
+    """Emulated nodes: one torchrun agent each, with its own FIREFLYER_NODE_ID."""
+    ranks_per_node: int = 2
+    """Ranks (processes) per node."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU), cpu, or cuda (rank r uses cuda:LOCAL_RANK)."""
+
+    # --- model ---
+    context: int = 64
+    """Tokens the model sees at once (its block size)."""
+    layers: int = 2
+    """Transformer blocks."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    heads: int = 4
+    """Attention heads; must divide d_model."""
+
+    # --- optimisation ---
+    steps: int = 300
+    """Optimizer steps in the whole run (the learning-rate schedule spans them)."""
+    batch_per_rank: int = 16
+    """Sequences per rank per step; the global batch is this times the world size."""
+    lr: float = 6e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to lr."""
+    min_lr: float = 6e-4
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (not on biases or LayerNorm gains)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB: each full bucket's allreduce starts during backward."""
+
+    # --- data and evaluation ---
+    seed: int = 1234
+    """Seeds the weights and every batch: the same config gives the same losses."""
+    val_fraction: float = 0.1
+    """Share of the corpus held out for validation."""
+    eval_interval: int = 50
+    """Measure validation loss every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Validation batches per rank per evaluation."""
+    sample_tokens: int = 200
+    """Characters of text the trained model writes for the summary; 0 skips it."""
+
+    # --- run control ---
+    out: str = "runs/demo"
+    """Directory for the state, run.json, loss.png and logs."""
+    save_every: int = 100
+    """Save the training state every this many steps (it is always saved at the end); 0: only at the end."""
+    stop_at: int | None = None
+    """End this run after this step, as a preemption would; the schedule still spans `steps`, and --resume continues."""
+    timeout: float = 600.0
+    """Seconds before the whole job is stopped; collectives time out well before it."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        positive = ("nodes", "ranks_per_node", "context", "layers", "d_model", "heads", "steps", "batch_per_rank",
+                    "eval_batches")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        non_negative = ("warmup_steps", "eval_interval", "save_every", "sample_tokens", "seed", "weight_decay",
+                        "grad_clip", "min_lr")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
+        for name in ("lr", "bucket_cap_mb", "timeout"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise UserError(f"heads ({self.heads}) must divide d_model ({self.d_model})")
+        if self.warmup_steps > self.steps:
+            raise UserError(f"warmup_steps ({self.warmup_steps}) must not exceed steps ({self.steps})")
+        if self.min_lr > self.lr:
+            raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if not 0 < self.val_fraction <= 0.5:
+            raise UserError(f"val_fraction must be in (0, 0.5], got {self.val_fraction}")
+        if self.device not in DEVICES:
+            raise UserError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise UserError(f"stop_at must be between 1 and steps ({self.steps}), got {self.stop_at}")
+        if not self.out:
+            raise UserError("out must name a directory")
+
+    def _check_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = _field_kind(f)
+            if value is None and f.name in OPTIONAL:
+                continue
+            ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                ok = True
+            if kind is float and ok and not math.isfinite(value):
+                ok = False
+            if not ok:
+                raise UserError(f"{f.name} must be {_KIND_NAMES[kind]}, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: nodes × ranks_per_node."""
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens consumed by one optimizer step across all ranks."""
+        return self.world_size * self.batch_per_rank * self.context
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
+        """Make a config from plain data; an unknown key is an error that lists the valid ones."""
+        unknown = sorted(set(data) - set(FIELD_NAMES))
+        if unknown:
+            raise UserError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"valid keys: {', '.join(FIELD_NAMES)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """Read a flat TOML file of fields; ``overrides`` (e.g. from flags) win over the file."""
+        return cls.from_dict({**read_toml(path), **overrides}, source=str(path))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TrainConfig:
+        """Read the resolved config the launcher hands to every rank."""
+        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
+
+
+OPTIONAL = frozenset({"stop_at"})
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+# Fields that fix the shape of the saved weights and the data each rank reads:
+# a saved state can only be resumed by a config that agrees on all of them.
+SHAPE_FIELDS = ("context", "layers", "d_model", "heads")
+
+
+def _field_kind(f: dataclasses.Field) -> type:
+    annotation = str(f.type)
+    for kind in (int, float, str, bool):
+        if annotation.split(" |")[0] == kind.__name__:
+            return kind
+    raise AssertionError(f"field {f.name} has an unsupported type {annotation}")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A flat TOML file as a dict. Missing files and syntax errors become one-line UserErrors."""
+    if tomllib is None:
+        raise UserError("reading TOML configs needs Python 3.11 or newer (tomllib)")
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file {str(path)!r} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"config {str(path)!r} is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    tables = [k for k, v in data.items() if isinstance(v, dict)]
+    if tables:
+        raise UserError(f"{path}: the config is a flat list of keys; remove the table(s) {', '.join(tables)}")
+    return data
+
+
+def builtin_config(name: str) -> Path:
+    """Path of a config shipped with the package (``demo``, ``tiny``)."""
+    return Path(str(resources.files("fireflyer.train") / "configs" / f"{name}.toml"))
+
+
+def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -> list[str]:
+    """Raise UserError if a state saved under ``saved`` cannot continue under ``cfg``.
+
+    The model shape and the world size must match (the world size fixes which batches
+    each rank draws). Returns the other fields that changed, so the caller can say so.
+    """
+    clashes = [f"{name} {saved.get(name)} -> {getattr(cfg, name)}" for name in SHAPE_FIELDS
+               if saved.get(name) != getattr(cfg, name)]
+    saved_world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
+    if saved_world != cfg.world_size:
+        clashes.append(f"world size {saved_world} -> {cfg.world_size}")
+    if clashes:
+        raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
+                        "use the config it was saved with, or a new --out to start afresh")
+    ignored = {"stop_at", "out", "timeout"}
+    return [name for name in FIELD_NAMES
+            if name not in ignored and name in saved and saved[name] != getattr(cfg, name)]

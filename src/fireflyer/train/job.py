@@ -1,0 +1,68 @@
+"""One rank of ``fireflyer train``, as torchrun starts it on every rank of every node.
+
+``python -m fireflyer.train.job --config OUT/config.json [--resume STATE]``: reads the
+resolved config the launcher wrote, joins the job's hfreduce process group
+(``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` come from torchrun,
+``FIREFLYER_NODE_ID`` tells emulated nodes apart), picks its device and thread count,
+and runs the :class:`~fireflyer.train.trainer.Trainer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer.launch import threads_per_rank
+from fireflyer.train.config import TrainConfig
+from fireflyer.train.trainer import Placement, Trainer
+
+COLLECTIVE_TIMEOUT = 120.0
+"""Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
+
+
+def place(cfg: TrainConfig) -> Placement:
+    """This rank's place in the job, from torchrun's environment; sets its device and torch threads."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device = 'cuda' but this node has no CUDA device; use device = 'auto' or 'cpu'")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # The launcher sets OMP_NUM_THREADS so the node's ranks share its cores without oversubscribing.
+    threads = int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(threads)
+    return Placement(rank=rank, world_size=world, local_rank=local_rank,
+                     node=os.environ.get("FIREFLYER_NODE_ID", ""), device=device, threads=threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fireflyer.train.job", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="resolved config JSON written by 'fireflyer train'")
+    p.add_argument("--resume", default=None, help="saved state to continue from")
+    args = p.parse_args(argv)
+    cfg = TrainConfig.from_json(args.config)
+    where = place(cfg)
+    dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
+    try:
+        trainer = Trainer(cfg, where, resume=Path(args.resume) if args.resume else None)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

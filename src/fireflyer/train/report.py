@@ -1,0 +1,108 @@
+"""After the job: the loss-curve PNG and the one-screen summary, both made from ``run.json``.
+
+Rank 0 writes ``run.json`` (config, per-step losses, validation losses, timings,
+allreduce counters, a text sample); this module runs in the launching process, so the
+ranks never import matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fireflyer.errors import UserError
+
+
+def load_run(out: str | Path) -> dict[str, Any]:
+    path = Path(out) / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RuntimeError(f"the job ended without writing {path}; see the logs in {Path(out) / 'logs'}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc})") from None
+
+
+def plot_losses(run: dict[str, Any], path: str | Path) -> Path:
+    """Train loss per step and validation loss per evaluation against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = run["history"]
+    cfg = run["config"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(range(1, len(h["loss"]) + 1), h["loss"], lw=1, color="tab:blue", alpha=0.8, label="train (mean over ranks)")
+    if h["val"]:
+        steps, losses = zip(*h["val"], strict=True)
+        ax.plot(steps, losses, "o-", ms=4, color="tab:orange", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_title(f"fireflyer train: {cfg['layers']}-layer GPT, d={cfg['d_model']}, "
+                 f"{cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | None) -> str:
+    """The end-of-run screen: model, world, speed, losses, files, and a sample of generated text."""
+    cfg, h, t, ar, w = run["config"], run["history"], run["timing"], run["allreduce"], run["world"]
+    loss = h["loss"]
+    val = h["val"]
+    status = "finished"
+    if not run["finished"]:
+        status = f"stopped at step {run['step']} of {cfg['steps']} (continue with --resume)"
+    data = run["data"]
+    lines = [
+        "",
+        f"fireflyer train: {status}",
+        (f"  model      {run['model']['parameters'] / 1e6:.2f} M parameters: {cfg['layers']} layers, "
+         f"d_model {cfg['d_model']}, {cfg['heads']} heads, context {cfg['context']}, "
+         f"{run['model']['vocab_size']} characters"),
+        (f"  world      {w['nodes']} nodes x {w['ranks_per_node']} ranks = {w['world_size']} ranks on {w['device']}, "
+         f"{w['threads_per_rank']} thread(s) per rank, haiscale DDP over hfreduce"),
+        (f"  data       {data['train_tokens']:,} train / {data['val_tokens']:,} val characters, "
+         f"{data['tokens_per_step']:,} tokens per step"),
+        (f"  speed      {_si(t['tokens_per_s'])} tokens/s over {t['steps_this_run']} steps; "
+         f"allreduce {ar['gbps']:.2f} GB/s, {_bytes(ar['bytes_per_rank'])} per rank, "
+         f"{ar['exposed_wait_s']:.1f} s exposed wait"),
+    ]
+    if loss:
+        lines.append(f"  loss       train {loss[0]:.3f} (step 1) -> {_tail_mean(loss):.3f} "
+                     f"(mean of the last {min(10, len(loss))} steps)")
+    if val:
+        lines.append(f"             val {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})")
+    resumed = f", resumed at step {run['resumed_from']}" if run["resumed_from"] is not None else ""
+    lines += [
+        (f"  time       {wall_s:.1f} s wall: {t['train_s']:.1f} s training, {t['eval_s']:.1f} s eval, "
+         f"{t['save_s']:.1f} s saving{resumed}"),
+        f"  files      {Path(out) / 'run.json'}" + (f", {png}" if png else "") + f", {Path(out) / 'state'}/",
+    ]
+    text = run["sample"]["text"]
+    if text:
+        lines += ["  sample     (seeded, temperature 0.8)"]
+        body = text.strip("\n").splitlines()[:8]
+        lines += [f"    | {line[:96]}".rstrip() for line in body]
+    return "\n".join(lines)
+
+
+def _tail_mean(values: list[float], n: int = 10) -> float:
+    tail = values[-n:]
+    return sum(tail) / len(tail)
+
+
+def _si(x: float) -> str:
+    return f"{x / 1e6:.2f} M" if x >= 1e6 else f"{x / 1e3:.1f} k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

@@ -1,0 +1,236 @@
+"""The training loop of one rank: data-parallel steps with haiscale DDP, evaluation, saving.
+
+Every rank holds a full replica of the model. A step draws the rank's own batch, runs
+forward and backward through :class:`fireflyer.haiscale.DistributedDataParallel` (whose
+gradient allreduce over hfreduce overlaps backward), clips, and steps AdamW. The
+reported loss is the mean over ranks. Rank 0 saves the state, writes ``run.json`` and
+writes a text sample at the end; every rank takes part in every collective.
+
+Steps are numbered from 1; ``state.step == k`` means k optimizer steps are done.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fireflyer.haiscale import DistributedDataParallel
+from fireflyer.train import state as saved
+from fireflyer.train.config import TrainConfig
+from fireflyer.train.data import SAMPLE_PROMPT, Batches, CharTokenizer, load_corpus, split
+from fireflyer.train.files import write_json
+from fireflyer.train.model import GPT, ModelShape
+from fireflyer.train.optim import build_optimizer
+from fireflyer.train.progress import StepStats, Throughput, make_progress
+
+
+@dataclass
+class History:
+    """Per-step records of the whole run (restored on resume, so run.json covers every step)."""
+
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    val: list[list[float]] = field(default_factory=list)
+    """``[step, val_loss]`` pairs."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"loss": self.loss, "lr": self.lr, "val": self.val}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank runs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node: str
+    device: torch.device
+    threads: int
+
+
+class Trainer:
+    """Builds the data, model, DDP wrapper and optimizer for one rank, then runs the steps."""
+
+    def __init__(self, cfg: TrainConfig, where: Placement, *, resume: Path | None = None) -> None:
+        self.cfg = cfg
+        self.where = where
+        self.history = History()
+        self._build_data()
+        self._build_model()
+        self.start_step = self._restore(resume) if resume else 0
+        self.resumed_from = self.start_step if resume else None
+        self.end_step = cfg.stop_at or cfg.steps
+        self.timing = {"train_s": 0.0, "eval_s": 0.0, "save_s": 0.0}
+
+    # ------------------------------------------------------------------ building
+    def _build_data(self) -> None:
+        text = load_corpus()
+        self.tokenizer = CharTokenizer.from_text(text)
+        tokens = self.tokenizer.encode(text)
+        train, val = split(tokens, self.cfg.val_fraction)
+        common = dict(context=self.cfg.context, batch=self.cfg.batch_per_rank, seed=self.cfg.seed,
+                      device=self.where.device)
+        self.train_data = Batches(train, **common)
+        self.val_data = Batches(val, **common)
+        self.corpus_chars = len(text)
+
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.context, layers=cfg.layers,
+                           d_model=cfg.d_model, heads=cfg.heads)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+        self.model = GPT(shape).to(self.where.device)
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=cfg.bucket_cap_mb)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+
+    def _restore(self, path: Path) -> int:
+        state = saved.load_state(path)
+        if state["vocab"] != self.tokenizer.chars:
+            raise ValueError(f"{path} was trained on a different corpus vocabulary; start afresh with a new --out")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if self.where.device.type == "cuda" and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.where.device)
+        h = state["history"]
+        self.history = History(loss=list(h["loss"]), lr=list(h["lr"]), val=[list(v) for v in h["val"]])
+        return int(state["step"])
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        """Train from ``start_step`` to ``end_step``; return the run record rank 0 wrote (others: {})."""
+        cfg, rank = self.cfg, self.where.rank
+        if self.start_step == 0:
+            self._evaluate(0)
+        bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)
+        if self.resumed_from is not None:
+            bar.note(f"resumed at step {self.start_step} from {saved.state_path(cfg.out, self.start_step)}")
+        rate = Throughput()
+        rate.add(time.perf_counter(), 0)
+        try:
+            for step in range(self.start_step + 1, self.end_step + 1):
+                t0 = time.perf_counter()
+                loss, lr = self._train_step(step)
+                now = time.perf_counter()
+                self.timing["train_s"] += now - t0
+                bar.update(StepStats(step, loss, lr, rate.add(now, cfg.tokens_per_step), self.allreduce_gbps()))
+                if cfg.eval_interval and step % cfg.eval_interval == 0 and step != self.end_step:
+                    bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
+                if cfg.save_every and step % cfg.save_every == 0 and step != self.end_step:
+                    self._save(step)
+        finally:
+            bar.close()
+        if not self.history.val or self.history.val[-1][0] != self.end_step:
+            self._evaluate(self.end_step)
+        self._save(self.end_step)
+        record = self._record() if rank == 0 else {}
+        if rank == 0:
+            write_json(Path(cfg.out) / "run.json", record)
+        dist.barrier()
+        return record
+
+    def _train_step(self, step: int) -> tuple[float, float]:
+        x, y = self.train_data.train(rank=self.where.rank, step=step)
+        self.optimizer.zero_grad(set_to_none=False)  # keep .grad as DDP's bucket views
+        logits = self.ddp(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()  # gradients are averaged across ranks when this returns
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        mean = loss.detach().reshape(1).float()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        self.history.loss.append(mean.item())
+        self.history.lr.append(lr)
+        return self.history.loss[-1], lr
+
+    @torch.no_grad()
+    def _evaluate(self, step: int) -> float:
+        """Mean validation loss over every rank's fixed validation batches; recorded at ``step``."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        total = torch.zeros(1, device=self.where.device)
+        for i in range(self.cfg.eval_batches):
+            x, y = self.val_data.eval(rank=self.where.rank, index=i)
+            total += F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.model.train()
+        mean = (total / self.cfg.eval_batches).float()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        self.history.val.append([step, mean.item()])
+        self.timing["eval_s"] += time.perf_counter() - t0
+        return self.history.val[-1][1]
+
+    def _save(self, step: int) -> None:
+        if self.where.rank == 0:
+            t0 = time.perf_counter()
+            rng = {"cpu": torch.get_rng_state()}
+            if self.where.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
+            saved.save_state(self.cfg.out, step, {
+                "config": self.cfg.to_dict(),
+                "vocab": self.tokenizer.chars,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng,
+                "history": self.history.to_dict(),
+            })
+            self.timing["save_s"] += time.perf_counter() - t0
+        dist.barrier()  # nobody races ahead of a state that is still being written
+
+    # ------------------------------------------------------------------ reporting
+    def allreduce_gbps(self) -> float:
+        s = self.ddp.stats()
+        return s["allreduce_bytes"] / s["allreduce_seconds"] / 1e9 if s["allreduce_seconds"] > 0 else 0.0
+
+    def sample(self) -> str:
+        """Text the trained model writes after :data:`SAMPLE_PROMPT`, with a generator seeded by ``seed``."""
+        if not self.cfg.sample_tokens:
+            return ""
+        prompt = self.tokenizer.encode(SAMPLE_PROMPT).to(self.where.device)
+        gen = torch.Generator(device=self.where.device).manual_seed(self.cfg.seed)
+        self.model.eval()
+        out = self.model.generate(prompt, self.cfg.sample_tokens, temperature=0.8, generator=gen)
+        self.model.train()
+        return self.tokenizer.decode(out.cpu())
+
+    def _record(self) -> dict[str, Any]:
+        cfg, w = self.cfg, self.where
+        done = self.end_step - self.start_step
+        ddp = self.ddp.stats()
+        t0 = time.perf_counter()
+        text = self.sample()
+        return {
+            "config": cfg.to_dict(),
+            "finished": self.end_step == cfg.steps,
+            "step": self.end_step,
+            "resumed_from": self.resumed_from,
+            "world": {"nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "world_size": w.world_size,
+                      "device": str(w.device) if w.device.type == "cpu" else f"cuda x {w.world_size}",
+                      "threads_per_rank": w.threads},
+            "model": {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size},
+            "data": {"corpus_chars": self.corpus_chars, "train_tokens": len(self.train_data.tokens),
+                     "val_tokens": len(self.val_data.tokens), "tokens_per_step": cfg.tokens_per_step},
+            "history": self.history.to_dict(),
+            "timing": {**self.timing, "steps_this_run": done,
+                       "tokens_per_s": done * cfg.tokens_per_step / self.timing["train_s"] if done else 0.0,
+                       "sample_s": time.perf_counter() - t0},
+            "allreduce": {"bytes_per_rank": ddp["allreduce_bytes"], "seconds": ddp["allreduce_seconds"],
+                          "exposed_wait_s": ddp["wait_seconds"], "gbps": self.allreduce_gbps(),
+                          "buckets": ddp.get("buckets")},
+            "sample": {"prompt": SAMPLE_PROMPT, "text": text},
+        }
+
+    def close(self) -> None:
+        self.ddp.close()
+

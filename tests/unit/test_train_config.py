@@ -1,0 +1,141 @@
+"""TrainConfig checks itself; TOML files and flags map onto it; bad input is one line through the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fireflyer import cli
+from fireflyer.errors import UserError
+from fireflyer.train.config import FIELD_NAMES, TrainConfig, builtin_config, check_resumable, read_toml
+
+
+def test_defaults_and_shipped_configs_are_valid():
+    demo = TrainConfig.from_toml(builtin_config("demo"))
+    assert demo == TrainConfig(), "the dataclass defaults are the demo's"
+    tiny = TrainConfig.from_toml(builtin_config("tiny"))
+    assert tiny.world_size == 2 and tiny.steps < demo.steps
+    assert tiny.tokens_per_step == 2 * tiny.batch_per_rank * tiny.context
+
+
+def test_keyword_only():
+    with pytest.raises(TypeError):
+        TrainConfig(2)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("nodes", 0, "nodes must be at least 1"),
+    ("ranks_per_node", -1, "ranks_per_node must be at least 1"),
+    ("steps", 0, "steps must be at least 1"),
+    ("heads", 3, "heads (3) must divide d_model (128)"),
+    ("lr", 0.0, "lr must be positive"),
+    ("min_lr", 1.0, "min_lr (1.0) must not exceed lr"),
+    ("warmup_steps", 10_000, "warmup_steps (10000) must not exceed steps"),
+    ("val_fraction", 0.9, "val_fraction must be in (0, 0.5]"),
+    ("device", "tpu", "device must be one of auto, cpu, cuda"),
+    ("stop_at", 0, "stop_at must be between 1 and steps"),
+    ("stop_at", 10_000, "stop_at must be between 1 and steps"),
+    ("timeout", -5.0, "timeout must be positive"),
+    ("save_every", -1, "save_every must not be negative"),
+    ("steps", "10", "steps must be an integer, got '10'"),
+    ("steps", True, "steps must be an integer"),
+    ("steps", 2.5, "steps must be an integer"),
+    ("lr", "fast", "lr must be a number"),
+    ("lr", float("nan"), "lr must be a number"),
+    ("out", 3, "out must be a string"),
+    ("out", "", "out must name a directory"),
+])
+def test_bad_values_name_the_field(field, value, needle):
+    with pytest.raises(UserError) as exc:
+        TrainConfig(**{field: value})
+    assert needle in str(exc.value)
+    assert isinstance(exc.value, ValueError)
+
+
+def test_integers_are_accepted_for_float_fields():
+    cfg = TrainConfig(lr=1, min_lr=0, timeout=30)
+    assert isinstance(cfg.lr, float) and cfg.lr == 1.0 and isinstance(cfg.timeout, float)
+
+
+def test_toml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 40\nlayers = 1\nout = "somewhere"\n')
+    cfg = TrainConfig.from_toml(path, steps=50)
+    assert (cfg.steps, cfg.layers, cfg.out) == (50, 1, "somewhere")
+    assert cfg.d_model == TrainConfig().d_model
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("stpes = 40\n", "unknown key 'stpes'; valid keys: nodes, ranks_per_node"),
+    ("steps = \n", "not valid TOML"),
+    ("[model]\nlayers = 2\n", "remove the table(s) model"),
+    ('steps = "many"\n', "steps must be an integer"),
+])
+def test_bad_toml(tmp_path, text, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as exc:
+        TrainConfig.from_toml(path)
+    assert needle in str(exc.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        read_toml(tmp_path / "nope.toml")
+    with pytest.raises(UserError, match="is a directory"):
+        read_toml(tmp_path)
+
+
+def test_resume_needs_the_same_model_shape_and_world_size():
+    saved = TrainConfig().to_dict()
+    assert check_resumable(saved, TrainConfig(), state="s") == []
+    assert check_resumable(saved, TrainConfig(lr=1e-3, min_lr=1e-4, steps=400), state="s") == ["steps", "lr", "min_lr"]
+    # Another layout of the same world size reads the same batches: allowed.
+    assert check_resumable(saved, TrainConfig(nodes=1, ranks_per_node=4), state="s") == ["nodes", "ranks_per_node"]
+    with pytest.raises(UserError, match=r"cannot resume s: .*layers 2 -> 3; d_model 128 -> 96"):
+        check_resumable(saved, TrainConfig(layers=3, d_model=96), state="s")
+    with pytest.raises(UserError, match="world size 4 -> 2"):
+        check_resumable(saved, TrainConfig(nodes=1), state="s")
+
+
+def test_every_field_has_a_flag_with_help():
+    from fireflyer.train.cli import build_parser
+
+    text = build_parser().format_help()
+    for name in FIELD_NAMES:
+        assert f"--{name.replace('_', '-')}" in text
+    assert "Emulated nodes" in text and "--resume" in text
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["nosuch.toml"], "config file 'nosuch.toml' not found"),
+    (["--steps", "0"], "steps must be at least 1"),
+    (["--steps", "many"], "argument --steps: invalid int value"),
+    (["--heads", "5"], "heads (5) must divide d_model"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["a.toml", "b.toml"], "unrecognized arguments: b.toml"),
+])
+def test_bad_input_through_the_cli_is_one_line(args, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *args]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fireflyer train: error: ") and needle in lines[0], captured.err
+    assert not (tmp_path / "runs").exists(), "nothing is written before the config is known to be good"
+
+
+def test_resume_without_a_saved_state(capsys, tmp_path):
+    assert cli.main(["train", "--out", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "no saved state in" in capsys.readouterr().err
+
+
+def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("layers = 0\n")
+    done = subprocess.run([sys.executable, "-m", "fireflyer.cli", "demo", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "fireflyer demo: error: layers must be at least 1, got 0"

@@ -1,0 +1,146 @@
+"""The main job's parts in one process: corpus and batches, model, schedule, saved state, report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fireflyer.errors import UserError
+from fireflyer.train import report, state
+from fireflyer.train.config import TrainConfig
+from fireflyer.train.data import SAMPLE_PROMPT, Batches, CharTokenizer, load_corpus, split
+from fireflyer.train.model import GPT, ModelShape
+from fireflyer.train.optim import build_optimizer, lr_at
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def test_corpus_is_plain_shakespeare(corpus):
+    assert 300_000 < len(corpus) < 600_000
+    assert corpus.startswith("BERNARDO:\nWho's there?\n")
+    for marker in ("**", "#", "_", "[", "]"):
+        assert marker not in corpus
+    tok = CharTokenizer.from_text(corpus)
+    assert tok.vocab_size < 70 and all(c in tok.chars for c in SAMPLE_PROMPT)
+
+
+def test_tokenizer_round_trip(corpus):
+    tok = CharTokenizer.from_text(corpus)
+    text = corpus[:5000]
+    ids = tok.encode(text)
+    assert ids.dtype == torch.long and tok.decode(ids) == text
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.encode("caf\u00e9")
+
+
+def test_split_holds_out_spread_blocks():
+    tokens = torch.arange(100_000)
+    train, val = split(tokens, 0.1, block=1000)
+    assert len(train) + len(val) == len(tokens)
+    assert len(val) == 10_000
+    assert val[0] == 9000 and val[-1] == 99_999  # every tenth block, from the whole text
+    assert not set(train.tolist()) & set(val.tolist())
+
+
+def test_batches_depend_on_seed_rank_and_step_only():
+    tokens = torch.arange(10_000)
+    b = Batches(tokens, context=16, batch=4, seed=1, device=torch.device("cpu"))
+    x, y = b.train(rank=0, step=5)
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y, x + 1)
+    again = Batches(tokens, context=16, batch=4, seed=1, device=torch.device("cpu"))
+    assert torch.equal(again.train(rank=0, step=5)[0], x)
+    assert not torch.equal(b.train(rank=1, step=5)[0], x)
+    assert not torch.equal(b.train(rank=0, step=6)[0], x)
+    assert torch.equal(b.eval(rank=0, index=0)[0], b.eval(rank=0, index=0)[0])
+    with pytest.raises(ValueError, match="too short for a context"):
+        Batches(tokens[:10], context=16, batch=1, seed=0, device=torch.device("cpu"))
+
+
+def test_model_shapes_tied_embedding_and_causality():
+    torch.manual_seed(0)
+    m = GPT(ModelShape(vocab_size=11, context=8, layers=2, d_model=16, heads=4))
+    assert m.head.weight is m.tok.weight
+    expected = 11 * 16 + 8 * 16 + 2 * (12 * 16 * 16 + 13 * 16) + 2 * 16
+    assert m.num_parameters() == expected
+    x = torch.randint(0, 11, (2, 8))
+    logits = m(x)
+    assert logits.shape == (2, 8, 11)
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % 11  # changing the last token changes no earlier prediction
+    assert torch.equal(m(y)[:, :-1], logits[:, :-1])
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        m(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_generation_is_seeded():
+    torch.manual_seed(0)
+    m = GPT(ModelShape(vocab_size=5, context=4, layers=1, d_model=8, heads=2))
+    prompt = torch.tensor([1, 2])
+    a = m.generate(prompt, 10, generator=torch.Generator().manual_seed(3))
+    b = m.generate(prompt, 10, generator=torch.Generator().manual_seed(3))
+    assert a.shape == (12,) and torch.equal(a, b) and torch.equal(a[:2], prompt)
+    assert torch.equal(m.generate(prompt, 3, temperature=0), m.generate(prompt, 3, temperature=0))
+
+
+def test_warmup_then_cosine_to_min_lr():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-2, min_lr=1e-3)
+    assert lr_at(0, cfg) == pytest.approx(1e-3)
+    assert lr_at(9, cfg) == pytest.approx(1e-2)
+    assert lr_at(55, cfg) == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(100, cfg) == pytest.approx(1e-3)
+    m = torch.nn.Linear(2, 2)
+    opt, sched = build_optimizer(m, cfg)
+    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.weight_decay, 0.0]
+    seen = []
+    for _ in range(12):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_at(s, cfg) for s in range(12)])
+    # The scheduler's position survives a save and load (without pickling the config).
+    _, fresh = build_optimizer(m, cfg)
+    fresh.load_state_dict(sched.state_dict())
+    assert fresh.last_epoch == 12 and "cfg" not in sched.state_dict()
+
+
+def test_state_is_saved_atomically_and_pruned(tmp_path):
+    assert state.latest_state(tmp_path) is None
+    for step in (10, 20, 30):
+        state.save_state(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
+    assert [s for s, _ in state.saved_states(tmp_path)] == [20, 30]
+    latest = state.latest_state(tmp_path)
+    assert latest == tmp_path / "state" / "step000030.pt"
+    loaded = state.load_state(latest)
+    assert loaded["step"] == 30 and torch.equal(loaded["model"]["w"], torch.full((2,), 30.0))
+    assert not [p for p in (tmp_path / "state").iterdir() if p.name.startswith(".")]
+    (tmp_path / "state" / "step000040.pt").write_bytes(b"torn")
+    with pytest.raises(UserError, match="not a readable training state"):
+        state.load_state(state.latest_state(tmp_path))
+    assert state.clear_states(tmp_path) == 3 and state.latest_state(tmp_path) is None
+
+
+def test_report_plot_and_summary(tmp_path):
+    cfg = TrainConfig(steps=3, warmup_steps=1)
+    run = {
+        "config": cfg.to_dict(), "finished": True, "step": 3, "resumed_from": None,
+        "world": {"nodes": 2, "ranks_per_node": 2, "world_size": 4, "device": "cpu", "threads_per_rank": 1},
+        "model": {"parameters": 400_000, "vocab_size": 63},
+        "data": {"corpus_chars": 1000, "train_tokens": 900, "val_tokens": 100, "tokens_per_step": 4096},
+        "history": {"loss": [4.2, 3.5, 3.0], "lr": [1e-3, 1e-3, 1e-3], "val": [[0, 4.2], [3, 3.1]]},
+        "timing": {"train_s": 1.0, "eval_s": 0.1, "save_s": 0.0, "steps_this_run": 3, "tokens_per_s": 12288.0,
+                   "sample_s": 0.1},
+        "allreduce": {"bytes_per_rank": 5e6, "seconds": 0.1, "exposed_wait_s": 0.05, "gbps": 0.05, "buckets": 1},
+        "sample": {"prompt": "ROMEO:\n", "text": "ROMEO:\nO, she doth teach the torches to burn bright!"},
+    }
+    png = report.plot_losses(run, tmp_path / "loss.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = report.summary(run, wall_s=5.0, out=tmp_path, png=png)
+    assert len(text.splitlines()) <= 24, "one screen"
+    for needle in ("finished", "0.40 M parameters", "2 nodes x 2 ranks", "12.3 k tokens/s", "0.05 GB/s",
+                   "train 4.200 (step 1)", "val 4.200 (step 0) -> 3.100 (step 3)", "loss.png", "| ROMEO:"):
+        assert needle in text
