@@ -15,6 +15,7 @@ from torch import nn
 from fireflyer.haiscale.pipeline import (
     Pipeline,
     PipelineConfig,
+    forward_backward,
     make_subgroups,
     partition,
     stage_indices,
@@ -97,6 +98,18 @@ def train_pp_dp(ctx, n_mb: int) -> dict[str, Any]:
             "params": {k: v.clone() for k, v in stage.state_dict().items()}}
 
 
+def one_step(ctx) -> dict[str, Any]:
+    """The one-call helper: a pipeline step's losses and the gradients it leaves in .grad."""
+    _init(ctx)
+    _, pp_group = _subgroups(2)
+    stage = partition(build_model(), dist.get_rank(pp_group), 2)
+    x, y = batches(8)[0]
+    losses = forward_backward(stage, pp_group, schedule="PipeDream", n_microbatches=2, loss_fn=F.mse_loss,
+                              inputs=x, targets=y)
+    return {"losses": None if losses is None else [t.item() for t in losses],
+            "grads": {k: p.grad.clone() for k, p in stage.named_parameters()}}
+
+
 def bad_pp_size(ctx, pp_size: int) -> None:
     _init(ctx)
     make_subgroups(pp_size)
@@ -175,6 +188,21 @@ def test_pipeline_matches_single_process(two_nodes_two_ranks, schedule, n_mb, pe
     assert [r["stages"] for r in results] == [stage_indices(r // 2, 2, per_rank) for r in range(4)]
     assert [r["last"] for r in results] == [False, False, True, True]
     assert_matches(results, 8, n_mb)
+
+
+def test_one_call_helper(two_nodes_two_ranks):
+    results = two_nodes_two_ranks.run(one_step, timeout=60)
+    model = build_model()
+    x, y = batches(8)[0]
+    F.mse_loss(model(x), y).backward()
+    ref = {k: p.grad for k, p in model.named_parameters()}
+    for r in results:
+        for k, g in r["grads"].items():
+            torch.testing.assert_close(g, ref[k], rtol=1e-5, atol=1e-6)
+    ref_losses, _ = reference(8, 2)
+    assert [r["losses"] is None for r in results] == [True, True, False, False]
+    for r in results[2:]:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses[0]), rtol=1e-5, atol=1e-6)
 
 
 def test_paper_placement_with_ddp_per_stage(two_nodes_two_ranks):
