@@ -19,6 +19,10 @@ _EXPORTS = {
     "FullyShardedDataParallel": "fireflyer.haiscale.fsdp",
     "make_subgroups": "fireflyer.haiscale.pipeline",
     "forward_backward": "fireflyer.haiscale.pipeline",
+    "Pipeline": "fireflyer.haiscale.pipeline",
+    "PipelineConfig": "fireflyer.haiscale.pipeline",
+    "Schedule": "fireflyer.haiscale.pipeline",
+    "partition": "fireflyer.haiscale.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)
