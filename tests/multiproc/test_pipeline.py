@@ -77,14 +77,19 @@ def train_pp(ctx, schedule: str, n_mb: int, stages_per_rank: int) -> dict[str, A
             "params": {k: v.clone() for m in mods for k, v in m.state_dict().items()}}
 
 
-def train_pp_dp(ctx, n_mb: int) -> dict[str, Any]:
+def train_pp_dp(ctx, n_mb: int, haiscale: bool = False) -> dict[str, Any]:
     """Two pipelines of two stages (the paper's placement on 2 nodes x 2 ranks), DDP per stage."""
     _init(ctx)
     dp_group, pp_group = _subgroups(2)
     pp_rank, dp_rank = dist.get_rank(pp_group), dist.get_rank(dp_group)
     model = build_model()
     stage = partition(model, pp_rank, 2)
-    ddp = torch.nn.parallel.DistributedDataParallel(stage, process_group=dp_group)
+    if haiscale:
+        from fireflyer.haiscale import DistributedDataParallel
+
+        ddp = DistributedDataParallel(stage, process_group=dp_group)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(stage, process_group=dp_group)
     pipe = Pipeline(ddp, pp_group, loss_fn=F.mse_loss, config=PipelineConfig(schedule="1F1B", n_microbatches=n_mb))
     opt = torch.optim.SGD(stage.parameters(), lr=LR)
     losses = []
@@ -95,7 +100,8 @@ def train_pp_dp(ctx, n_mb: int) -> dict[str, Any]:
         opt.step()
     return {"pp": dist.get_process_group_ranks(pp_group), "dp": dist.get_process_group_ranks(dp_group),
             "losses": [[t.item() for t in s] for s in losses] if pipe.is_last else None,
-            "params": {k: v.clone() for k, v in stage.state_dict().items()}}
+            "params": {k: v.clone() for k, v in stage.state_dict().items()},
+            "syncs": ddp.stats()["steps"] if haiscale else None}
 
 
 def one_step(ctx) -> dict[str, Any]:
@@ -205,8 +211,11 @@ def test_one_call_helper(two_nodes_two_ranks):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses[0]), rtol=1e-5, atol=1e-6)
 
 
-def test_paper_placement_with_ddp_per_stage(two_nodes_two_ranks):
-    results = two_nodes_two_ranks.run(train_pp_dp, 2, timeout=90)
+@pytest.mark.parametrize("haiscale", [False, True], ids=["torch-ddp", "haiscale-ddp"])
+def test_paper_placement_with_ddp_per_stage(two_nodes_two_ranks, haiscale):
+    results = two_nodes_two_ranks.run(train_pp_dp, 2, haiscale, timeout=90)
+    if haiscale:  # one reduction per step, not one per micro-batch
+        assert all(r["syncs"] == len(batches(16)) for r in results)
     # node0 = ranks 0,1 and node1 = ranks 2,3: each pipeline spans both nodes,
     # and each stage's DP group is one whole node
     assert [r["pp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -182,6 +182,16 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """Whether backward passes reduce gradients from now on, for schedules that run backward themselves.
+
+        A pipeline schedule calls backward once per micro-batch; it turns sync off for all
+        but the last, so gradients are reduced once per step. ``no_sync()`` is the same,
+        scoped to a block of forwards.
+        """
+        self._require_sync = bool(requires)
+        self._sync_backward = bool(requires)
+
     def stats(self) -> dict[str, float]:
         """Cumulative counters: synchronised steps, bytes allreduced, engine busy seconds, seconds waited after backward."""
         out = dict(self._stats)

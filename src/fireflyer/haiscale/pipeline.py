@@ -255,23 +255,38 @@ def stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[
 
 
 def _stage_class() -> type:
-    """torch's ``PipelineStage``, made safe for a stage module wrapped in torch DDP.
+    """torch's ``PipelineStage``, made safe for a stage module wrapped in torch DDP or haiscale DDP.
 
     On its first step a stage infers tensor shapes by running its module once, outside
     any ``no_sync``; with DDP that forward arms DDP's reducer, which then counts the
     first real micro-batch's gradients as well as the last one's and fails on the next
     step ("rebuilt parameter indices size is not same"). Running the shape inference
     inside ``no_sync`` leaves the reducer untouched, so DDP reduces once per step, after
-    the last micro-batch's backward, as torch's schedules intend.
+    the last micro-batch's backward, as torch's schedules intend. haiscale DDP gets the
+    same: sync is off for every micro-batch's backward but the last.
     """
     from contextlib import nullcontext
 
     from torch.distributed.pipelining import PipelineStage
     from torch.nn.parallel import DistributedDataParallel
 
+    from fireflyer.haiscale.ddp import DistributedDataParallel as HaiScaleDDP
+
     class _Stage(PipelineStage):
         def _no_sync(self) -> Any:
-            return self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else nullcontext()
+            if isinstance(self.submod, (DistributedDataParallel, HaiScaleDDP)):
+                return self.submod.no_sync()
+            return nullcontext()
+
+        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            if not isinstance(self.submod, HaiScaleDDP):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            # haiscale DDP: accumulate over the micro-batches, reduce once with the last backward.
+            self.submod.set_requires_gradient_sync(last_backward)
+            try:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            finally:
+                self.submod.set_requires_gradient_sync(True)
 
         def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
             with self._no_sync():
