@@ -44,13 +44,14 @@ _OVERLAP_DTYPES = (torch.float32, torch.bfloat16)
 class ReduceScatterBacklog:
     """One model's reduce-scatters still in flight, oldest first, and what runs when they land.
 
-    ``on_landed`` (set by :func:`~fireflyer.haiscale.fsdp_optim.apply_optimizer_in_backward`)
+    ``on_landed`` (set by :func:`fireflyer.haiscale.fsdp.apply_optimizer_in_backward`)
     runs on the autograd thread each time every gradient assigned so far is complete.
     """
 
     def __init__(self) -> None:
         self._inflight: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
-        self._callback_queued = False
+        self._queued_for: int | None = None
+        """The backward (autograd graph task id) whose final callback is queued."""
         self.on_landed: Callable[[], None] | None = None
         self.stats = {"overlapped": 0, "synchronous": 0, "backwards": 0}
         """Counts of reduce-scatters by kind, and of backward passes finished."""
@@ -86,25 +87,21 @@ class ReduceScatterBacklog:
             self.on_landed()
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
+        self._queued_for = None
         self._settle()
         self.stats["backwards"] += 1
 
     def _queue_final_callback(self) -> bool:
         """Make sure the end of this backward settles everything; False when not in a backward."""
-        if self._callback_queued:
-            return True
-        try:
-            Variable._execution_engine.queue_callback(self._finish_backward)
-        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        task = torch._C._current_graph_task_id()
+        if task < 0:
             return False
-        self._callback_queued = True
+        # Keyed by the backward, not a flag: a backward that raised never ran its callback.
+        if self._queued_for == task:
+            return True
+        Variable._execution_engine.queue_callback(self._finish_backward)
+        self._queued_for = task
         return True
-
-    def reset(self) -> None:
-        """Drop all state after a failed backward (FSDP2's ``reset_iter_state`` does the same for itself)."""
-        self._inflight.clear()
-        self._callback_queued = False
 
 
 class OverlappedReduceScatter(ReduceScatter):

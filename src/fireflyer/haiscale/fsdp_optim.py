@@ -25,7 +25,9 @@ Because it is one ordinary optimizer, LR schedulers, ``state_dict()`` and
 moment when all gradients exist at once, so gradient clipping by global norm and
 GradScaler's inf checks cannot be used. Every backward steps: for gradient
 accumulation, use FSDP2's ``set_requires_gradient_sync(False)`` on the
-micro-batches before the last.
+micro-batches before the last. After a backward that raised, some units may have
+stepped and others not; call ``optimizer.zero_grad(set_to_none=True)`` and FSDP2's
+``reset_iter_state()`` on the model before going on (or restore a checkpoint).
 """
 
 from __future__ import annotations
