@@ -17,6 +17,8 @@ _EXPORTS = {
     "DistributedDataParallel": "fireflyer.haiscale.ddp",
     "fully_shard": "fireflyer.haiscale.fsdp",
     "FullyShardedDataParallel": "fireflyer.haiscale.fsdp",
+    "apply_optimizer_in_backward": "fireflyer.haiscale.fsdp",
+    "sharding_info": "fireflyer.haiscale.fsdp",
     "make_subgroups": "fireflyer.haiscale.pipeline",
     "forward_backward": "fireflyer.haiscale.pipeline",
     "Pipeline": "fireflyer.haiscale.pipeline",
