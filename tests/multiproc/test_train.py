@@ -9,6 +9,7 @@ equal A's bit for bit (resume == uninterrupted). A's files and loss curve cover 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -108,6 +109,15 @@ def test_resume_with_another_model_shape_or_world_is_refused(runs, capsys, args,
 
 
 def test_a_rank_that_fails_stops_the_job_with_its_error_on_one_line(tmp_path):
-    # Validation text shorter than the context only shows once every rank has read the corpus.
-    line = one_error_line(train(str(TINY), "--out", str(tmp_path), "--val-fraction", "0.0001", "--context", "64"))
-    assert "too short for a context" in line
+    # Rank 1 (alone on node 1) dies mid-run; rank 0 is then waiting for it in an allreduce.
+    env = dict(os.environ, FIREFLYER_TRAIN_FAIL_AT="1:3")
+    done = subprocess.run([sys.executable, "-m", "fireflyer.cli", "train", str(TINY), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=150, env=env)
+    line = one_error_line(done)
+    assert "RuntimeError: injected failure on rank 1 at step 3" in line, "the cause, not a peer's symptom"
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_a_job_past_its_timeout_is_stopped(tmp_path):
+    line = one_error_line(train(str(TINY), "--out", str(tmp_path), "--timeout", "1"))
+    assert "did not finish within 1s and was stopped" in line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, Batches, CharTokenizer, load_corpus, split
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.train.optim import build_optimizer, lr_at
+from fireflyer.train.progress import PlainLines, StepStats, Throughput
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +146,17 @@ def test_report_plot_and_summary(tmp_path):
     for needle in ("finished", "0.40 M parameters", "2 nodes x 2 ranks", "12.3 k tokens/s", "0.05 GB/s",
                    "train 4.200 (step 1)", "val 4.200 (step 0) -> 3.100 (step 3)", "loss.png", "| ROMEO:"):
         assert needle in text
+
+
+def test_throughput_and_plain_progress_lines():
+    rate = Throughput(window=2)
+    assert rate.add(1.0, 100) == 100.0
+    assert rate.add(0.5, 100) == pytest.approx(200 / 1.5)
+    assert rate.add(0.5, 100) == pytest.approx(200.0)  # the first step has left the window
+    buf = io.StringIO()
+    lines = PlainLines(first=1, total=10, every=5, stream=buf)
+    for step in range(1, 11):
+        lines.update(StepStats(step, 3.0, 1e-3, 12_345.0, 0.5))
+    out = buf.getvalue().splitlines()
+    assert [ln.split()[1] for ln in out] == ["1/10", "5/10", "10/10"]
+    assert out[-1] == "step 10/10  loss 3.0000  lr 1.00e-03  12.3k tok/s  allreduce 0.50 GB/s"

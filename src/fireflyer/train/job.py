@@ -24,6 +24,20 @@ from fireflyer.train.trainer import Placement, Trainer
 
 COLLECTIVE_TIMEOUT = 120.0
 """Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
+FAIL_AT_ENV = "FIREFLYER_TRAIN_FAIL_AT"
+"""Fault injection: ``RANK:STEP`` makes that rank raise as it starts that step (tests use it)."""
+
+
+def injected_failure(rank: int) -> int | None:
+    """The step at which this rank is to fail, from ``FIREFLYER_TRAIN_FAIL_AT``, or None."""
+    raw = os.environ.get(FAIL_AT_ENV)
+    if not raw:
+        return None
+    try:
+        fail_rank, step = (int(part) for part in raw.split(":"))
+    except ValueError:
+        raise ValueError(f"{FAIL_AT_ENV}={raw!r} must be RANK:STEP, e.g. 1:5") from None
+    return step if fail_rank == rank else None
 
 
 def place(cfg: TrainConfig) -> Placement:
@@ -54,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     where = place(cfg)
     dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
     try:
-        trainer = Trainer(cfg, where, resume=Path(args.resume) if args.resume else None)
+        trainer = Trainer(cfg, where, resume=Path(args.resume) if args.resume else None,
+                          fail_at=injected_failure(where.rank))
         try:
             trainer.run()
         finally:

@@ -1,8 +1,10 @@
 """Rank 0's live view of training: a rich progress bar on a terminal, plain lines otherwise.
 
 Each step reports the global loss (the mean over all ranks), global tokens per second
-over the last few steps, and the allreduce bandwidth DDP saw so far (bytes each rank
-reduced / seconds from a step's first bucket launch to its last bucket's completion).
+over the last ten steps (step time only; evaluation and saving are left out), and the
+allreduce bandwidth DDP saw so far: bytes each rank reduced / seconds from a step's
+first bucket launch to its last bucket's completion. That span includes waiting for
+the slowest rank to finish its backward, so on an oversubscribed host it reads low.
 Other ranks get :class:`Silent`.
 """
 
@@ -99,18 +101,18 @@ class RichBar:
 
 
 class Throughput:
-    """Tokens per second over the last ``window`` steps (the first step, which warms up, drops out quickly)."""
+    """Tokens per second over the last ``window`` steps, counting step time only (not evaluation or saving)."""
 
     def __init__(self, window: int = 10) -> None:
-        self._times: deque[float] = deque(maxlen=window + 1)
-        self._tokens: deque[int] = deque(maxlen=window + 1)
+        self._seconds: deque[float] = deque(maxlen=window)
+        self._tokens: deque[int] = deque(maxlen=window)
 
-    def add(self, now: float, tokens: int) -> float:
-        self._times.append(now)
+    def add(self, seconds: float, tokens: int) -> float:
+        """Record one step; return the rate over the window."""
+        self._seconds.append(seconds)
         self._tokens.append(tokens)
-        if len(self._times) < 2 or self._times[-1] <= self._times[0]:
-            return 0.0
-        return sum(list(self._tokens)[1:]) / (self._times[-1] - self._times[0])
+        total = sum(self._seconds)
+        return sum(self._tokens) / total if total > 0 else 0.0
 
 
 def make_progress(*, rank: int, first: int, total: int) -> Progress:

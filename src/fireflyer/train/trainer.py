@@ -58,12 +58,16 @@ class Placement:
 class Trainer:
     """Builds the data, model, DDP wrapper and optimizer for one rank, then runs the steps."""
 
-    def __init__(self, cfg: TrainConfig, where: Placement, *, resume: Path | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, where: Placement, *, resume: Path | None = None,
+                 fail_at: int | None = None) -> None:
         self.cfg = cfg
         self.where = where
+        self.fail_at = fail_at
+        """A step at which to raise, as a crashing rank would (fault injection for tests)."""
         self.history = History()
         self._build_data()
         self._build_model()
+        self.resume_path = resume
         self.start_step = self._restore(resume) if resume else 0
         self.resumed_from = self.start_step if resume else None
         self.end_step = cfg.stop_at or cfg.steps
@@ -112,16 +116,17 @@ class Trainer:
             self._evaluate(0)
         bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)
         if self.resumed_from is not None:
-            bar.note(f"resumed at step {self.start_step} from {saved.state_path(cfg.out, self.start_step)}")
+            bar.note(f"resumed at step {self.start_step} from {self.resume_path}")
         rate = Throughput()
-        rate.add(time.perf_counter(), 0)
         try:
             for step in range(self.start_step + 1, self.end_step + 1):
+                if step == self.fail_at:
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
                 t0 = time.perf_counter()
                 loss, lr = self._train_step(step)
-                now = time.perf_counter()
-                self.timing["train_s"] += now - t0
-                bar.update(StepStats(step, loss, lr, rate.add(now, cfg.tokens_per_step), self.allreduce_gbps()))
+                seconds = time.perf_counter() - t0
+                self.timing["train_s"] += seconds
+                bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), self.allreduce_gbps()))
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and step != self.end_step:
                     bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
                 if cfg.save_every and step % cfg.save_every == 0 and step != self.end_step:
