@@ -22,8 +22,11 @@ from fireflyer.errors import UserError
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = None  # type: ignore[assignment]
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        tomllib = None  # type: ignore[assignment]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -196,7 +199,7 @@ def _field_kind(f: dataclasses.Field) -> type:
 def read_toml(path: str | Path) -> dict[str, Any]:
     """A flat TOML file as a dict. Missing files and syntax errors become one-line UserErrors."""
     if tomllib is None:
-        raise UserError("reading TOML configs needs Python 3.11 or newer (tomllib)")
+        raise UserError("reading TOML configs needs Python 3.11 or newer, or 'pip install tomli' on 3.10")
     path = Path(path)
     try:
         with path.open("rb") as f:
