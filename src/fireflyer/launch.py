@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from fireflyer.hfreduce.transport import free_port
+from fireflyer.ports import free_port
 
 
 class LaunchFailed(RuntimeError):

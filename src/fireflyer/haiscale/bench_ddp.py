@@ -1,9 +1,10 @@
 """``fireflyer bench ddp``: haiscale DDP on hfreduce against torch DDP on gloo, in the same run.
 
 For each layout (default 1 node x 4 ranks and 2 emulated nodes x 2), every rank trains
-the same ~25M-parameter GPT (about 100 MB of fp32 gradients) three ways, in alternating
-rounds: without communication (the compute floor), with haiscale DDP, and with torch
-DDP over gloo. It reports the step times, their ratio, each backend's allreduce of the
+the same ~25M-parameter GPT (about 100 MB of fp32 gradients) several ways, in
+alternating rounds: without communication (the compute floor), with haiscale DDP, with
+torch DDP over gloo (the baseline), and with torch DDP's own reducer on the hfreduce
+process group (to compare haiscale's hooks with torch's reducer on the same engine). It reports the step times, their ratio, each backend's allreduce of the
 same buckets with nothing else running, and the fraction of that communication hidden
 behind backward. Weak scaling runs haiscale DDP at 1, 2 and 4 ranks on one node with
 the per-rank batch fixed.
@@ -114,6 +115,8 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         row["hidden_fraction_wait"] = min(1.0, max(0.0, 1 - max(waits) / comm["haiscale"]))
     if "gloo" in step and "haiscale" in step:
         row["ratio"] = step["haiscale"] / step["gloo"]
+    if "torch-hfreduce" in step and "gloo" in step:
+        row["ratio_torch_reducer_on_hfreduce"] = step["torch-hfreduce"] / step["gloo"]
     row["pct_of_floor"] = {k: compute / v * 100 for k, v in step.items() if k != "compute"}
     return row
 
@@ -122,13 +125,14 @@ def _print(console: Any, rows: list[dict[str, Any]], weak: list[dict[str, Any]])
     from rich.table import Table
 
     t = Table(title="DDP step: haiscale on hfreduce vs torch DDP on gloo (slowest rank, median of rounds)")
-    for col in ("layout", "params", "compute floor", "haiscale", "gloo", "ratio", "hidden hs", "hidden gloo",
-                "allreduce alone hs / gloo"):
+    for col in ("layout", "params", "compute floor", "haiscale", "gloo", "ratio", "torch DDP on hfreduce",
+                "hidden hs", "hidden gloo", "allreduce alone hs / gloo"):
         t.add_column(col, justify="right")
     for r in rows:
         s, h = r["step_s"], r["hidden_fraction"]
         t.add_row(f"{r['nodes']}x{r['world'] // r['nodes']}", f"{r['params'] / 1e6:.1f}M", f"{s['compute'] * 1e3:.0f} ms",
                   f"{s['haiscale'] * 1e3:.0f} ms", f"{s['gloo'] * 1e3:.0f} ms", f"{r['ratio']:.2f}x",
+                  f"{s['torch-hfreduce'] * 1e3:.0f} ms" if "torch-hfreduce" in s else "-",
                   f"{h['haiscale'] * 100:.0f}%", f"{h['gloo'] * 100:.0f}%",
                   f"{r['allreduce_gbps_alone']['haiscale']:.2f} / {r['allreduce_gbps_alone']['gloo']:.2f} GB/s")
     console.print(t)
@@ -188,7 +192,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for nodes, per in cfg.layouts:
         err.print(f"[dim]  layout {nodes}x{per}: compute, haiscale DDP, torch DDP over gloo ...[/dim]")
-        rows.append(summarise(_run(cfg, nodes, per, "compute,haiscale,gloo")))
+        rows.append(summarise(_run(cfg, nodes, per, "compute,haiscale,gloo,torch-hfreduce")))
     weak = []
     for n in cfg.weak:
         err.print(f"[dim]  weak scaling: {n} rank(s) ...[/dim]")

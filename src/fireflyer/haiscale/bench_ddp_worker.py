@@ -1,7 +1,8 @@
 """One rank of ``fireflyer bench ddp``, run under torchrun by :mod:`fireflyer.haiscale.bench_ddp`.
 
-Every rank builds the same ~25M-parameter model three times: bare (compute alone),
-wrapped in haiscale DDP on hfreduce, and wrapped in torch DDP on gloo. Rounds alternate
+Every rank builds the same ~25M-parameter model several times: bare (compute alone),
+wrapped in haiscale DDP on hfreduce, in torch DDP on gloo (the baseline) and in torch
+DDP on the hfreduce process group (torch's reducer instead of haiscale's hooks). Rounds alternate
 between the variants so drift in machine load hits both alike. Besides step times it
 measures each backend's allreduce of the very same buckets with no compute running,
 which gives the fraction of communication hidden behind backward.
@@ -67,7 +68,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--variants", default="compute,haiscale,gloo")
+    p.add_argument("--variants", default="compute,haiscale,gloo,torch-hfreduce")
     return p.parse_args(argv)
 
 
@@ -89,6 +90,8 @@ def main() -> None:
         models["haiscale"] = DistributedDataParallel(build(), bucket_cap_mb=args.bucket_mb)
     if "gloo" in variants:
         models["gloo"] = nn.parallel.DistributedDataParallel(build(), process_group=gloo, bucket_cap_mb=args.bucket_mb)
+    if "torch-hfreduce" in variants:  # torch's own DDP reducer on the hfreduce process group
+        models["torch-hfreduce"] = nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=args.bucket_mb)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g) for _ in range(4)]

@@ -193,7 +193,13 @@ class DistributedDataParallel(nn.Module):
         self._sync_backward = bool(requires)
 
     def stats(self) -> dict[str, float]:
-        """Cumulative counters: synchronised steps, bytes allreduced, engine busy seconds, seconds waited after backward."""
+        """Cumulative counters since wrapping.
+
+        ``steps``: synchronised backward passes; ``allreduce_bytes``: bytes reduced;
+        ``allreduce_seconds``: time the buckets spent in the engine, each counted from when
+        it could start (this includes waiting for the slowest rank's gradients);
+        ``wait_seconds``: time backward's end waited for communication (the exposed part).
+        """
         out = dict(self._stats)
         out["buckets"] = len(self._buckets)
         return out
@@ -408,8 +414,12 @@ class DistributedDataParallel(nn.Module):
         st = self._stats
         st["steps"] += 1
         st["allreduce_bytes"] += sum(b.comm.numel() * b.comm.element_size() for b in self._buckets)
-        first = min(b.launched_at for b in self._buckets)
-        st["allreduce_seconds"] += max(b.done_at or end for b in self._buckets) - first
+        busy, free_at = 0.0, 0.0  # buckets run one after another: count each from when it could start
+        for b in self._buckets:
+            start = max(b.launched_at, free_at)
+            free_at = max(start, b.done_at or end)
+            busy += free_at - start
+        st["allreduce_seconds"] += busy
         st["wait_seconds"] += end - backward_done
         if not self._rebuilt:
             self._rebuilt = True

@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, ConnectionLost, HFReduceError, PeerFailure, error_from_text
+from fireflyer.ports import free_port  # noqa: F401 - re-exported for hfreduce's callers
 
 log = logging.getLogger("fireflyer.hfreduce")
 
@@ -47,13 +48,6 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
         except OSError:
             pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (for a rendezvous master)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
