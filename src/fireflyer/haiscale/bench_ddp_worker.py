@@ -159,9 +159,9 @@ def main() -> None:
 
 
 def _comm_alone_haiscale(ddp: DistributedDataParallel, gloo, rounds: int) -> float:
-    """Allreduce the DDP's own buckets back to back, as DDP launches them, with nothing else running."""
+    """Allreduce the DDP's own (registered) buckets back to back, as DDP launches them, with nothing else running."""
     comm = dist.group.WORLD.comm
-    buffers = [torch.zeros_like(b.comm) for b in ddp._buckets]
+    buffers = [b.comm for b in ddp._buckets]  # their contents are gradients no longer needed by now
     samples = []
     for _ in range(rounds + 1):
         dist.barrier(group=gloo)

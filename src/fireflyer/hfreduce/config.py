@@ -12,7 +12,7 @@ from datetime import timedelta
 class HFReduceConfig:
     """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
 
-    chunk_bytes: int = 2 << 20
+    chunk_bytes: int = 4 << 20
     """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap."""
     depth: int = 4
     """Chunks in flight per node (arena buffers). At least 2."""
