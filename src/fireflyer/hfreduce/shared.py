@@ -92,8 +92,8 @@ class SharedBuffers:
                 mm = mmap.mmap(fd, total)
             finally:
                 os.close(fd)
-        whole = torch.frombuffer(mm, dtype=torch.uint8)
-        peers = [whole[k * slot : (k + 1) * slot] for k in range(self._local_size)]
+        # One tensor per slot, so each rank's buffer has a storage of its own size.
+        peers = [torch.frombuffer(mm, dtype=torch.uint8, count=slot, offset=k * slot) for k in range(self._local_size)]
         mine = peers[self._local_rank]
         self._segments[index] = _Segment(slot, peers, mine.data_ptr())
         return mine[: numel * dtype.itemsize].view(dtype)
