@@ -213,3 +213,33 @@ def cuda_matches_cpu(ctx, steps: int) -> tuple[list[torch.Tensor], list[torch.Te
         ddp.close()
         results.append([p.detach().cpu().float() for p in ddp.module.parameters()])
     return results[0], results[1]
+
+
+def bitwise_average(ctx) -> bool:
+    """One backward: every gradient equals ((g0 + g1) + (g2 + g3)) / 4 bit for bit.
+
+    That is the engine's order on 2 nodes x 2 ranks: local ranks summed in order on each
+    node, the two node partials added (IEEE addition is commutative, so which node is the
+    tree's root does not matter), divided once.
+    """
+    from fireflyer.haiscale import DistributedDataParallel
+
+    ensure_pg(ctx)
+    assert ctx.world_size == 4
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net())
+    x, y = batch(ctx.rank, 0)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    got = [None if p.grad is None else p.grad.clone() for p in ddp.module.parameters()]  # 'side' is unused: None
+    ddp.close()
+    per_rank = []
+    for r in range(4):
+        torch.manual_seed(0)
+        local = Net()
+        xr, yr = batch(r, 0)
+        nn.functional.mse_loss(local(xr), yr).backward()
+        per_rank.append([p.grad for p in local.parameters()])
+    want = [None if g0 is None else ((g0 + g1) + (g2 + g3)) / 4 for g0, g1, g2, g3 in zip(*per_rank)]
+    assert sum(w is not None for w in want) > 1
+    return all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+               for a, b in zip(got, want))

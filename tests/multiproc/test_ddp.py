@@ -74,3 +74,7 @@ def test_bad_config_and_close(cluster):
         assert "timeout" in out["timeout"]
         assert "no parameters" in out["empty"]
         assert "closed" in out["closed"]
+
+
+def test_gradients_are_the_engine_s_fixed_order_average_bit_for_bit(cluster):
+    assert cluster.run(ddp_cases.bitwise_average) == [True] * cluster.world_size
