@@ -32,6 +32,12 @@ def _train(rest: list[str]) -> int:
     return cli.main(rest)
 
 
+def _demo(rest: list[str]) -> int:
+    from fireflyer.train import cli
+
+    return cli.main(rest, prog="fireflyer demo")
+
+
 def _hfreduce(rest: list[str]) -> int:
     if rest and rest[0] == "demo":
         from fireflyer.hfreduce import demo
@@ -44,7 +50,7 @@ def _hfreduce(rest: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a small GPT with haiscale DDP on emulated nodes: fireflyer train [CONFIG] [--help]", _train),
-    "demo": ("the main job on its default config (same as 'fireflyer train')", _train),
+    "demo": ("the main job on its default config (same as 'fireflyer train')", _demo),
     "bench": ("measure a part against its baseline: fireflyer bench allreduce|ddp|fsdp|pp [--help]", _bench),
     "hfreduce": ("hfreduce tools: fireflyer hfreduce demo | fireflyer hfreduce clean", _hfreduce),
 }

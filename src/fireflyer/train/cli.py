@@ -52,9 +52,9 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "fireflyer train") -> int:
     """Run ``fireflyer train`` (and ``fireflyer demo``) with ``argv``; return the exit code."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
     cfg, resume_from = resolve(args.config, overrides, resume=args.resume)
     if cfg.device == "cuda":
