@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_fsdp_model import GPTConfig, batch, build
+from fireflyer.haiscale.bench_model import GPTConfig, batch, build
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_sharding_twice_or_attaching_twice_is_refused(pg):
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # Linear units return views; harmless here
 def test_units_default_to_the_modulelist_blocks_or_follow_the_choice(pg):
-    from fireflyer.haiscale.bench_fsdp_model import Block
+    from fireflyer.haiscale.bench_model import Block
     from fireflyer.haiscale.fsdp import sharding_info
 
     model = build(CFG)

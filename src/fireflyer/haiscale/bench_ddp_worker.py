@@ -20,41 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer.haiscale.bench_model import GPTConfig, build
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce.reduce import Op
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """A plain decoder-only transformer; size set by layers, width and vocabulary."""
-
-    def __init__(self, *, vocab: int, d: int, layers: int, heads: int, context: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
-        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        return self.head(self.ln(self.blocks(x)))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,18 +50,15 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     variants = args.variants.split(",")
 
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return GPT(vocab=args.vocab, d=args.d_model, layers=args.layers, heads=max(1, args.d_model // 64),
-                   context=args.context)
-
-    models: dict[str, nn.Module] = {"compute": build()}
+    cfg = GPTConfig(vocab=args.vocab, dim=args.d_model, layers=args.layers, heads=max(1, args.d_model // 64),
+                    seq=args.context)
+    models: dict[str, nn.Module] = {"compute": build(cfg)}
     if "haiscale" in variants:
-        models["haiscale"] = DistributedDataParallel(build(), bucket_cap_mb=args.bucket_mb)
+        models["haiscale"] = DistributedDataParallel(build(cfg), bucket_cap_mb=args.bucket_mb)
     if "gloo" in variants:
-        models["gloo"] = nn.parallel.DistributedDataParallel(build(), process_group=gloo, bucket_cap_mb=args.bucket_mb)
+        models["gloo"] = nn.parallel.DistributedDataParallel(build(cfg), process_group=gloo, bucket_cap_mb=args.bucket_mb)
     if "torch-hfreduce" in variants:  # torch's own DDP reducer on the hfreduce process group
-        models["torch-hfreduce"] = nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=args.bucket_mb)
+        models["torch-hfreduce"] = nn.parallel.DistributedDataParallel(build(cfg), bucket_cap_mb=args.bucket_mb)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g) for _ in range(4)]
@@ -100,8 +67,7 @@ def main() -> None:
         model, opt = models[name], opts[name]
         x = data[i % len(data)]
         opt.zero_grad()
-        logits = model(x[:, :-1])
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
+        model(x[:, :-1], x[:, 1:]).backward()
         opt.step()
 
     times: dict[str, list[float]] = {k: [] for k in models}

@@ -30,7 +30,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_fsdp_model import GPTConfig
+from fireflyer.haiscale.bench_model import GPTConfig
 from fireflyer.haiscale.bench_fsdp_worker import VARIANTS
 
 BASELINE = "fsdp2-gloo"

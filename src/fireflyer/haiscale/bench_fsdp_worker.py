@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.haiscale.bench_fsdp_model import GPTConfig, batch, build
+from fireflyer.haiscale.bench_model import GPTConfig, batch, build
 
 VARIANTS = ("haiscale", "haiscale-optbwd", "fsdp2-gloo", "fsdp2-hfreduce", "ddp")
 """haiscale: fully_shard on hfreduce (prefetch, overlapped reduce-scatter) with a normal AdamW step;
@@ -58,7 +58,7 @@ def make_variant(name: str, cfg: GPTConfig, gloo: dist.ProcessGroup, lr: float) 
     """A fresh, identically initialised model trained the way ``name`` says."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fireflyer.haiscale.bench_fsdp_model import Block
+    from fireflyer.haiscale.bench_model import Block
     from fireflyer.haiscale.fsdp import fully_shard, sharding_info
 
     adamw = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.1)

@@ -1,4 +1,4 @@
-"""A small GPT for the FSDP benchmark and tests: pre-norm blocks, causal attention, tied embeddings.
+"""A small GPT for the haiscale benchmarks and tests: pre-norm blocks, causal attention, tied embeddings.
 
 Parameters: ``vocab*dim + seq*dim + layers*(12*dim^2 + 13*dim) + 2*dim`` (the head
 shares the token embedding). :meth:`GPTConfig.for_params` picks the width that comes
