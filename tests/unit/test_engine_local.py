@@ -27,11 +27,12 @@ def test_collectives_finish_in_submission_order_even_when_small_ones_could_run_i
         big = torch.ones(8 * INLINE_BYTES)  # goes to the engine thread
         small = torch.ones(4)
         f_big = comm.allreduce(big)
-        f_big.then(lambda f: order.append("big"))
+        after_big = f_big.then(lambda f: order.append("big"))
         f_small = comm.allreduce(small)  # something is pending: it must queue behind the big one
-        f_small.then(lambda f: order.append("small"))
-        f_small.wait()
-        f_big.wait()
+        after_small = f_small.then(lambda f: order.append("small"))
+        # Wait for the callbacks themselves: a future's waiters may wake before its callbacks have run.
+        after_small.wait()
+        after_big.wait()
         assert order == ["big", "small"]
 
 
