@@ -20,6 +20,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/fireflyer bench allreduce
+	$(BIN)/fireflyer bench ddp
+	$(BIN)/fireflyer bench fsdp
+	$(BIN)/fireflyer bench pp
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
