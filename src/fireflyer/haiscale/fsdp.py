@@ -50,7 +50,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from fireflyer.haiscale import fsdp_optim
-from fireflyer.haiscale.fsdp_comm import OverlappedReduceScatter, ReduceScatterBacklog
+from fireflyer.haiscale.fsdp_comm import CUSTOM_REDUCE_SCATTER, OverlappedReduceScatter, ReduceScatterBacklog
 from fireflyer.haiscale.fsdp_memory import TensorBytes, tensor_bytes
 from fireflyer.haiscale.fsdp_optim import InBackwardStepper, OptimizerSpec
 
@@ -259,12 +259,17 @@ def fully_shard(
     mp = config.mp_policy or MixedPrecisionPolicy()
     info = ShardingInfo(group=pg, mesh=mesh, config=config, units=units)
     claimed: set[int] = set()
+    overlap = config.overlap_reduce_scatter and device_type == "cpu"
+    if overlap and not (CUSTOM_REDUCE_SCATTER and hasattr(FSDPModule, "set_custom_reduce_scatter")):
+        warnings.warn("this torch has no FSDP2 custom reduce-scatter hook; reduce-scatters run synchronously "
+                      "(same results, less overlap)", stacklevel=2)
+        overlap = False
     for unit in [*reversed(units), module]:
         _torch_fully_shard(unit, mesh=mesh, mp_policy=mp,
                            reshard_after_forward=config.reshard_after_forward if unit is not module else False)
         own = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in own)
-        if config.overlap_reduce_scatter and device_type == "cpu":
+        if overlap:
             unit.set_custom_reduce_scatter(OverlappedReduceScatter(info.backlog, own))  # type: ignore[operator]
     _set_prefetch(module, units, config.prefetch, device_type)  # type: ignore[arg-type]
     setattr(module, _INFO_ATTR, info)
@@ -286,7 +291,12 @@ def _set_prefetch(root: FSDPModule, units: list[FSDPModule], depth: int, device_
         # On the CPU a synchronous allgather blocks this thread, prefetch or not; issued
         # async, it runs on the engine's threads and FSDP2 waits only before copying out.
         # (A private FSDP2 switch, the one its own docs point to for explicit prefetching.)
-        root._set_unshard_async_op(True)
+        async_unshard = getattr(root, "_set_unshard_async_op", None)
+        if async_unshard is None:
+            warnings.warn("this torch's FSDP2 cannot issue allgathers asynchronously; prefetch still orders "
+                          "them, but they block the training thread", stacklevel=3)
+        else:
+            async_unshard(True)
 
 
 def apply_optimizer_in_backward(module: nn.Module, optimizer: OptimizerSpec) -> torch.optim.Optimizer:

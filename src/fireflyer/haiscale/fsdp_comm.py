@@ -33,9 +33,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.distributed.fsdp._fully_shard._fsdp_api import (
-    ReduceScatter,  # the public set_custom_reduce_scatter takes it
-)
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import (
+        ReduceScatter,  # the public set_custom_reduce_scatter takes it
+    )
+
+    CUSTOM_REDUCE_SCATTER = True
+except ImportError:  # a torch without FSDP2's custom reduce-scatter hook: no overlap, same results
+    ReduceScatter = object  # type: ignore[assignment,misc]
+    CUSTOM_REDUCE_SCATTER = False
 
 _OVERLAP_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes FSDP2 reduces with ReduceOp.AVG and never divides afterwards (see its _get_gradient_divide_factors)."""
