@@ -22,6 +22,11 @@ def fireflyer(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["hfreduce", "demo", "--nodes", "0"], "--nodes"),
         (["hfreduce", "demo", "--mib", "x"], "--mib"),
         (["hfreduce", "explode"], "invalid choice"),
+        (["bench", "ddp", "--layouts", "2by2"], "NODESxRANKS"),
+        (["bench", "fsdp", "--steps", "many"], "--steps"),
+        (["bench", "pp", "--schedules", "zigzag"], "zigzag"),
+        (["train", "--steps", "-3"], "steps"),
+        (["demo", "no-such-config.toml"], "no-such-config.toml"),
     ],
 )
 def test_bad_input_is_one_line_and_non_zero(args, needle):
