@@ -1,0 +1,372 @@
+"""The checkpoint manager: snapshot in the step, persist in the background, commit last (paper §VII-A).
+
+``save(step, state)`` copies this rank's tensors to host buffers (the only part the
+training step waits for) and returns; background threads write them as a safetensors
+shard in parallel chunks, fsync it, and record each tensor's file, offset, shape,
+dtype and CRC-32. Rank 0 commits the checkpoint once every rank's part is on disk: it
+writes the manifest, then the ``COMMIT`` marker (temporary file, fsync, rename,
+fsync of the directory). ``load()`` only trusts committed checkpoints, verifies every
+byte it reads, and falls back to the previous committed checkpoint, with a warning,
+when one is damaged.
+
+Layout::
+
+    ROOT/step_0000001200/rank00000.safetensors   this rank's tensors
+                         rank00000.json          their entries and the pickled skeleton's CRC
+                         rank00000.skeleton      the rest of the state (pickle)
+                         manifest.json           every rank's entries (rank 0, at commit)
+                         COMMIT                  written last
+
+Two kinds of state: ``replicated`` (data parallel: every rank holds the same state, so
+the ranks write disjoint shares of it, and any world size can load it) and
+``per_rank`` (FSDP shards, or anything that differs by rank: each rank writes and
+loads its own, and the world size must match).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from fireflyer.checkpoint import shard
+from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
+from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
+
+_STEP_DIR = re.compile(r"^step_(\d{10})$")
+COMMIT = "COMMIT"
+MANIFEST = "manifest.json"
+KINDS = ("replicated", "per_rank")
+POLICIES = ("wait", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When and how checkpoints are written."""
+
+    every: timedelta | int = timedelta(minutes=5)
+    """Save period for ``maybe_save``: a timedelta, or a number of steps."""
+    keep_last: int = 2
+    """Committed checkpoints kept; older ones are deleted only after a newer one commits."""
+    kind: str = "replicated"
+    """``replicated`` (DDP: ranks write disjoint shares) or ``per_rank`` (FSDP shards: each rank its own)."""
+    policy: str = "wait"
+    """What a save does while the previous one is still persisting: ``wait`` for it or ``skip`` this one."""
+    threads: int = 4
+    """Writer threads per rank."""
+    chunk_bytes: int = 64 << 20
+    """Bytes per write call."""
+    commit_timeout: float = 600.0
+    """Seconds rank 0 waits for the other ranks' parts before the save fails."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, (timedelta, int)):
+            raise ValueError(f"every must be a timedelta or a step count, got {self.every!r}")
+        if (self.every.total_seconds() if isinstance(self.every, timedelta) else self.every) <= 0:
+            raise ValueError(f"every must be positive, got {self.every!r}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {self.keep_last}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.threads < 1 or self.chunk_bytes < 4096:
+            raise ValueError("threads must be at least 1 and chunk_bytes at least 4096")
+        if not self.commit_timeout > 0:
+            raise ValueError(f"commit_timeout must be positive seconds, got {self.commit_timeout}")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:010d}")
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps with a COMMIT marker, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        m = _STEP_DIR.match(name)
+        if m and os.path.exists(os.path.join(root, name, COMMIT)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _share(tensors: dict[str, torch.Tensor], rank: int, world: int) -> list[str]:
+    """This rank's names of a replicated state: greedy by size, so shares are about equal."""
+    loads = [0] * world
+    owner: dict[str, int] = {}
+    for name in sorted(tensors, key=lambda n: (-tensors[n].numel() * tensors[n].element_size(), n)):
+        r = loads.index(min(loads))
+        owner[name] = r
+        loads[r] += tensors[name].numel() * tensors[name].element_size()
+    return [n for n in tensors if owner[n] == rank]
+
+
+class CheckpointManager:
+    """Asynchronous, crash-consistent checkpoints under ``root`` (one directory per step)."""
+
+    def __init__(self, root: str | os.PathLike, *, every: timedelta | int = timedelta(minutes=5), keep_last: int = 2,
+                 kind: str = "replicated", policy: str = "wait", threads: int = 4, chunk_bytes: int = 64 << 20,
+                 commit_timeout: float = 600.0, rank: int | None = None, world_size: int | None = None) -> None:
+        self.config = CheckpointConfig(every=every, keep_last=keep_last, kind=kind, policy=policy, threads=threads,
+                                       chunk_bytes=chunk_bytes, commit_timeout=commit_timeout)
+        self.root = os.fspath(root)
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            initialised = dist.is_available() and dist.is_initialized()
+            rank = dist.get_rank() if initialised and rank is None else (rank or 0)
+            world_size = dist.get_world_size() if initialised and world_size is None else (world_size or 1)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.rank, self.world_size = rank, world_size
+        os.makedirs(self.root, exist_ok=True)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._failed_step: int | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._last_save_time = time.monotonic()
+        self.stats = {"saves": 0, "skipped": 0, "snapshot_seconds": 0.0, "persist_seconds": 0.0, "bytes": 0}
+
+    # ------------------------------------------------------------------ saving
+    def maybe_save(self, step: int, state: Any) -> bool:
+        """Save if the period has passed (steps, or time as rank 0 sees it); returns whether a save started."""
+        self._raise_failure()
+        every = self.config.every
+        if isinstance(every, int):
+            due = step % every == 0
+        else:
+            due = time.monotonic() - self._last_save_time >= every.total_seconds()
+            if self.world_size > 1:  # clocks differ: rank 0 decides for everyone
+                import torch.distributed as dist
+
+                flag = torch.tensor([1 if due else 0], dtype=torch.int32)
+                dist.broadcast(flag, src=0)
+                due = bool(flag.item())
+        return self.save(step, state) if due else False
+
+    def save(self, step: int, state: Any, *, blocking: bool = False) -> bool:
+        """Snapshot ``state`` now and persist it in the background; returns False if skipped by policy."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._raise_failure()
+        if self._thread is not None and self._thread.is_alive():
+            if self.config.policy == "skip":
+                self.stats["skipped"] += 1
+                return False
+            self.wait()
+        t0 = time.perf_counter()
+        skeleton, tensors = flatten(state)
+        if self.config.kind == "replicated":
+            names = _share(tensors, self.rank, self.world_size)
+            write_skeleton = self.rank == 0
+        else:
+            names = list(tensors)
+            write_skeleton = True
+        snapshot = self._snapshot({n: tensors[n] for n in names})
+        blob = dumps_skeleton(skeleton) if write_skeleton else None
+        self.stats["snapshot_seconds"] += time.perf_counter() - t0
+        self._last_save_time = time.monotonic()
+        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, blob, sorted(tensors)),
+                                        name=f"ckpt-persist-{step}", daemon=False)
+        self._thread.start()
+        self.stats["saves"] += 1
+        if blocking:
+            self.wait()
+        return True
+
+    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of ``tensors`` (pinned for CUDA), reusing last save's buffers where shapes match."""
+        out = {}
+        cuda = False
+        for name, t in tensors.items():
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                pin = t.is_cuda
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                self._buffers[name] = buf
+            buf.copy_(t, non_blocking=t.is_cuda)
+            cuda = cuda or t.is_cuda
+            out[name] = buf
+        for stale in set(self._buffers) - set(tensors):
+            del self._buffers[stale]
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: bytes | None, all_names: list[str]) -> None:
+        t0 = time.perf_counter()
+        try:
+            d = step_dir(self.root, step)
+            os.makedirs(d, exist_ok=True)
+            if os.path.exists(os.path.join(d, COMMIT)):
+                raise CheckpointError(f"step {step} is already committed in {d}; steps must increase")
+            me = f"rank{self.rank:05d}"
+            entries = shard.write(os.path.join(d, f"{me}.safetensors"), tensors, threads=self.config.threads,
+                                  chunk_bytes=self.config.chunk_bytes)
+            part: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "kind": self.config.kind,
+                                    "file": f"{me}.safetensors", "entries": {e.name: e.to_json() for e in entries}}
+            if skeleton is not None:
+                _atomic_write(os.path.join(d, f"{me}.skeleton"), skeleton)
+                part["skeleton"] = {"file": f"{me}.skeleton", "crc32": zlib.crc32(skeleton), "bytes": len(skeleton)}
+            _atomic_write(os.path.join(d, f"{me}.json"), json.dumps(part).encode())  # this rank's part is on disk
+            if self.rank == 0:
+                self._commit(step, d, all_names)
+                self._retain()
+            self.stats["bytes"] += sum(e.nbytes for e in entries)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the next call
+            self._error, self._failed_step = exc, step
+        finally:
+            self.stats["persist_seconds"] += time.perf_counter() - t0
+
+    def _commit(self, step: int, d: str, all_names: list[str]) -> None:
+        deadline = time.monotonic() + self.config.commit_timeout
+        parts = []
+        for r in range(self.world_size):
+            path = os.path.join(d, f"rank{r:05d}.json")
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"rank {r} did not finish its part of step {step} within "
+                                          f"{self.config.commit_timeout:.0f}s; the checkpoint was not committed")
+                time.sleep(0.02)
+            with open(path) as f:
+                parts.append(json.load(f))
+        if self.config.kind == "replicated":
+            have = sorted(n for p in parts for n in p["entries"])
+            if have != all_names:
+                raise CheckpointError(f"step {step}: the ranks' shares do not add up to the state "
+                                      "(do all ranks save the same replicated state?)")
+        manifest = json.dumps({"step": step, "world_size": self.world_size, "kind": self.config.kind,
+                               "parts": parts}).encode()
+        _atomic_write(os.path.join(d, MANIFEST), manifest)
+        commit = {"step": step, "manifest_sha256": hashlib.sha256(manifest).hexdigest(), "time": time.time()}
+        _atomic_write(os.path.join(d, COMMIT), json.dumps(commit).encode())
+
+    def _retain(self) -> None:
+        steps = committed_steps(self.root)
+        keep = set(steps[-self.config.keep_last:])
+        newest = steps[-1] if steps else None
+        for name in os.listdir(self.root):
+            m = _STEP_DIR.match(name)
+            if not m:
+                continue
+            s = int(m.group(1))
+            # Committed ones beyond keep_last, and uncommitted leftovers older than the newest commit.
+            if s not in keep and newest is not None and s < newest:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save in flight is persisted (and, on rank 0, committed); raise if it failed."""
+        th = self._thread
+        if th is not None:
+            th.join(timeout)
+            if th.is_alive():
+                raise TimeoutError(f"the checkpoint save in flight did not finish within {timeout:.0f}s")
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            exc, step = self._error, self._failed_step
+            self._error = self._failed_step = None
+            raise CheckpointError(f"the checkpoint save of step {step} failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Wait for the save in flight; raise if it failed."""
+        self.wait()
+
+    # ------------------------------------------------------------------ loading
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = committed_steps(self.root)
+        return steps[-1] if steps else None
+
+    def load(self, step: int | None = None) -> Any:
+        """The saved state of ``step`` (default: the newest committed one that is intact).
+
+        A damaged checkpoint is named in a warning and the previous committed one is tried;
+        with an explicit ``step``, damage raises CorruptCheckpoint instead.
+        """
+        if step is not None:
+            if step not in committed_steps(self.root):
+                raise NoCheckpoint(f"there is no committed checkpoint of step {step} in {self.root}")
+            return self._load(step)
+        steps = committed_steps(self.root)
+        if not steps:
+            raise NoCheckpoint(f"there is no committed checkpoint in {self.root}")
+        problems = []
+        for s in reversed(steps):
+            try:
+                return self._load(s)
+            except CorruptCheckpoint as exc:
+                problems.append(str(exc))
+                warnings.warn(f"checkpoint of step {s} is damaged ({exc}); trying the previous one", stacklevel=2)
+        raise NoCheckpoint("no intact committed checkpoint in " + self.root + ": " + "; ".join(problems))
+
+    def _load(self, step: int) -> Any:
+        d = step_dir(self.root, step)
+        try:
+            with open(os.path.join(d, COMMIT)) as f:
+                commit = json.load(f)
+            with open(os.path.join(d, MANIFEST), "rb") as f:
+                raw = f.read()
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpoint(f"step {step}: cannot read its commit marker or manifest ({exc})") from None
+        if hashlib.sha256(raw).hexdigest() != commit.get("manifest_sha256"):
+            raise CorruptCheckpoint(f"step {step}: {MANIFEST} does not match its commit marker")
+        manifest = json.loads(raw)
+        parts = manifest["parts"]
+        if manifest["kind"] == "per_rank":
+            if manifest["world_size"] != self.world_size:
+                raise CheckpointError(f"step {step} was saved per rank by {manifest['world_size']} ranks and cannot "
+                                      f"be loaded by {self.world_size}; load it with the same world size")
+            parts = [p for p in parts if p["rank"] == self.rank]
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = None
+        for p in parts:
+            entries = [shard.Entry.from_json(n, e) for n, e in p["entries"].items()]
+            tensors.update(shard.read(os.path.join(d, p["file"]), entries))
+            if "skeleton" in p:
+                path = os.path.join(d, p["skeleton"]["file"])
+                try:
+                    with open(path, "rb") as f:
+                        blob = f.read()
+                except OSError as exc:
+                    raise CorruptCheckpoint(f"{path} is missing ({exc.strerror})") from None
+                if zlib.crc32(blob) != p["skeleton"]["crc32"]:
+                    raise CorruptCheckpoint(f"{path} fails its checksum")
+                skeleton = loads_skeleton(blob)
+        if skeleton is None:
+            raise CorruptCheckpoint(f"step {step} has no skeleton for rank {self.rank}")
+        return unflatten(skeleton, tensors)
