@@ -14,6 +14,7 @@ BENCHES = {
     "ddp": "fireflyer.haiscale.bench_ddp",
     "fsdp": "fireflyer.haiscale.bench_fsdp",
     "pp": "fireflyer.haiscale.bench_pp",
+    "checkpoint": "fireflyer.checkpoint.bench",
 }
 
 
@@ -38,6 +39,18 @@ def _demo(rest: list[str]) -> int:
     return cli.main(rest, prog="fireflyer demo")
 
 
+def _validate(rest: list[str]) -> int:
+    from fireflyer.validator import cli
+
+    return cli.main(rest)
+
+
+def _failures(rest: list[str]) -> int:
+    from fireflyer.validator import failures_cli
+
+    return failures_cli.main(rest)
+
+
 def _hfreduce(rest: list[str]) -> int:
     if rest and rest[0] == "demo":
         from fireflyer.hfreduce import demo
@@ -51,7 +64,9 @@ def _hfreduce(rest: list[str]) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a small GPT with haiscale DDP on emulated nodes: fireflyer train [CONFIG] [--help]", _train),
     "demo": ("the main job on its default config (same as 'fireflyer train')", _demo),
-    "bench": ("measure a part against its baseline: fireflyer bench allreduce|ddp|fsdp|pp [--help]", _bench),
+    "bench": ("measure a part against its baseline: fireflyer bench allreduce|ddp|fsdp|pp|checkpoint", _bench),
+    "validate": ("check this node's health against a hardware profile (Slurm HealthCheckProgram)", _validate),
+    "failures": ("analyse kernel logs: Xid and InfiniBand failures, MTBF, checkpoint interval", _failures),
     "hfreduce": ("hfreduce tools: fireflyer hfreduce demo | fireflyer hfreduce clean", _hfreduce),
 }
 
