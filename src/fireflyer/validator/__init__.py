@@ -1,0 +1,1 @@
+"""Node health checks and failure-log (Xid, InfiniBand) analysis (paper §VII-B, §VII-C)."""
