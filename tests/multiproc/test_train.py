@@ -58,7 +58,7 @@ def test_end_to_end_the_loss_falls_and_the_files_exist(runs):
     val = run["history"]["val"]
     assert val[0][0] == 0 and val[-1][0] == CFG.steps and val[-1][1] < val[0][1] - 0.5
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "config.json").exists() and (out / "state" / f"step{CFG.steps:06d}.pt").exists()
+    assert (out / "config.json").exists() and (out / "ckpt" / f"step_{CFG.steps:010d}" / "COMMIT").exists()
     assert run["world"]["world_size"] == CFG.nodes * CFG.ranks_per_node
     assert run["allreduce"]["bytes_per_rank"] > 0 and run["timing"]["tokens_per_s"] > 0
     assert run["sample"]["text"].startswith(run["sample"]["prompt"])

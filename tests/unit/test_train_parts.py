@@ -110,20 +110,24 @@ def test_warmup_then_cosine_to_min_lr():
     assert fresh.last_epoch == 12 and "cfg" not in sched.state_dict()
 
 
-def test_state_is_saved_atomically_and_pruned(tmp_path):
-    assert state.latest_state(tmp_path) is None
+def test_states_go_through_the_checkpoint_manager_and_are_pruned(tmp_path):
+    assert state.latest_step(tmp_path) is None
+    mgr = state.manager(tmp_path, rank=0, world_size=1)
     for step in (10, 20, 30):
-        state.save_state(tmp_path, step, {"model": {"w": torch.full((2,), float(step))}})
-    assert [s for s, _ in state.saved_states(tmp_path)] == [20, 30]
-    latest = state.latest_state(tmp_path)
-    assert latest == tmp_path / "state" / "step000030.pt"
-    loaded = state.load_state(latest)
+        mgr.save(step, state.payload(step, model={"w": torch.full((2,), float(step))}), blocking=True)
+    assert state.latest_step(tmp_path) == 30
+    assert sorted(p.name for p in state.ckpt_dir(tmp_path).iterdir()) == ["step_0000000020", "step_0000000030"]
+    loaded = state.load_state(tmp_path)
     assert loaded["step"] == 30 and torch.equal(loaded["model"]["w"], torch.full((2,), 30.0))
-    assert not [p for p in (tmp_path / "state").iterdir() if p.name.startswith(".")]
-    (tmp_path / "state" / "step000040.pt").write_bytes(b"torn")
-    with pytest.raises(UserError, match="not a readable training state"):
-        state.load_state(state.latest_state(tmp_path))
-    assert state.clear_states(tmp_path) == 3 and state.latest_state(tmp_path) is None
+    assert state.load_state(tmp_path, 20)["step"] == 20
+    # a damaged newest state: resume falls back to the one before, with a warning
+    shard = state.ckpt_dir(tmp_path) / "step_0000000030" / "rank00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.warns(UserWarning, match="step 30 is damaged"):
+        assert state.load_state(tmp_path)["step"] == 20
+    with pytest.raises(UserError, match="cannot resume"):
+        state.load_state(tmp_path, 30)
+    assert state.clear_states(tmp_path) == 2 and state.latest_step(tmp_path) is None
 
 
 def test_report_plot_and_summary(tmp_path):

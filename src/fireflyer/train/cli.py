@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import shutil
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -81,8 +82,8 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     return 0
 
 
-def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> tuple[TrainConfig, Path | None]:
-    """The run's config and, with ``resume``, the state to continue from; readies the out directory.
+def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> tuple[TrainConfig, int | None]:
+    """The run's config and, with ``resume``, the committed step to continue from; readies the out directory.
 
     A fresh run clears an earlier run's state and results in the out directory. With
     ``resume`` and no CONFIG, the saved run's own config is the base (its ``stop_at`` dropped).
@@ -96,21 +97,22 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> t
     from fireflyer.train import state as saved  # imports torch
 
     out = overrides.get("out") or (base or {}).get("out") or TrainConfig.from_toml(builtin_config("demo")).out
-    latest = saved.latest_state(out)
-    if latest is None:
-        raise UserError(f"--resume: no saved state in {saved.state_dir(out)}/; run without --resume first")
-    state = saved.load_state(latest)
+    if saved.latest_step(out) is None:
+        raise UserError(f"--resume: no saved state in {saved.ckpt_dir(out)}/; run without --resume first")
+    state = saved.load_state(out)  # the newest intact one (a damaged newest one falls back, with a warning)
+    step = int(state["step"])
+    where = f"{saved.ckpt_dir(out)} (step {step})"
     if base is None:
         base = {k: v for k, v in state["config"].items() if k != "stop_at"}
-    cfg = TrainConfig.from_dict({**base, "out": str(out), **overrides}, source=config or str(latest))
-    changed = check_resumable(state["config"], cfg, state=str(latest))
-    if state["step"] >= (cfg.stop_at or cfg.steps):
-        raise UserError(f"{latest} is already at step {state['step']}; raise --steps (or --stop-at) to train further")
+    cfg = TrainConfig.from_dict({**base, "out": str(out), **overrides}, source=config or where)
+    changed = check_resumable(state["config"], cfg, state=where)
+    if step >= (cfg.stop_at or cfg.steps):
+        raise UserError(f"{where} is already at step {step}; raise --steps (or --stop-at) to train further")
     if changed:
         print(f"note: resuming with changed {', '.join(changed)}")
     for name in ("run.json", "loss.png"):
         (cfg.out_dir / name).unlink(missing_ok=True)
-    return cfg, latest
+    return cfg, step
 
 
 def _start_afresh(out: Path) -> None:
@@ -119,15 +121,14 @@ def _start_afresh(out: Path) -> None:
     if saved.clear_states(out):
         print(f"note: starting afresh in {out}/; the earlier run's saved state there was removed "
               "(--resume continues a run instead)")
+    shutil.rmtree(out / "state", ignore_errors=True)  # states of the format before the checkpoint manager
     for name in ("run.json", "loss.png"):
         (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _step_range(cfg: TrainConfig, resume_from: Path | None) -> str:
-    first = 1
-    if resume_from is not None:
-        first = int(resume_from.stem.removeprefix("step")) + 1
+def _step_range(cfg: TrainConfig, resume_from: int | None) -> str:
+    first = 1 if resume_from is None else resume_from + 1
     last = cfg.stop_at or cfg.steps
     return f"{first}-{last} of {cfg.steps}"
 

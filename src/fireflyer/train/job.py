@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,13 +61,13 @@ def place(cfg: TrainConfig) -> Placement:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fireflyer.train.job", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="resolved config JSON written by 'fireflyer train'")
-    p.add_argument("--resume", default=None, help="saved state to continue from")
+    p.add_argument("--resume", type=int, default=None, help="committed step to continue from")
     args = p.parse_args(argv)
     cfg = TrainConfig.from_json(args.config)
     where = place(cfg)
     dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
     try:
-        trainer = Trainer(cfg, where, resume=Path(args.resume) if args.resume else None,
+        trainer = Trainer(cfg, where, resume=args.resume,
                           fail_at=injected_failure(where.rank))
         try:
             trainer.run()

@@ -58,7 +58,7 @@ class Placement:
 class Trainer:
     """Builds the data, model, DDP wrapper and optimizer for one rank, then runs the steps."""
 
-    def __init__(self, cfg: TrainConfig, where: Placement, *, resume: Path | None = None,
+    def __init__(self, cfg: TrainConfig, where: Placement, *, resume: int | None = None,
                  fail_at: int | None = None) -> None:
         self.cfg = cfg
         self.where = where
@@ -67,9 +67,9 @@ class Trainer:
         self.history = History()
         self._build_data()
         self._build_model()
-        self.resume_path = resume
-        self.start_step = self._restore(resume) if resume else 0
-        self.resumed_from = self.start_step if resume else None
+        self.ckpt = saved.manager(cfg.out, rank=where.rank, world_size=where.world_size)
+        self.start_step = self._restore(resume) if resume is not None else 0
+        self.resumed_from = self.start_step if resume is not None else None
         self.end_step = cfg.stop_at or cfg.steps
         self.timing = {"train_s": 0.0, "eval_s": 0.0, "save_s": 0.0}
 
@@ -94,10 +94,11 @@ class Trainer:
         self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=cfg.bucket_cap_mb)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
 
-    def _restore(self, path: Path) -> int:
-        state = saved.load_state(path)
+    def _restore(self, step: int) -> int:
+        state = saved.load_state(self.cfg.out, step)
         if state["vocab"] != self.tokenizer.chars:
-            raise ValueError(f"{path} was trained on a different corpus vocabulary; start afresh with a new --out")
+            raise ValueError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
+                             "vocabulary; start afresh with a new --out")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -116,7 +117,7 @@ class Trainer:
             self._evaluate(0)
         bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)
         if self.resumed_from is not None:
-            bar.note(f"resumed at step {self.start_step} from {self.resume_path}")
+            bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.out)}")
         rate = Throughput()
         try:
             for step in range(self.start_step + 1, self.end_step + 1):
@@ -136,6 +137,7 @@ class Trainer:
         if not self.history.val or self.history.val[-1][0] != self.end_step:
             self._evaluate(self.end_step)
         self._save(self.end_step)
+        self.ckpt.wait()  # persisted, and on rank 0 committed, before the run reports itself done
         record = self._record() if rank == 0 else {}
         if rank == 0:
             write_json(Path(cfg.out) / "run.json", record)
@@ -176,22 +178,22 @@ class Trainer:
         return self.history.val[-1][1]
 
     def _save(self, step: int) -> None:
-        if self.where.rank == 0:
-            t0 = time.perf_counter()
-            rng = {"cpu": torch.get_rng_state()}
-            if self.where.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
-            saved.save_state(self.cfg.out, step, {
-                "config": self.cfg.to_dict(),
-                "vocab": self.tokenizer.chars,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": rng,
-                "history": self.history.to_dict(),
-            })
-            self.timing["save_s"] += time.perf_counter() - t0
-        dist.barrier()  # nobody races ahead of a state that is still being written
+        """Every rank hands the (replicated) state to the checkpoint manager; the step waits for the snapshot only."""
+        t0 = time.perf_counter()
+        rng = {"cpu": torch.get_rng_state()}
+        if self.where.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
+        self.ckpt.save(step, saved.payload(
+            step,
+            config=self.cfg.to_dict(),
+            vocab=self.tokenizer.chars,
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            rng=rng,
+            history=self.history.to_dict(),
+        ))
+        self.timing["save_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ reporting
     def allreduce_gbps(self) -> float:
