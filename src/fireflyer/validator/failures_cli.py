@@ -15,6 +15,7 @@ draws the timeline. The analysis itself is :mod:`fireflyer.validator.failures`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -73,14 +74,14 @@ def _iso(text: str) -> datetime:
     try:
         dt = datetime.fromisoformat(text)
     except ValueError:
-        raise UserError(f"--boot-time: {text!r} is not an ISO time like 2023-10-01T08:00:00") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO time like 2023-10-01T08:00:00") from None
     return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
 
 
 def _positive(text: str) -> float:
     value = _non_negative(text)
     if value == 0:
-        raise UserError(f"expected a number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
 
 
@@ -88,9 +89,9 @@ def _non_negative(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise UserError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
-        raise UserError(f"expected a number >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
