@@ -8,7 +8,14 @@ from datetime import datetime, timezone
 import pytest
 
 from fireflyer.validator.failures import (
-    ParseOptions, analyse, daly_interval, link_incidents, mtbf_hours, parse_log, xid_class_totals, xid_table,
+    ParseOptions,
+    analyse,
+    daly_interval,
+    link_incidents,
+    mtbf_hours,
+    parse_log,
+    xid_class_totals,
+    xid_table,
     young_daly_interval,
 )
 

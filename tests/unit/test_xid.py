@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fireflyer.validator.xid import CATALOGUE, TABLE_VI, Action, XidClass, lookup, recovery_action
+from fireflyer.validator.xid import (
+    CATALOGUE,
+    TABLE_VI,
+    Action,
+    XidClass,
+    lookup,
+    recovery_action,
+)
 
 # reliability.md §3.3: Xid -> (NVIDIA mnemonic, NVIDIA action, fatal)
 NVIDIA = {

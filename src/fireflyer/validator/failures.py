@@ -34,11 +34,18 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Iterable, Literal, Mapping
+from typing import Literal
 
-from fireflyer.validator.xid import CLASS_ORDER, TABLE_VI, XidClass, lookup, recovery_action
+from fireflyer.validator.xid import (
+    CLASS_ORDER,
+    TABLE_VI,
+    XidClass,
+    lookup,
+    recovery_action,
+)
 
 Clock = Literal["wall", "boot"]
 """``wall``: seconds since the Unix epoch. ``boot``: seconds since the node booted."""
@@ -99,7 +106,7 @@ class ParsedLog:
 
 # ---------------------------------------------------------------- time stamps
 
-_MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), start=1)}
+_MONTHS = {m: i for i, m in enumerate(["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"], start=1)}
 _RAW = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
 _DMESG_T = re.compile(r"^\[[A-Z][a-z]{2} ([A-Z][a-z]{2}) +(\d{1,2}) (\d{2}):(\d{2}):(\d{2}) (\d{4})\]\s?(.*)$")
 _SHORT = re.compile(r"^([A-Z][a-z]{2}) +(\d{1,2}) (\d{2}):(\d{2}):(\d{2})(\.\d+)? (\S+) ([^:\s\[]+)(?:\[\d+\])?: ?(.*)$")
@@ -189,10 +196,10 @@ _PID = re.compile(r"pid=(\d+)")
 _NAME = re.compile(r"name=([^,]*)")
 
 _LINK_PATTERNS: tuple[tuple[re.Pattern[str], bool], ...] = (
-    (re.compile(r"mlx\d_core \S+ (?P<link>[\w.-]+): Link down\b", re.I), False),
-    (re.compile(r"mlx\d_core \S+ (?P<link>[\w.-]+): Link up\b", re.I), True),
-    (re.compile(r"\b(?P<link>ib[\w.-]*): (?:lost carrier|link is down)\b", re.I), False),
-    (re.compile(r"\b(?P<link>ib[\w.-]*): (?:link is up|link becomes ready|carrier on)\b", re.I), True),
+    (re.compile(r"mlx\d_core \S+ (?P<link>[\w.-]+): Link down\b", re.IGNORECASE), False),
+    (re.compile(r"mlx\d_core \S+ (?P<link>[\w.-]+): Link up\b", re.IGNORECASE), True),
+    (re.compile(r"\b(?P<link>ib[\w.-]*): (?:lost carrier|link is down)\b", re.IGNORECASE), False),
+    (re.compile(r"\b(?P<link>ib[\w.-]*): (?:link is up|link becomes ready|carrier on)\b", re.IGNORECASE), True),
 )
 _PORT_STATE = re.compile(
     r"\b(?:mlx\d_ib|ib_core|infiniband)\b.*?\b(?P<dev>[a-z]+\d*_\d+):? port (?P<port>\d+)\b.*?"

@@ -28,8 +28,17 @@ from typing import Any
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.validator.failures import (
-    DEFAULT_FLASH_WINDOW_S, Analysis, ParsedLog, ParseOptions, analyse, daly_interval, mtbf_hours, parse_log,
-    xid_class_totals, xid_table, young_daly_interval,
+    DEFAULT_FLASH_WINDOW_S,
+    Analysis,
+    ParsedLog,
+    ParseOptions,
+    analyse,
+    daly_interval,
+    mtbf_hours,
+    parse_log,
+    xid_class_totals,
+    xid_table,
+    young_daly_interval,
 )
 from fireflyer.validator.xid import XidClass, lookup
 

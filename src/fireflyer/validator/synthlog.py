@@ -27,8 +27,8 @@ FORMATS = ("dmesg", "dmesg-T", "journal")
 IB_PER_XID = 213 / 12970
 """Flash cuts per Xid event in the paper (Table VIII's 213 against Table VI's 12,970)."""
 
-_MONTH_ABBR = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()
-_DAY_ABBR = "Mon Tue Wed Thu Fri Sat Sun".split()
+_MONTH_ABBR = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"]
+_DAY_ABBR = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
 
 _XID_TEXT = {
     74: "NVLink: fatal error detected on link {n}(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",

@@ -61,7 +61,7 @@ class Xid:
     note: str = ""
 
 
-def _x(code, mnemonic, meaning, cls, nv, fatal, action, interrupts, note=""):  # noqa: ANN001, ANN202
+def _x(code, mnemonic, meaning, cls, nv, fatal, action, interrupts, note=""):
     return Xid(
         code=code, mnemonic=mnemonic, meaning=meaning, xid_class=cls, nvidia_action=nv,
         fatal=fatal, action=action, interrupts=interrupts, note=note,
