@@ -223,7 +223,9 @@ def report(analysis: Analysis, logs: list[ParsedLog], *, save_cost_s: float, sav
 
 
 def _fmt_h(hours: float | None) -> str:
-    return "-" if hours is None else f"{hours:,.1f} h"
+    if hours is None:
+        return "-"
+    return f"{hours:,.1f} h" if hours >= 1 else f"{hours * 60:.1f} min"
 
 
 def _count_pct(count: int, total: int) -> str:
