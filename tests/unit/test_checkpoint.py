@@ -226,3 +226,32 @@ def test_rng_state_round_trips(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     set_rng_state(mgr.load()["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_overlapped_snapshot_holds_the_next_optimizer_step_until_copied(tmp_path):
+    """Large tensors are copied in the background; the next optimizer.step() waits for that copy."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3 << 20))  # 12 MB: copied in the background
+    opt = torch.optim.SGD([w], lr=1.0)
+    before = w.detach().clone()
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, snapshot="overlap")
+    for round_ in range(3):
+        w.grad = torch.ones_like(w)
+        before = w.detach().clone()
+        mgr.save(round_, {"w": w, "opt": opt})
+        opt.step()  # changes w in place, but only once the snapshot has it
+        mgr.wait()
+        assert torch.equal(mgr.load()["w"], before)
+    mgr.close()
+    assert mgr._hook is None
+
+
+def test_sync_snapshot_copies_everything_inside_save(tmp_path):
+    big = torch.zeros(3 << 20)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, snapshot="sync")
+    mgr.save(1, {"big": big})
+    big.add_(1)  # an in-place change outside any optimizer: fine with snapshot="sync"
+    mgr.wait()
+    assert torch.equal(mgr.load()["big"], torch.zeros(3 << 20))
+    with pytest.raises(ValueError, match="snapshot"):
+        CheckpointManager(tmp_path, rank=0, world_size=1, snapshot="lazy")

@@ -49,6 +49,8 @@ COMMIT = "COMMIT"
 MANIFEST = "manifest.json"
 KINDS = ("replicated", "per_rank")
 POLICIES = ("wait", "skip")
+SNAPSHOTS = ("overlap", "sync")
+_SMALL = 1 << 20  # tensors below this are always copied inside save()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,12 @@ class CheckpointConfig:
     """Bytes per write call."""
     commit_timeout: float = 600.0
     """Seconds rank 0 waits for the other ranks' parts before the save fails."""
+    snapshot: str = "overlap"
+    """``overlap``: large CPU tensors are copied in the background while the next step's forward
+    and backward run, and the next ``optimizer.step()`` (any optimizer) waits until the copy is
+    done, so ``save()`` returns almost at once. CUDA tensors are copied on their stream, which
+    orders them before any later update. ``sync``: everything is copied inside ``save()``; use it
+    if your loop changes parameters in place outside ``optimizer.step()`` (an EMA, clamping)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, (timedelta, int)):
@@ -85,6 +93,8 @@ class CheckpointConfig:
             raise ValueError("threads must be at least 1 and chunk_bytes at least 4096")
         if not self.commit_timeout > 0:
             raise ValueError(f"commit_timeout must be positive seconds, got {self.commit_timeout}")
+        if self.snapshot not in SNAPSHOTS:
+            raise ValueError(f"snapshot must be one of {SNAPSHOTS}, got {self.snapshot!r}")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -139,9 +149,10 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike, *, every: timedelta | int = timedelta(minutes=5), keep_last: int = 2,
                  kind: str = "replicated", policy: str = "wait", threads: int = 4, chunk_bytes: int = 64 << 20,
-                 commit_timeout: float = 600.0, rank: int | None = None, world_size: int | None = None) -> None:
+                 commit_timeout: float = 600.0, snapshot: str = "overlap", rank: int | None = None,
+                 world_size: int | None = None) -> None:
         self.config = CheckpointConfig(every=every, keep_last=keep_last, kind=kind, policy=policy, threads=threads,
-                                       chunk_bytes=chunk_bytes, commit_timeout=commit_timeout)
+                                       chunk_bytes=chunk_bytes, commit_timeout=commit_timeout, snapshot=snapshot)
         self.root = os.fspath(root)
         if rank is None or world_size is None:
             import torch.distributed as dist
@@ -157,6 +168,9 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._failed_step: int | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._copied = threading.Event()  # the background part of the current snapshot is done
+        self._copied.set()
+        self._hook = None
         self._last_save_time = time.monotonic()
         self.stats = {"saves": 0, "skipped": 0, "snapshot_seconds": 0.0, "persist_seconds": 0.0, "bytes": 0}
 
@@ -195,11 +209,14 @@ class CheckpointManager:
         else:
             names = list(tensors)
             write_skeleton = True
-        snapshot = self._snapshot({n: tensors[n] for n in names})
+        snapshot, deferred = self._snapshot({n: tensors[n] for n in names})
         blob = dumps_skeleton(skeleton) if write_skeleton else None
+        if deferred:
+            self._copied.clear()
+            self._guard_optimizers()
         self.stats["snapshot_seconds"] += time.perf_counter() - t0
         self._last_save_time = time.monotonic()
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, blob, sorted(tensors)),
+        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, deferred, blob, sorted(tensors)),
                                         name=f"ckpt-persist-{step}", daemon=False)
         self._thread.start()
         self.stats["saves"] += 1
@@ -207,28 +224,67 @@ class CheckpointManager:
             self.wait()
         return True
 
-    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of ``tensors`` (pinned for CUDA), reusing last save's buffers where shapes match."""
-        out = {}
-        cuda = False
+    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+        """Host buffers for ``tensors`` (pinned for CUDA, reused across saves) and the copies left to do.
+
+        Small tensors are copied now; CUDA tensors are queued on their stream (later updates
+        on that stream run after the copy); with ``snapshot="overlap"`` large CPU tensors are
+        returned as (buffer, source) pairs for the persist thread to copy before it writes.
+        """
+        out, deferred = {}, []
+        events = []
         for name, t in tensors.items():
             buf = self._buffers.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                pin = t.is_cuda
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
                 self._buffers[name] = buf
-            buf.copy_(t, non_blocking=t.is_cuda)
-            cuda = cuda or t.is_cuda
+            if t.is_cuda:
+                buf.copy_(t, non_blocking=True)
+                events.append(torch.cuda.Event())
+                events[-1].record(torch.cuda.current_stream(t.device))
+            elif self.config.snapshot == "overlap" and t.numel() * t.element_size() >= _SMALL:
+                deferred.append((buf, t))
+            else:
+                buf.copy_(t)
             out[name] = buf
         for stale in set(self._buffers) - set(tensors):
             del self._buffers[stale]
-        if cuda:
-            torch.cuda.synchronize()
-        return out
+        if events:
+            deferred.append(("cuda-events", events))
+        return out, deferred
 
-    def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: bytes | None, all_names: list[str]) -> None:
+    def _guard_optimizers(self) -> None:
+        """Make every optimizer's next step wait for the background copy (registered once)."""
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            copied = self._copied
+
+            def wait_for_snapshot(optimizer: Any, args: Any, kwargs: Any) -> None:
+                if not copied.is_set():
+                    t0 = time.perf_counter()
+                    copied.wait()
+                    self.stats["hook_wait_seconds"] = self.stats.get("hook_wait_seconds", 0.0) + time.perf_counter() - t0
+
+            self._hook = register_optimizer_step_pre_hook(wait_for_snapshot)
+
+    @staticmethod
+    def _finish_copies(deferred: list[tuple]) -> None:
+        for buf, src in deferred:
+            if buf == "cuda-events":
+                for event in src:
+                    event.synchronize()
+            else:
+                buf.copy_(src)
+
+    def _persist(self, step: int, tensors: dict[str, torch.Tensor], deferred: list[tuple], skeleton: bytes | None,
+                 all_names: list[str]) -> None:
         t0 = time.perf_counter()
         try:
+            try:
+                self._finish_copies(deferred)
+            finally:
+                self._copied.set()  # never leave an optimizer waiting, even if the copy failed
             d = step_dir(self.root, step)
             os.makedirs(d, exist_ok=True)
             if os.path.exists(os.path.join(d, COMMIT)):
@@ -303,8 +359,13 @@ class CheckpointManager:
             raise CheckpointError(f"the checkpoint save of step {step} failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
-        """Wait for the save in flight; raise if it failed."""
-        self.wait()
+        """Wait for the save in flight and stop guarding optimizers; raise if the save failed."""
+        try:
+            self.wait()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
 
     # ------------------------------------------------------------------ loading
     def latest(self) -> int | None:

@@ -97,7 +97,10 @@ def write(path: str, tensors: dict[str, torch.Tensor], *, threads: int = 4, chun
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         total = entries[-1].offset + entries[-1].nbytes if entries else len(prefix)
-        os.ftruncate(fd, total)
+        if total:
+            # Reserve the blocks up front: a full disk fails here, before any write, and the
+            # file's blocks are allocated together rather than in the writers' order.
+            os.posix_fallocate(fd, 0, total)
         _pwrite_all(fd, memoryview(prefix), 0)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpt-write") as pool:
             crcs = pool.map(lambda e: zlib.crc32(views[e.name]), entries)
@@ -116,28 +119,39 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def read(path: str, entries: list[Entry], *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Read the tensors of ``entries`` from ``path``; raise CorruptCheckpoint naming what is wrong."""
+def read(path: str, entries: list[Entry], *, verify: bool = True, threads: int = 4) -> dict[str, torch.Tensor]:
+    """Read the tensors of ``entries`` from ``path`` in parallel; raise CorruptCheckpoint naming what is wrong."""
     try:
         size = os.path.getsize(path)
     except OSError as exc:
         raise CorruptCheckpoint(f"{path} is missing ({exc.strerror})") from None
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
-        for e in entries:
-            if e.offset + e.nbytes > size:
-                raise CorruptCheckpoint(f"{path} is truncated: tensor {e.name!r} needs bytes up to "
-                                        f"{e.offset + e.nbytes}, the file has {size}")
-            dtype = _FROM_ST.get(e.dtype)
-            if dtype is None:
-                raise CorruptCheckpoint(f"{path}: tensor {e.name!r} has unknown dtype {e.dtype!r}")
-            buf = bytearray(e.nbytes)
-            f.seek(e.offset)
-            if f.readinto(buf) != e.nbytes:
-                raise CorruptCheckpoint(f"{path} is truncated inside tensor {e.name!r}")
-            if verify and zlib.crc32(buf) != e.crc32:
-                raise CorruptCheckpoint(f"{path}: tensor {e.name!r} fails its checksum (bytes {e.offset}.."
-                                        f"{e.offset + e.nbytes} changed on disk)")
-            t = torch.frombuffer(buf, dtype=torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
-            out[e.name] = t.view(dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
-    return out
+    for e in entries:
+        if e.dtype not in _FROM_ST:
+            raise CorruptCheckpoint(f"{path}: tensor {e.name!r} has unknown dtype {e.dtype!r}")
+        if e.offset + e.nbytes > size:
+            raise CorruptCheckpoint(f"{path} is truncated: tensor {e.name!r} needs bytes up to "
+                                    f"{e.offset + e.nbytes}, the file has {size}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpt-read") as pool:
+            tensors = list(pool.map(lambda e: _read_one(fd, path, e, verify), entries))
+    finally:
+        os.close(fd)
+    return {e.name: t for e, t in zip(entries, tensors)}
+
+
+def _read_one(fd: int, path: str, e: Entry, verify: bool) -> torch.Tensor:
+    dtype = _FROM_ST[e.dtype]
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=dtype)
+    buf = bytearray(e.nbytes)
+    view, got = memoryview(buf), 0
+    while got < e.nbytes:
+        n = os.preadv(fd, [view[got:]], e.offset + got)
+        if n == 0:
+            raise CorruptCheckpoint(f"{path} is truncated inside tensor {e.name!r}")
+        got += n
+    if verify and zlib.crc32(buf) != e.crc32:
+        raise CorruptCheckpoint(f"{path}: tensor {e.name!r} fails its checksum (bytes {e.offset}.."
+                                f"{e.offset + e.nbytes} changed on disk)")
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(e.shape)
