@@ -18,8 +18,8 @@ def test_bad_flags(argv, needle):
 
 
 def test_state_has_the_asked_size_and_mixed_tensors():
-    state = bench.make_state(50 << 20)
-    assert abs(bench.state_bytes(state) - (50 << 20)) < 1 << 20
+    state = bench.make_state(200 << 20)
+    assert abs(bench.state_bytes(state) - (200 << 20)) < 1 << 20
     dtypes = {t.dtype for part in ("model", "optimizer") for t in state[part].values()}
     assert len(dtypes) == 2 and len(state["model"]) + len(state["optimizer"]) > 5
 
