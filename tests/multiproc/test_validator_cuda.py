@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fireflyer.validator.checks import ALL_CHECKS, CheckContext, CheckSettings, RunOptions
+from fireflyer.validator.checks import (
+    ALL_CHECKS,
+    CheckContext,
+    CheckSettings,
+    RunOptions,
+)
 from fireflyer.validator.grading import Status
 
 pytestmark = [

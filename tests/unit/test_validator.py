@@ -11,13 +11,36 @@ from pathlib import Path
 import pytest
 
 from fireflyer.errors import UserError
-from fireflyer.validator.checks import ALL_CHECKS, Check, CheckContext, CheckSettings, RunOptions
+from fireflyer.validator.checks import (
+    ALL_CHECKS,
+    Check,
+    CheckContext,
+    CheckSettings,
+    RunOptions,
+)
 from fireflyer.validator.checks.cpu import read_cpu_frequencies
 from fireflyer.validator.checks.links import ib_ports, net_links, parse_ib_rate
 from fireflyer.validator.checks.xid_log import parse_xids, since_filter
-from fireflyer.validator.drain import REASON_ENV, one_line, parse_drain_command, run_drain
-from fireflyer.validator.grading import CheckResult, Status, Thresholds, exit_code, grade, node_status
-from fireflyer.validator.profiles import ProfileError, builtin_profiles, default_profile_name, load_profile
+from fireflyer.validator.drain import (
+    REASON_ENV,
+    one_line,
+    parse_drain_command,
+    run_drain,
+)
+from fireflyer.validator.grading import (
+    CheckResult,
+    Status,
+    Thresholds,
+    exit_code,
+    grade,
+    node_status,
+)
+from fireflyer.validator.profiles import (
+    ProfileError,
+    builtin_profiles,
+    default_profile_name,
+    load_profile,
+)
 from fireflyer.validator.runner import run_checks, run_one, select_checks
 
 
@@ -137,7 +160,7 @@ def test_unknown_check_name_is_a_user_error():
 def test_drain_hook_gets_the_reason_without_a_shell(tmp_path):
     out = tmp_path / "reason.txt"
     marker = tmp_path / "injected"
-    script = "import os, sys; open(sys.argv[1], 'w').write(os.environ['%s'] + '|' + sys.argv[2])" % REASON_ENV
+    script = f"import os, sys; open(sys.argv[1], 'w').write(os.environ['{REASON_ENV}'] + '|' + sys.argv[2])"
     argv = [sys.executable, "-c", script, str(out), "reason={reason}"]
     evil = f'Xid 79 on 0000:65:00"; touch {marker}; echo "$(touch {marker})`touch {marker}`\nsecond line'
     outcome = run_drain(argv, evil)

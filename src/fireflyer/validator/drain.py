@@ -61,7 +61,7 @@ def run_drain(argv: list[str], reason: str, *, status: str = "FAIL", timeout: fl
     env = dict(os.environ, **{REASON_ENV: reason, STATUS_ENV: status})
     try:
         done = subprocess.run(final, env=env, shell=False, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
         return DrainOutcome(argv=final, returncode=None, output=f"{final[0]}: command not found")
     except PermissionError as exc:

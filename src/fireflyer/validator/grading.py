@@ -11,8 +11,9 @@ permission) and says why; it never makes a node unhealthy.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 
 class Status(enum.IntEnum):

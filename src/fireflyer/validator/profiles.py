@@ -24,10 +24,11 @@ lists the valid ones, so a typo never silently loosens a node's checks.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from fireflyer.errors import UserError
 from fireflyer.validator.checks import ALL_CHECKS

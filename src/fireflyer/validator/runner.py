@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from fireflyer.errors import UserError
 from fireflyer.validator.checks import ALL_CHECKS, Check, CheckContext, RunOptions

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from fireflyer.validator.checks.allreduce import HFReduceAllreduce, NcclAllreduce
-from fireflyer.validator.checks.base import Check, CheckContext, CheckSettings, Findings, RunOptions, SkipCheck
-from fireflyer.validator.checks.cpu import CpuFrequency, CpuGemm, CpuStress, MemoryBandwidth
+from fireflyer.validator.checks.base import (
+    Check,
+    CheckContext,
+    CheckSettings,
+    Findings,
+    RunOptions,
+    SkipCheck,
+)
+from fireflyer.validator.checks.cpu import (
+    CpuFrequency,
+    CpuGemm,
+    CpuStress,
+    MemoryBandwidth,
+)
 from fireflyer.validator.checks.gpu import GpuBandwidth, GpuGemm, GpuMemory
 from fireflyer.validator.checks.links import NicLinks
 from fireflyer.validator.checks.storage import StorageBandwidth

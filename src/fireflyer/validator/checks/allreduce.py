@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any, ClassVar
 
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
 from fireflyer.validator.checks.gpu_common import cuda_skip_reason, gpu_count
@@ -37,8 +38,8 @@ def default_ranks() -> tuple[int, str]:
 
 
 class _AllreduceCheck(Check):
-    metrics = {"busbw": "GB/s", "algbw": "GB/s"}
-    params = {"mib": 64, "quick_mib": 4, "iters": 20, "quick_iters": 5}
+    metrics: ClassVar[dict[str, str]] = {"busbw": "GB/s", "algbw": "GB/s"}
+    params: ClassVar[dict[str, Any]] = {"mib": 64, "quick_mib": 4, "iters": 20, "quick_iters": 5}
     budget_s = 60.0
     quick_budget_s = 3.0
     backend: str = "hfreduce"

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
-from fireflyer.validator.grading import CheckResult, Metric, Status, Thresholds, grade, worst
+from fireflyer.validator.grading import (
+    CheckResult,
+    Metric,
+    Status,
+    Thresholds,
+    grade,
+    worst,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +98,7 @@ class SkipCheck(Exception):
 class Findings:
     """Collects a check's metrics and verdicts while it runs, then grades them."""
 
-    def __init__(self, check: "Check", settings: CheckSettings) -> None:
+    def __init__(self, check: Check, settings: CheckSettings) -> None:
         self._check = check
         self._settings = settings
         self.metrics: list[Metric] = []
@@ -180,7 +187,7 @@ class Check:
                 self._measure(ctx, findings)
         except SkipCheck as exc:
             reason = str(exc)
-        except Exception as exc:  # a broken check is a failed check, never a crashed validator
+        except Exception as exc:  # noqa: BLE001  (a broken check is a failed check, never a crashed validator)
             return CheckResult(name=self.name, status=Status.FAIL,
                                reason=f"check raised {type(exc).__name__}: {exc}",
                                metrics=findings.metrics, details=findings.details,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any, ClassVar
 
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
 
@@ -20,8 +21,8 @@ class CpuGemm(Check):
 
     name = "cpu_gemm"
     title = "CPU GEMM"
-    metrics = {"gflops": "GFLOP/s"}
-    params = {"n": 2048, "quick_n": 512}
+    metrics: ClassVar[dict[str, str]] = {"gflops": "GFLOP/s"}
+    params: ClassVar[dict[str, Any]] = {"n": 2048, "quick_n": 512}
     budget_s = 10.0
     quick_budget_s = 0.5
 
@@ -47,8 +48,8 @@ class CpuStress(Check):
 
     name = "cpu_stress"
     title = "CPU stress (verified)"
-    metrics = {"gflops": "GFLOP/s"}
-    params = {"n": 1024, "pairs": 4}
+    metrics: ClassVar[dict[str, str]] = {"gflops": "GFLOP/s"}
+    params: ClassVar[dict[str, Any]] = {"n": 1024, "pairs": 4}
     budget_s = 30.0
     quick_budget_s = 0.5
 
@@ -88,8 +89,8 @@ class MemoryBandwidth(Check):
 
     name = "memory_bandwidth"
     title = "Memory bandwidth"
-    metrics = {"copy": "GB/s", "triad": "GB/s"}
-    params = {"mib": 512, "quick_mib": 64}
+    metrics: ClassVar[dict[str, str]] = {"copy": "GB/s", "triad": "GB/s"}
+    params: ClassVar[dict[str, Any]] = {"mib": 512, "quick_mib": 64}
     budget_s = 10.0
     quick_budget_s = 0.6
 
@@ -158,8 +159,8 @@ class CpuFrequency(Check):
 
     name = "cpu_freq"
     title = "CPU frequency"
-    metrics = {"min_max_mhz": "MHz", "mean_cur_mhz": "MHz"}
-    params = {"min_cores": 1, "governor": ""}
+    metrics: ClassVar[dict[str, str]] = {"min_max_mhz": "MHz", "mean_cur_mhz": "MHz"}
+    params: ClassVar[dict[str, Any]] = {"min_cores": 1, "governor": ""}
     budget_s = 2.0
     quick_budget_s = 0.5
 

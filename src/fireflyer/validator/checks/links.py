@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from fireflyer.validator.checks.base import Check, CheckContext, Findings
 
@@ -102,8 +103,8 @@ class NicLinks(Check):
 
     name = "nic"
     title = "NIC link state and speed"
-    metrics = {"ib_rate": "Gb/s", "eth_speed": "Mb/s"}
-    params = {"ib_ports": 0, "eth_links": 0, "min_links_up": 1}
+    metrics: ClassVar[dict[str, str]] = {"ib_rate": "Gb/s", "eth_speed": "Mb/s"}
+    params: ClassVar[dict[str, Any]] = {"ib_ports": 0, "eth_links": 0, "min_links_up": 1}
     budget_s = 2.0
     quick_budget_s = 0.5
 

@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, ClassVar
 
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
 
@@ -43,8 +44,8 @@ class StorageBandwidth(Check):
 
     name = "storage"
     title = "Storage bandwidth"
-    metrics = {"write": "MB/s", "read": "MB/s"}
-    params = {"path": "", "size_mb": 256, "quick_size_mb": 16}
+    metrics: ClassVar[dict[str, str]] = {"write": "MB/s", "read": "MB/s"}
+    params: ClassVar[dict[str, Any]] = {"path": "", "size_mb": 256, "quick_size_mb": 16}
     budget_s = 60.0
     quick_budget_s = 1.0
 

@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any, ClassVar
 
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
 
@@ -104,7 +105,7 @@ def read_kernel_log(timeout: float, since: datetime | None) -> tuple[str, str]:
     """
     tried = []
     if shutil.which("dmesg"):
-        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=timeout, check=False)
         if done.returncode == 0:
             return done.stdout, "dmesg"
         tried.append(f"dmesg: {done.stderr.strip() or f'exit {done.returncode}'}")
@@ -112,7 +113,7 @@ def read_kernel_log(timeout: float, since: datetime | None) -> tuple[str, str]:
         cmd = ["journalctl", "-k", "-q", "--no-pager", "-o", "short-iso"]
         if since is not None:
             cmd.append(f"--since={_aware(since).astimezone().strftime('%Y-%m-%d %H:%M:%S')}")
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         if done.returncode == 0:
             return done.stdout, "journalctl -k"
         tried.append(f"journalctl: {done.stderr.strip() or f'exit {done.returncode}'}")
@@ -125,8 +126,8 @@ class XidErrors(Check):
 
     name = "xid"
     title = "GPU Xid errors in the kernel log"
-    metrics = {"count": "events"}
-    params = {"fail_xids": DRAIN_XIDS, "ignore_xids": []}
+    metrics: ClassVar[dict[str, str]] = {"count": "events"}
+    params: ClassVar[dict[str, Any]] = {"fail_xids": DRAIN_XIDS, "ignore_xids": []}
     budget_s = 10.0
     quick_budget_s = 5.0
 
