@@ -54,3 +54,42 @@ def per_rank_save(ctx, root: str) -> bool:
     mgr.save(5, {"shard": torch.full((1000,), float(ctx.rank))}, blocking=True)
     dist.barrier()
     return torch.equal(mgr.load()["shard"], torch.full((1000,), float(ctx.rank)))
+
+
+def fsdp_resume_matches(ctx, root: str) -> tuple[list[float], list[float]]:
+    """FSDP2 (haiscale fully_shard): save shards after 2 steps, keep training; a fresh sharded model loads
+    the shards and repeats the next steps with the same losses."""
+    from fireflyer.checkpoint import load_into
+    from fireflyer.haiscale import fully_shard
+    from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+
+    _pg(ctx)
+    cfg = GPTConfig(vocab=64, dim=32, layers=2, heads=2, seq=16)
+
+    def fresh():
+        model = fully_shard(build(cfg))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, opt, i):
+        x, y = batch(cfg, rank=ctx.rank, step=i, size=4)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        out = loss.detach().reshape(1)
+        dist.all_reduce(out)
+        return out.item()
+
+    model, opt = fresh()
+    for i in range(2):
+        step(model, opt, i)
+    mgr = CheckpointManager(root, kind="per_rank", commit_timeout=60)
+    mgr.save(2, {"model": model, "optimizer": opt}, blocking=True)
+    dist.barrier()
+    after = [step(model, opt, i) for i in range(2, 4)]
+    model2, opt2 = fresh()
+    state = mgr.load()
+    load_into(model2, state["model"])
+    load_into(opt2, state["optimizer"])
+    again = [step(model2, opt2, i) for i in range(2, 4)]
+    return after, again

@@ -36,3 +36,8 @@ def test_per_rank_state_round_trips_and_needs_the_same_world(cluster, tmp_path):
         CheckpointManager(tmp_path, kind="per_rank", rank=0, world_size=2).load()
     assert torch.equal(CheckpointManager(tmp_path, kind="per_rank", rank=3, world_size=4).load()["shard"],
                        torch.full((1000,), 3.0))
+
+
+def test_fsdp_shards_resume_with_the_same_losses(cluster, tmp_path):
+    for after, again in cluster.run(ckpt_cases.fsdp_resume_matches, str(tmp_path)):
+        assert after == again

@@ -255,3 +255,21 @@ def test_sync_snapshot_copies_everything_inside_save(tmp_path):
     assert torch.equal(mgr.load()["big"], torch.zeros(3 << 20))
     with pytest.raises(ValueError, match="snapshot"):
         CheckpointManager(tmp_path, rank=0, world_size=1, snapshot="lazy")
+
+
+def test_load_into_live_objects_and_a_clear_error_on_another_shape(tmp_path):
+    from fireflyer.checkpoint import load_into
+
+    state = _state(seed=1)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    mgr.save(1, {"model": state["model"], "optimizer": state["optimizer"]}, blocking=True)
+    saved = mgr.load()
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_into(model, saved["model"])
+    load_into(opt, saved["optimizer"])
+    _assert_same(_plain(state["model"]), _plain(model))
+    _assert_same(_plain(state["optimizer"])["state"], _plain(opt)["state"])
+    with pytest.raises(ValueError, match="has shape"):
+        load_into(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)), saved["model"])

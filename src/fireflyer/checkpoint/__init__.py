@@ -6,7 +6,7 @@ persists it in the background as safetensors shards plus a manifest, committed l
 
 from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
 from fireflyer.checkpoint.manager import CheckpointConfig, CheckpointManager, committed_steps
-from fireflyer.checkpoint.state import rng_state, set_rng_state
+from fireflyer.checkpoint.state import load_into, rng_state, set_rng_state
 
 __all__ = [
     "CheckpointConfig",
@@ -15,6 +15,7 @@ __all__ = [
     "CorruptCheckpoint",
     "NoCheckpoint",
     "committed_steps",
+    "load_into",
     "rng_state",
     "set_rng_state",
 ]

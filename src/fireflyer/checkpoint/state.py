@@ -5,7 +5,9 @@ scheduler's, a GradScaler's, RNG states, a data-loader position, a user dict. Ev
 tensor in it becomes a named entry (its path, e.g. ``model/blocks.0.fc.weight``); the
 rest of the structure, with a placeholder where each tensor was, is pickled as the
 skeleton. Objects with ``state_dict()`` (modules, optimizers, schedulers) are saved
-through it, so the state can be passed as it is.
+through it, so the state can be passed as it is. A DTensor (an FSDP2 parameter or its
+optimizer state) is saved as this rank's local shard, so an FSDP model is saved with
+``kind="per_rank"`` and loaded back with :func:`load_into`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def flatten(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 
     def walk(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
+            local = getattr(obj, "to_local", None)
+            if callable(local):  # a DTensor (FSDP2): this rank's shard is what it saves (kind="per_rank")
+                obj = local()
             if obj.layout != torch.strided:
                 raise TypeError(f"checkpoint entry {path!r} is a {obj.layout} tensor; only dense tensors are supported")
             name = path or "tensor"
@@ -64,6 +69,61 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return obj
 
     return walk(skeleton)
+
+
+def load_into(target: Any, saved: Any) -> None:
+    """Put a loaded state back into live objects in place.
+
+    Modules: every parameter and buffer gets its saved value (for a DTensor, its local
+    shard). Optimizers: ``load_state_dict``, with saved shards turned back into DTensors
+    shaped like their parameters. Anything else: tensors in a nest of dicts and lists are
+    copied into. This is what an FSDP2 model needs, since ``load_state_dict`` with plain
+    tensors does not fit DTensor parameters; it works for ordinary models too.
+    """
+    if isinstance(target, torch.optim.Optimizer):
+        target.load_state_dict(_optimizer_state(target, saved))
+    elif isinstance(target, torch.nn.Module):
+        _copy_tree(target.state_dict(), saved, type(target).__name__)
+    else:
+        _copy_tree(target, saved, "state")
+
+
+def _optimizer_state(opt: torch.optim.Optimizer, saved: dict) -> dict:
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = {}
+    for idx, entry in saved.get("state", {}).items():
+        p = params[int(idx)] if int(idx) < len(params) else None
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            state[idx] = entry
+            continue
+        from torch.distributed.tensor import DTensor
+
+        local_shape = p.to_local().shape
+        state[idx] = {k: DTensor.from_local(v.to(p.device), mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                      if isinstance(v, torch.Tensor) and v.shape == local_shape and v.dim() > 0 else v
+                      for k, v in entry.items()}
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def _copy_tree(live: Any, saved: Any, path: str) -> None:
+    if isinstance(live, torch.Tensor):
+        dst = live.to_local() if callable(getattr(live, "to_local", None)) else live
+        if not isinstance(saved, torch.Tensor) or saved.shape != dst.shape:
+            raise ValueError(f"checkpoint entry {path!r} has shape {tuple(getattr(saved, 'shape', ()))} but the live "
+                             f"tensor (its shard) has {tuple(dst.shape)}; was it saved with another world size or model?")
+        with torch.no_grad():
+            dst.copy_(saved)
+    elif isinstance(live, dict):
+        if not isinstance(saved, dict) or set(live) - set(saved):
+            raise ValueError(f"checkpoint entry {path!r} lacks "
+                             f"{sorted(map(str, set(live) - set(saved or {})))[:5]} that the live object has")
+        for k in live:
+            _copy_tree(live[k], saved[k], f"{path}/{k}")
+    elif isinstance(live, (list, tuple)):
+        for i, (a, b) in enumerate(zip(live, saved)):
+            _copy_tree(a, b, f"{path}/{i}")
 
 
 def dumps_skeleton(skeleton: Any) -> bytes:
