@@ -243,3 +243,56 @@ def bitwise_average(ctx) -> bool:
     assert sum(w is not None for w in want) > 1
     return all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
                for a, b in zip(got, want))
+
+
+class Mixed(nn.Module):
+    """BatchNorm buffers (float and int64), a frozen layer, a bf16 layer and a module used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 24)
+        self.bn = nn.BatchNorm1d(24)
+        self.frozen = nn.Linear(24, 24)
+        self.frozen.requires_grad_(False)
+        self.twice = nn.Linear(24, 24)
+        self.lowp = nn.Linear(24, 24).to(torch.bfloat16)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.bn(self.inp(x)))
+        h = self.twice(torch.tanh(self.twice(self.frozen(h))))
+        h = h + self.lowp(h.bfloat16()).float()
+        return self.out(h)
+
+
+def mixed_model_vs_torch(ctx, steps: int) -> dict:
+    from fireflyer.haiscale import DistributedDataParallel
+
+    ensure_pg(ctx)
+    gloo = dist.new_group(backend="gloo")
+    results = {}
+    for name in ("ours", "torch"):
+        torch.manual_seed(ctx.rank)  # different on every rank: wrapping must broadcast rank 0's
+        net = Mixed()
+        if name == "ours":
+            model = DistributedDataParallel(net)
+        else:
+            torch.manual_seed(0)
+            ref = Mixed()
+            net.load_state_dict(results["ours_init"])
+            model = nn.parallel.DistributedDataParallel(net, process_group=gloo)
+            del ref
+        if name == "ours":
+            results["ours_init"] = {k: v.clone() for k, v in net.state_dict().items()}
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.05)
+        for step in range(steps):
+            x, y = batch(ctx.rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        results[name] = {k: v.detach().clone().float() for k, v in net.state_dict().items()}
+        if name == "ours":
+            model.close()
+    diffs = {k: (results["ours"][k] - results["torch"][k]).abs().max().item() for k in results["ours"]}
+    return {"max_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get),
+            "bn_batches": results["ours"]["bn.num_batches_tracked"].item()}
