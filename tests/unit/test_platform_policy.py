@@ -1,0 +1,155 @@
+"""The scheduler's pure policy: priorities, chains, quotas, turns, preemption, zones, drained nodes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fireflyer.platform.policy import (
+    QUEUED,
+    RUNNING,
+    SUSPENDING,
+    Node,
+    PolicyConfig,
+    Priority,
+    Task,
+    order_tasks,
+    schedule,
+)
+
+P = Priority
+
+
+def nodes(n: int, zones: int = 1, **kw) -> list[Node]:
+    per = -(-n // zones)
+    return [Node(f"n{i:03d}", zone=f"z{i // per}", **kw) for i in range(n)]
+
+
+def started(dec) -> dict[int, tuple[str, ...]]:
+    return {s.task_id: s.nodes for s in dec.starts}
+
+
+def test_whole_nodes_all_or_nothing_in_priority_then_queue_order():
+    dec = schedule(nodes(4), [Task(1, "a", 3), Task(2, "b", 2, P.HIGH), Task(3, "c", 2)])
+    assert set(started(dec)) == {2, 3} or set(started(dec)) == {2}
+    assert 1 in dec.waiting  # 3 nodes do not fit beside the HIGH task's 2
+    assert all(len(v) == t for k, v in started(dec).items() for t in [{2: 2, 3: 2}[k]])
+
+
+def test_a_big_task_is_not_starved_by_smaller_ones_of_its_priority_but_lower_ones_may_fill_in():
+    ns = nodes(4)
+    running = Task(1, "a", 2, state=RUNNING, assigned=("n000", "n001"), run_seconds=10)
+    dec = schedule(ns, [running, Task(2, "b", 4), Task(3, "c", 1), Task(4, "d", 1, P.LOW)])
+    assert 2 in dec.waiting and "behind" in dec.waiting[3]
+    assert 4 in started(dec)  # a lower priority may use the gap; it will be preempted later
+
+
+def test_preemption_suspends_lower_priority_and_waits_for_its_nodes():
+    ns = nodes(4)
+    low = Task(1, "a", 4, P.LOW, state=RUNNING, assigned=tuple(n.name for n in ns), run_seconds=5)
+    dec = schedule(ns, [low, Task(2, "b", 2, P.HIGH)])
+    assert [s.task_id for s in dec.suspends] == [1]
+    assert 2 in dec.waiting and not dec.starts  # starts once the suspended task has stopped
+    # next cycle: the low task is suspending (nodes still busy), then gone
+    dec = schedule(ns, [Task(1, "a", 4, P.LOW, state=SUSPENDING, assigned=low.assigned), Task(2, "b", 2, P.HIGH)])
+    assert not dec.starts
+    dec = schedule(ns, [Task(3, "a", 4, P.LOW, chain_first_id=1), Task(2, "b", 2, P.HIGH)])
+    assert set(started(dec)) == {2} and 3 in dec.waiting
+
+
+def test_a_resumed_chain_keeps_its_place_in_the_queue():
+    ns = nodes(2)
+    # task 9 is the new attempt of chain 1; it goes before task 5 submitted after the chain began
+    dec = schedule(ns, [Task(5, "b", 2), Task(9, "a", 2, chain_first_id=1)])
+    assert set(started(dec)) == {9}
+
+
+def test_never_interrupted_for_the_same_user_at_the_same_priority():
+    ns = nodes(2)
+    old = Task(1, "a", 2, state=RUNNING, assigned=("n000", "n001"), run_seconds=10**6)
+    dec = schedule(ns, [old, Task(2, "a", 2)])
+    assert not dec.suspends and 2 in dec.waiting
+
+
+def test_users_take_turns_after_the_time_share_threshold():
+    ns = nodes(2)
+    cfg = PolicyConfig(time_share_after=3600)
+    young = Task(1, "a", 2, state=RUNNING, assigned=("n000", "n001"), run_seconds=100)
+    assert not schedule(ns, [young, Task(2, "b", 2)], cfg=cfg).suspends
+    old = Task(1, "a", 2, state=RUNNING, assigned=("n000", "n001"), run_seconds=7200)
+    dec = schedule(ns, [old, Task(2, "b", 2)], cfg=cfg)
+    assert [s.task_id for s in dec.suspends] == [1]  # b holds nothing at this priority: b's turn
+
+
+def test_quotas_per_user_group_priority_with_public_default_and_user_override():
+    ns = nodes(8)
+    quotas = {("public", "default", P.NORMAL): 2, ("vip", "default", P.NORMAL): 6}
+    dec = schedule(ns, [Task(1, "a", 2), Task(2, "a", 1), Task(3, "vip", 5)], quotas)
+    assert set(started(dec)) == {1, 3}
+    assert "over quota" in dec.waiting[2]
+
+
+def test_drained_and_unhealthy_nodes_are_never_used_and_their_tasks_are_suspended():
+    ns = [Node("n0"), Node("n1", drained=True), Node("n2", healthy=False), Node("n3")]
+    run = Task(1, "a", 2, state=RUNNING, assigned=("n0", "n1"), run_seconds=5)
+    dec = schedule(ns, [run, Task(2, "b", 1)])
+    assert dec.suspends[0].task_id == 1 and "drained" in dec.suspends[0].reason
+    assert started(dec) == {2: ("n3",)}
+    assert "usable" in schedule(ns, [Task(3, "c", 3)]).waiting[3]
+
+
+def test_zones_best_fit_then_one_cross_zone_task_crossing_once():
+    ns = nodes(8, zones=2)  # z0: n000-n003, z1: n004-n007
+    busy = Task(1, "a", 1, state=RUNNING, assigned=("n000",), run_seconds=1)
+    dec = schedule(ns, [busy, Task(2, "b", 3)])
+    assert started(dec)[2] == ("n001", "n002", "n003")  # the fuller zone that still fits
+    dec = schedule(ns, [busy, Task(3, "b", 6), Task(4, "c", 1, P.LOW)])
+    placed = started(dec)[3]
+    zones = [int(n[1:]) // 4 for n in placed]
+    assert len(set(zones)) == 2 and sum(a != b for a, b in zip(zones, zones[1:])) == 1  # one rank pair crosses
+    cross = Task(5, "d", 6, state=RUNNING, assigned=("n000", "n001", "n002", "n004", "n005", "n006"), run_seconds=1)
+    dec = schedule(ns, [cross, Task(6, "e", 2)])
+    assert 6 in dec.waiting  # a second cross-zone task is not allowed
+
+
+def test_priority_names_and_bad_values():
+    assert P.parse("high") is P.HIGH and P.parse(40) is P.VERY_HIGH and P.parse("10") is P.NORMAL
+    with pytest.raises(ValueError, match="EXTREME_HIGH"):
+        P.parse("urgent")
+    with pytest.raises(ValueError, match="time_share_after"):
+        PolicyConfig(time_share_after=-1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=25),
+    prios=st.lists(st.sampled_from(list(P)), min_size=25, max_size=25),
+    running=st.lists(st.booleans(), min_size=25, max_size=25),
+    n_nodes=st.integers(1, 16),
+    zones=st.integers(1, 3),
+)
+def test_invariants(sizes, prios, running, n_nodes, zones):
+    ns = nodes(n_nodes, zones)
+    free = [n.name for n in ns]
+    tasks = []
+    for i, size in enumerate(sizes):
+        if running[i] and size <= len(free):
+            tasks.append(Task(i, f"u{i % 3}", size, prios[i], state=RUNNING, assigned=tuple(free[:size]),
+                              run_seconds=i * 100.0))
+            free = free[size:]
+        else:
+            tasks.append(Task(i, f"u{i % 3}", size, prios[i]))
+    dec = schedule(ns, tasks)
+    busy = {n for t in tasks if t.state != QUEUED for n in t.assigned}
+    got = [n for s in dec.starts for n in s.nodes]
+    assert len(got) == len(set(got)) and not set(got) & busy  # no node twice, none already in use
+    by_id = {t.id: t for t in tasks}
+    for s in dec.starts:
+        assert by_id[s.task_id].state == QUEUED and len(s.nodes) == by_id[s.task_id].nodes
+    queued = {t.id for t in tasks if t.state == QUEUED}
+    assert queued == {s.task_id for s in dec.starts} | set(dec.waiting)
+    # a suspended task is never of higher priority than every task that claimed its place
+    for sus in dec.suspends:
+        assert by_id[sus.task_id].state == RUNNING
+    assert order_tasks(tasks, PolicyConfig())  # ordering is total
