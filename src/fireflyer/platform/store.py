@@ -1,0 +1,259 @@
+"""The platform's state in SQLite (WAL): nodes, quotas, tasks and their chains, and a history of events.
+
+Every change is one transaction, so a scheduler killed with -9 at any moment leaves
+either the state before a change or the state after it, and restarts from there. A
+submit may carry a client ``request_id``; submitting the same id again returns the
+first task instead of queueing a duplicate, so a client that retries after a crash
+cannot double-submit.
+
+A task is one attempt of a chain. When a running task is suspended (interrupt), found
+unschedulable or restarted by a hook, the chain gets a new queued attempt with the
+same ``chain_first_id`` (its place in the queue), ``attempt`` one higher and the
+chain's ``whole_life_state`` carried over; a user's stop or a normal exit ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from enum import IntFlag
+from pathlib import Path
+from typing import Any, Iterable
+
+from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
+
+FINISHED = "finished"
+STATES = (QUEUED, RUNNING, SUSPENDING, FINISHED)
+
+
+class StopCode(IntFlag):
+    """Why an attempt ended (HAI's bit values)."""
+
+    STOP = 1
+    INTERRUPT = 16
+    UNSCHEDULABLE = 32
+    FAILED = 128
+    INIT_FAILED = 256
+    TIMEOUT = 512
+    MANUAL_STOP = 1024
+    HOOK_RESTART = 2048
+
+
+REQUEUE = StopCode.INTERRUPT | StopCode.UNSCHEDULABLE | StopCode.HOOK_RESTART
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY, zone TEXT NOT NULL, healthy INTEGER NOT NULL DEFAULT 1,
+    drained INTEGER NOT NULL DEFAULT 0, reason TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS quotas (
+    user TEXT NOT NULL, grp TEXT NOT NULL, priority INTEGER NOT NULL, nodes INTEGER NOT NULL,
+    PRIMARY KEY (user, grp, priority));
+CREATE TABLE IF NOT EXISTS tasks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, chain_first_id INTEGER, attempt INTEGER NOT NULL DEFAULT 0,
+    name TEXT NOT NULL, user TEXT NOT NULL, grp TEXT NOT NULL, priority INTEGER NOT NULL,
+    nodes INTEGER NOT NULL, command TEXT NOT NULL, state TEXT NOT NULL, assigned TEXT NOT NULL DEFAULT '[]',
+    submitted_at REAL NOT NULL, started_at REAL, finished_at REAL, stop_code INTEGER NOT NULL DEFAULT 0,
+    whole_life_state INTEGER NOT NULL DEFAULT 0, request_id TEXT UNIQUE);
+CREATE INDEX IF NOT EXISTS tasks_state ON tasks(state);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, task_id INTEGER NOT NULL, at REAL NOT NULL,
+    kind TEXT NOT NULL, detail TEXT NOT NULL DEFAULT '');
+"""
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    id: int
+    chain_first_id: int
+    attempt: int
+    name: str
+    user: str
+    group: str
+    priority: Priority
+    nodes: int
+    command: list[str]
+    state: str
+    assigned: tuple[str, ...]
+    submitted_at: float
+    started_at: float | None
+    finished_at: float | None
+    stop_code: int
+    whole_life_state: int
+
+    def policy_task(self, now: float) -> Task:
+        run = now - self.started_at if self.started_at is not None and self.state != QUEUED else 0.0
+        return Task(self.id, self.user, self.nodes, self.priority, self.group, self.chain_first_id, self.state,
+                    self.assigned, max(0.0, run))
+
+
+class UnknownTask(LookupError):
+    """No such task; the message names it."""
+
+
+class Store:
+    """One SQLite database file. Safe for one scheduler process and many readers."""
+
+    def __init__(self, path: str | Path, *, timeout: float = 10.0) -> None:
+        self.path = str(path)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _tx(self):
+        return _Transaction(self._db)
+
+    # ------------------------------------------------------------------ nodes and quotas
+    def add_nodes(self, nodes: Iterable[Node]) -> None:
+        with self._tx() as db:
+            db.executemany("INSERT INTO nodes(name, zone, healthy, drained) VALUES (?,?,?,?) "
+                           "ON CONFLICT(name) DO UPDATE SET zone=excluded.zone",
+                           [(n.name, n.zone, int(n.healthy), int(n.drained)) for n in nodes])
+
+    def nodes(self) -> list[Node]:
+        rows = self._db.execute("SELECT name, zone, healthy, drained FROM nodes ORDER BY name").fetchall()
+        return [Node(name, zone, bool(h), bool(d)) for name, zone, h, d in rows]
+
+    def set_drained(self, name: str, drained: bool, reason: str = "") -> None:
+        with self._tx() as db:
+            if db.execute("UPDATE nodes SET drained=?, reason=? WHERE name=?", (int(drained), reason, name)).rowcount != 1:
+                known = [r[0] for r in db.execute("SELECT name FROM nodes ORDER BY name LIMIT 8")]
+                raise ValueError(f"unknown node {name!r}; nodes include {', '.join(known) or 'none'}")
+
+    def set_quota(self, user: str, group: str, priority: Priority, nodes: int) -> None:
+        if nodes < 0:
+            raise ValueError(f"a quota is a non-negative node count, got {nodes}")
+        with self._tx() as db:
+            db.execute("INSERT INTO quotas VALUES (?,?,?,?) ON CONFLICT(user, grp, priority) DO UPDATE SET "
+                       "nodes=excluded.nodes", (user, group, int(priority), nodes))
+
+    def quotas(self) -> dict[tuple[str, str, Priority], int]:
+        return {(u, g, Priority(p)): n for u, g, p, n in self._db.execute("SELECT user, grp, priority, nodes FROM quotas")}
+
+    # ------------------------------------------------------------------ tasks
+    def submit(self, *, user: str, nodes: int, command: list[str], priority: Priority | str | int = Priority.NORMAL,
+               group: str = "default", name: str = "", request_id: str | None = None, now: float | None = None) -> int:
+        """Queue a new chain; returns its task id (the earlier one if ``request_id`` was seen before)."""
+        priority = Priority.parse(priority)
+        if nodes < 1:
+            raise ValueError(f"a task needs at least one node, got {nodes}")
+        if not command:
+            raise ValueError("a task needs a command")
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            if request_id is not None:
+                row = db.execute("SELECT id FROM tasks WHERE request_id=?", (request_id,)).fetchone()
+                if row:
+                    return int(row[0])
+            cur = db.execute("INSERT INTO tasks(name, user, grp, priority, nodes, command, state, submitted_at, "
+                             "request_id) VALUES (?,?,?,?,?,?,?,?,?)",
+                             (name, user, group, int(priority), nodes, json.dumps(command), QUEUED, now, request_id))
+            task_id = int(cur.lastrowid)
+            db.execute("UPDATE tasks SET chain_first_id=?, name=? WHERE id=?", (task_id, name or f"task{task_id}",
+                                                                              task_id))
+            db.execute("INSERT INTO events(task_id, at, kind) VALUES (?,?,'submitted')", (task_id, now))
+        return task_id
+
+    def task(self, task_id: int) -> TaskRow:
+        row = self._db.execute(f"SELECT {_COLS} FROM tasks WHERE id=?", (task_id,)).fetchone()
+        if row is None:
+            raise UnknownTask(f"no task {task_id}")
+        return _row(row)
+
+    def tasks(self, states: Iterable[str] = (QUEUED, RUNNING, SUSPENDING)) -> list[TaskRow]:
+        states = tuple(states)
+        marks = ",".join("?" * len(states))
+        return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE state IN ({marks}) ORDER BY id",
+                                                  states)]
+
+    def chain(self, chain_first_id: int) -> list[TaskRow]:
+        return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE chain_first_id=? ORDER BY attempt",
+                                                  (chain_first_id,))]
+
+    def events(self, task_id: int) -> list[tuple[float, str, str]]:
+        return list(self._db.execute("SELECT at, kind, detail FROM events WHERE task_id=? ORDER BY id", (task_id,)))
+
+    # ------------------------------------------------------------------ a cycle's decisions
+    def apply(self, decisions: Decisions, now: float | None = None) -> list[int]:
+        """Record starts and suspends in one transaction; returns the ids that really started.
+
+        A start only applies to a task still queued (optimistic, as HAI's scheduler does);
+        a suspend only to a task still running.
+        """
+        now = time.time() if now is None else now
+        started = []
+        with self._tx() as db:
+            for s in decisions.starts:
+                cur = db.execute("UPDATE tasks SET state=?, assigned=?, started_at=? WHERE id=? AND state=?",
+                                 (RUNNING, json.dumps(list(s.nodes)), now, s.task_id, QUEUED))
+                if cur.rowcount == 1:
+                    started.append(s.task_id)
+                    db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'started',?)",
+                               (s.task_id, now, " ".join(s.nodes)))
+            for s in decisions.suspends:
+                if db.execute("UPDATE tasks SET state=? WHERE id=? AND state=?",
+                              (SUSPENDING, s.task_id, RUNNING)).rowcount == 1:
+                    db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'suspending',?)",
+                               (s.task_id, now, s.reason))
+        return started
+
+    def finish(self, task_id: int, stop_code: StopCode, *, detail: str = "", whole_life_state: int | None = None,
+               now: float | None = None) -> int | None:
+        """End an attempt; returns the new attempt's id when the chain is requeued.
+
+        Interrupts, unschedulable starts and hook restarts requeue the chain; a user's stop
+        (``MANUAL_STOP``) never does, whatever else is set.
+        """
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute(f"SELECT {_COLS} FROM tasks WHERE id=?", (task_id,)).fetchone()
+            if row is None:
+                raise UnknownTask(f"no task {task_id}")
+            t = _row(row)
+            if t.state == FINISHED:
+                return None
+            life = t.whole_life_state if whole_life_state is None else whole_life_state
+            db.execute("UPDATE tasks SET state=?, finished_at=?, stop_code=?, whole_life_state=? WHERE id=?",
+                       (FINISHED, now, int(stop_code), life, task_id))
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'finished',?)",
+                       (task_id, now, f"{stop_code!r} {detail}".strip()))
+            if not (stop_code & REQUEUE) or stop_code & StopCode.MANUAL_STOP:
+                return None
+            cur = db.execute("INSERT INTO tasks(chain_first_id, attempt, name, user, grp, priority, nodes, command, "
+                             "state, submitted_at, whole_life_state) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                             (t.chain_first_id, t.attempt + 1, t.name, t.user, t.group, int(t.priority), t.nodes,
+                              json.dumps(t.command), QUEUED, now, life))
+            new_id = int(cur.lastrowid)
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'requeued',?)",
+                       (new_id, now, f"attempt {t.attempt + 1} of chain {t.chain_first_id} after {stop_code!r}"))
+            return new_id
+
+
+_COLS = ("id, chain_first_id, attempt, name, user, grp, priority, nodes, command, state, assigned, submitted_at, "
+         "started_at, finished_at, stop_code, whole_life_state")
+
+
+def _row(r: tuple[Any, ...]) -> TaskRow:
+    return TaskRow(r[0], r[1], r[2], r[3], r[4], r[5], Priority(r[6]), r[7], json.loads(r[8]), r[9],
+                   tuple(json.loads(r[10])), r[11], r[12], r[13], r[14], r[15])
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``, or ``ROLLBACK`` on error: one change, all or nothing."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

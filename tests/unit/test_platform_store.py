@@ -1,0 +1,75 @@
+"""The platform's SQLite state: submit, decisions, chains, requeue rules, nodes, quotas."""
+
+from __future__ import annotations
+
+import pytest
+
+from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Start, Suspend, schedule
+from fireflyer.platform.store import FINISHED, StopCode, Store, UnknownTask
+
+
+@pytest.fixture()
+def store(tmp_path):
+    s = Store(tmp_path / "state.db")
+    s.add_nodes([Node("a", "z0"), Node("b", "z0"), Node("c", "z1")])
+    yield s
+    s.close()
+
+
+def test_submit_is_idempotent_per_request_id(store):
+    a = store.submit(user="u", nodes=1, command=["true"], request_id="r1")
+    b = store.submit(user="u", nodes=1, command=["true"], request_id="r1")
+    c = store.submit(user="u", nodes=1, command=["true"])
+    assert a == b != c and [t.id for t in store.tasks()] == [a, c]
+    with pytest.raises(ValueError, match="priority"):
+        store.submit(user="u", nodes=1, command=["x"], priority="urgent")
+    with pytest.raises(ValueError, match="at least one node"):
+        store.submit(user="u", nodes=0, command=["x"])
+
+
+def test_a_cycle_through_the_store(store):
+    low = store.submit(user="u", nodes=3, command=["train"], priority="LOW", now=1)
+    store.apply(schedule(store.nodes(), [t.policy_task(2) for t in store.tasks()]), now=2)
+    assert store.task(low).state == RUNNING and len(store.task(low).assigned) == 3
+    high = store.submit(user="v", nodes=2, command=["eval"], priority="HIGH", now=3)
+    dec = schedule(store.nodes(), [t.policy_task(4) for t in store.tasks()])
+    assert [s.task_id for s in dec.suspends] == [low]
+    store.apply(dec, now=4)
+    assert store.task(low).state == SUSPENDING
+    again = store.finish(low, StopCode.INTERRUPT, whole_life_state=7, now=5)
+    store.apply(schedule(store.nodes(), [t.policy_task(6) for t in store.tasks()]), now=6)
+    assert store.task(high).state == RUNNING
+    resumed = store.task(again)
+    assert (resumed.state, resumed.chain_first_id, resumed.attempt, resumed.whole_life_state) == (QUEUED, low, 1, 7)
+    assert [t.attempt for t in store.chain(low)] == [0, 1]
+    assert [k for _, k, _ in store.events(low)] == ["submitted", "started", "suspending", "finished"]
+
+
+def test_requeue_rules(store):
+    for code, requeued in ((StopCode.INTERRUPT, True), (StopCode.UNSCHEDULABLE, True), (StopCode.HOOK_RESTART, True),
+                           (StopCode.FAILED, False), (StopCode.STOP, False),
+                           (StopCode.MANUAL_STOP | StopCode.INTERRUPT, False)):
+        t = store.submit(user="u", nodes=1, command=["x"])
+        assert (store.finish(t, code) is not None) is requeued, code
+        assert store.task(t).state == FINISHED and store.finish(t, code) is None  # finishing twice is a no-op
+    with pytest.raises(UnknownTask):
+        store.finish(999, StopCode.STOP)
+
+
+def test_starts_apply_only_to_queued_tasks_and_suspends_only_to_running(store):
+    t = store.submit(user="u", nodes=1, command=["x"])
+    assert store.apply(Decisions(starts=[Start(t, ("a",))])) == [t]
+    assert store.apply(Decisions(starts=[Start(t, ("b",))])) == []  # already running: no double start
+    assert store.task(t).assigned == ("a",)
+    store.apply(Decisions(suspends=[Suspend(t, "x")]))
+    store.apply(Decisions(suspends=[Suspend(t, "y")]))
+    assert [k for _, k, _ in store.events(t)].count("suspending") == 1
+
+
+def test_nodes_and_quotas(store):
+    store.set_drained("b", True, "failed validation")
+    assert [n.name for n in store.nodes() if n.usable] == ["a", "c"]
+    with pytest.raises(ValueError, match="unknown node 'zz'"):
+        store.set_drained("zz", True)
+    store.set_quota("public", "default", Priority.NORMAL, 2)
+    assert store.quotas() == {("public", "default", Priority.NORMAL): 2}
