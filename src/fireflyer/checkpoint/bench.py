@@ -19,7 +19,6 @@ of the disk's write bandwidth.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import shutil
 import statistics
@@ -252,19 +251,19 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
     b.set_ylabel("GB/s")
     b.set_title("Throughput against the disk (dd-style)")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    from fireflyer.hfreduce.bench_report import atomic_write
+
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
     from fireflyer.hfreduce.bench import machine_info
+    from fireflyer.hfreduce.bench_report import write_json
 
     r = run(cfg)
     _print(r)
-    os.makedirs(cfg.out_dir, exist_ok=True)
     doc = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": ["fireflyer", "bench", "checkpoint", *argv], "machine": machine_info(),
            "baseline": "torch.save + fsync of the same state; dd-style sequential disk bandwidth",
@@ -272,10 +271,7 @@ def main(argv: list[str]) -> int:
            "config": {"gb": cfg.gb, "threads": cfg.threads, "chunk_mb": cfg.chunk_mb, "rounds": cfg.rounds},
            **r}
     json_path, png_path = os.path.join(cfg.out_dir, "checkpoint.json"), os.path.join(cfg.out_dir, "checkpoint.png")
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, json_path)
+    write_json(json_path, doc)
     _write_png(png_path, r)
     print(f"wrote {json_path} and {png_path}")
     return 0

@@ -177,16 +177,16 @@ def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]
         ax2.legend(fontsize=8)
         ax2.set_title("Weak scaling")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    from fireflyer.hfreduce.bench_report import atomic_write
+
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
     from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console
+    from fireflyer.hfreduce.bench_report import make_console, write_json
 
     console, err = make_console(), make_console(stderr=True)
     rows = []
@@ -201,7 +201,6 @@ def main(argv: list[str]) -> int:
         r["efficiency"] = weak[0]["step_s"]["haiscale"] / r["step_s"]["haiscale"]
         r["compute_efficiency"] = weak[0]["step_s"]["compute"] / r["step_s"]["compute"]
     _print(console, rows, weak)
-    os.makedirs(cfg.out_dir, exist_ok=True)
     doc = {
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": ["fireflyer", "bench", "ddp", *argv],
@@ -213,10 +212,7 @@ def main(argv: list[str]) -> int:
         "weak_scaling": weak,
     }
     json_path, png_path = os.path.join(cfg.out_dir, "ddp.json"), os.path.join(cfg.out_dir, "ddp.png")
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, json_path)
+    write_json(json_path, doc)
     _write_png(png_path, rows, weak)
     console.print(f"wrote {json_path} and {png_path}", highlight=False)
     return 0

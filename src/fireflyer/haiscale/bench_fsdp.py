@@ -195,7 +195,7 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fireflyer.hfreduce.bench_report import _atomic_write
+    from fireflyer.hfreduce.bench_report import atomic_write
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(results))
@@ -223,7 +223,7 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
     fig.suptitle(f"FSDP: GPT {cfg.model.num_params / 1e6:.1f}M params, {cfg.model.layers} blocks")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 

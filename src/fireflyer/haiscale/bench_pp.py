@@ -303,7 +303,7 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fireflyer.hfreduce.bench_report import _atomic_write
+    from fireflyer.hfreduce.bench_report import atomic_write
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {Schedule.GPIPE.value: "tab:blue", Schedule.ONE_F_ONE_B.value: "tab:red",
@@ -344,7 +344,7 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
     fig.suptitle(f"pipeline schedules, {p} ranks on {os.cpu_count()} cores (measured: shared cores; "
                  f"replay: a device per rank)")
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 

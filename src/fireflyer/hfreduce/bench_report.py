@@ -184,7 +184,7 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
     console.print()
 
 
-def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
+def atomic_write(path: str, write: Callable[[Any], None]) -> None:
     """Write via ``path.tmp``, fsync, rename: readers never see a half-written file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -205,7 +205,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
             return [clean(v) for v in x]
         return x
 
-    _atomic_write(path, lambda f: f.write(json.dumps(clean(doc), indent=1).encode() + b"\n"))
+    atomic_write(path, lambda f: f.write(json.dumps(clean(doc), indent=1).encode() + b"\n"))
 
 
 def write_png(path: str, cfg: BenchConfig, results: list[LayoutResult]) -> None:
@@ -234,7 +234,7 @@ def write_png(path: str, cfg: BenchConfig, results: list[LayoutResult]) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"allreduce: {cfg.candidate} vs gloo")
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
