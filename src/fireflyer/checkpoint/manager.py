@@ -209,14 +209,14 @@ class CheckpointManager:
         else:
             names = list(tensors)
             write_skeleton = True
-        snapshot, deferred = self._snapshot({n: tensors[n] for n in names})
+        snapshot, deferred, events = self._snapshot({n: tensors[n] for n in names})
         blob = dumps_skeleton(skeleton) if write_skeleton else None
-        if deferred:
+        if deferred or events:
             self._copied.clear()
             self._guard_optimizers()
         self.stats["snapshot_seconds"] += time.perf_counter() - t0
         self._last_save_time = time.monotonic()
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, deferred, blob, sorted(tensors)),
+        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, deferred, events, blob, sorted(tensors)),
                                         name=f"ckpt-persist-{step}", daemon=False)
         self._thread.start()
         self.stats["saves"] += 1
@@ -224,12 +224,13 @@ class CheckpointManager:
             self.wait()
         return True
 
-    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple], list]:
         """Host buffers for ``tensors`` (pinned for CUDA, reused across saves) and the copies left to do.
 
         Small tensors are copied now; CUDA tensors are queued on their stream (later updates
         on that stream run after the copy); with ``snapshot="overlap"`` large CPU tensors are
-        returned as (buffer, source) pairs for the persist thread to copy before it writes.
+        returned as (buffer, source) pairs for the persist thread to copy before it writes,
+        and the CUDA copies as events it waits for.
         """
         out, deferred = {}, []
         events = []
@@ -249,9 +250,7 @@ class CheckpointManager:
             out[name] = buf
         for stale in set(self._buffers) - set(tensors):
             del self._buffers[stale]
-        if events:
-            deferred.append(("cuda-events", events))
-        return out, deferred
+        return out, deferred, events
 
     def _guard_optimizers(self) -> None:
         """Make every optimizer's next step wait for the background copy (registered once)."""
@@ -269,20 +268,18 @@ class CheckpointManager:
             self._hook = register_optimizer_step_pre_hook(wait_for_snapshot)
 
     @staticmethod
-    def _finish_copies(deferred: list[tuple]) -> None:
+    def _finish_copies(deferred: list[tuple], events: list) -> None:
         for buf, src in deferred:
-            if buf == "cuda-events":
-                for event in src:
-                    event.synchronize()
-            else:
-                buf.copy_(src)
+            buf.copy_(src)
+        for event in events:
+            event.synchronize()
 
-    def _persist(self, step: int, tensors: dict[str, torch.Tensor], deferred: list[tuple], skeleton: bytes | None,
-                 all_names: list[str]) -> None:
+    def _persist(self, step: int, tensors: dict[str, torch.Tensor], deferred: list[tuple], events: list,
+                 skeleton: bytes | None, all_names: list[str]) -> None:
         t0 = time.perf_counter()
         try:
             try:
-                self._finish_copies(deferred)
+                self._finish_copies(deferred, events)
             finally:
                 self._copied.set()  # never leave an optimizer waiting, even if the copy failed
             d = step_dir(self.root, step)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fireflyer.haiscale.buckets import plan_buckets
+from fireflyer.hfreduce.reduce import Op
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,8 +361,6 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = None
             bucket.done_at = bucket.launched_at
         elif self._comm is not None:
-            from fireflyer.hfreduce.reduce import Op
-
             fut = self._comm.allreduce(bucket.comm, Op.AVG)
 
             def done(_: torch.futures.Future, bucket: _Bucket = bucket) -> None:

@@ -51,6 +51,7 @@ class SharedBuffers:
         self.enabled = enabled and local_size > 1 and fdshare.SUPPORTED
         self._count = 0
         self._segments: dict[int, _Segment] = {}
+        self._servers: list[fdshare.FdServer] = []  # rank 0's descriptor servers, until close
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed flat tensor of ``numel`` elements; registered when the node can share it."""
@@ -75,7 +76,6 @@ class SharedBuffers:
             finally:
                 os.close(fd)
             # The server hands the descriptor to the others and stops by itself; don't wait for it here.
-            self._servers = getattr(self, "_servers", [])
             self._servers.append(server)
         else:
             try:
@@ -123,7 +123,7 @@ class SharedBuffers:
         return seg.peers[local_rank][offset : offset + numel * dtype.itemsize].view(dtype)
 
     def close(self) -> None:
-        for server in getattr(self, "_servers", []):
+        for server in self._servers:
             server.close()
         self._servers = []
         self._segments.clear()
