@@ -74,11 +74,11 @@ class DDPConfig:
 
 
 class _Bucket:
-    __slots__ = ("params", "offsets", "grads", "comm", "flags", "handle", "launched_at", "done_at")
+    __slots__ = ("params", "grads", "comm", "flags", "handle", "launched_at", "done_at")
 
-    def __init__(self, params: tuple[int, ...], offsets: tuple[int, ...], grads: torch.Tensor, comm: torch.Tensor,
+    def __init__(self, params: tuple[int, ...], grads: torch.Tensor, comm: torch.Tensor,
                  flags: torch.Tensor | None) -> None:
-        self.params, self.offsets, self.grads, self.comm, self.flags = params, offsets, grads, comm, flags
+        self.params, self.grads, self.comm, self.flags = params, grads, comm, flags
         self.handle: Any = None
         self.launched_at = 0.0
         self.done_at = 0.0
@@ -291,7 +291,7 @@ class DistributedDataParallel(nn.Module):
                         view.copy_(p.grad)
                         p.grad = view
                     self._views[i] = view
-                buckets.append(_Bucket(params, offsets, grads, comm, flags))
+                buckets.append(_Bucket(params, grads, comm, flags))
         self._buckets = buckets
         self._bucket_of = plan.bucket_of()
 
