@@ -15,6 +15,9 @@ BENCHES = {
     "fsdp": "fireflyer.haiscale.bench_fsdp",
     "pp": "fireflyer.haiscale.bench_pp",
     "checkpoint": "fireflyer.checkpoint.bench",
+    "platform": "fireflyer.platform.bench",
+    "fabric": "fireflyer.fabric.bench",
+    "storage": "fireflyer.storage.bench",
 }
 
 
@@ -61,13 +64,39 @@ def _hfreduce(rest: list[str]) -> int:
     return admin.main(rest)
 
 
+def _lazy(module: str, *lead: str) -> Callable[[list[str]], int]:
+    """A command whose ``main(argv)`` lives in ``module``; ``lead`` is put before the user's arguments."""
+
+    def run(rest: list[str]) -> int:
+        return importlib.import_module(module).main([*lead, *rest])
+
+    return run
+
+
+_PLATFORM = "fireflyer.platform.cli"
+
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a small GPT with haiscale DDP on emulated nodes: fireflyer train [CONFIG] [--help]", _train),
     "demo": ("the main job on its default config (same as 'fireflyer train')", _demo),
-    "bench": ("measure a part against its baseline: fireflyer bench allreduce|ddp|fsdp|pp|checkpoint", _bench),
+    "bench": ("measure a part against its baseline: fireflyer bench " + "|".join(BENCHES), _bench),
     "validate": ("check this node's health against a hardware profile (Slurm HealthCheckProgram)", _validate),
     "failures": ("analyse kernel logs: Xid and InfiniBand failures, MTBF, checkpoint interval", _failures),
     "hfreduce": ("hfreduce tools: fireflyer hfreduce demo | fireflyer hfreduce clean", _hfreduce),
+    "platform": ("the HAI scheduler: fireflyer platform start|stop|status", _lazy(_PLATFORM, "platform")),
+    "submit": ("queue a task: fireflyer submit -n NODES [-p PRIORITY] -- CMD...", _lazy(_PLATFORM, "submit")),
+    "queue": ("list the platform's tasks", _lazy(_PLATFORM, "queue")),
+    "describe": ("one task and its chain of attempts: fireflyer describe ID", _lazy(_PLATFORM, "describe")),
+    "logs": ("a task's logs: fireflyer logs ID [-f] [--rank R]", _lazy(_PLATFORM, "logs")),
+    "suspend": ("checkpoint and hold a running task: fireflyer suspend ID", _lazy(_PLATFORM, "suspend")),
+    "resume": ("queue a held task again: fireflyer resume ID", _lazy(_PLATFORM, "resume")),
+    "stop": ("stop a task for good: fireflyer stop ID", _lazy(_PLATFORM, "stop")),
+    "nodes": ("the platform's nodes, zones and health", _lazy(_PLATFORM, "nodes")),
+    "drain": ("take a node out of scheduling: fireflyer drain NODE", _lazy(_PLATFORM, "drain")),
+    "undrain": ("return a drained node: fireflyer undrain NODE", _lazy(_PLATFORM, "undrain")),
+    "plan": ("plan a cluster's fabric, cost and power: fireflyer plan --gpus N", _lazy("fireflyer.fabric.cli", "plan")),
+    "simulate": ("simulate collectives at scale: fireflyer simulate allreduce --gpus ...",
+                 _lazy("fireflyer.fabric.cli", "simulate")),
+    "cache": ("the tiered shard cache: fireflyer cache simulate", _lazy("fireflyer.storage.cli", "cache")),
 }
 
 
