@@ -1,0 +1,265 @@
+"""``python -m fireflyer.platform.supervisor ATTEMPT_DIR [--slurm]``: one attempt's manager.
+
+HAI Platform runs a manager per task; this is ours. It starts the attempt's ranks, then
+watches them until the attempt ends, and writes how it ended to ``status.json``:
+
+* **all ranks exit 0**: ``STOP`` (the task is done);
+* **a rank fails**: other failures are collected for :data:`COLLECT_S`, then every rank
+  is stopped: ``FAILED`` (the daemon restarts it from its checkpoint, up to a limit);
+* **suspend** (``control/suspend``, written by the daemon, or SIGTERM/SIGUSR1 from Slurm):
+  the job must acknowledge within ``suspend_ack`` seconds (``receive_suspend_command``)
+  or it is stopped; once it has, it has ``suspend_grace`` more seconds to save and call
+  ``go_suspend``, and is stopped when it does or when time runs out: ``INTERRUPT``;
+* **stop** (``control/stop``, a user's stop): ``MANUAL_STOP``;
+* **no output** from any rank for ``watchdog`` seconds: ``FAILED | TIMEOUT``;
+* **ranks that never all start** within ``unschedulable`` seconds, or a node prolog that
+  times out: ``UNSCHEDULABLE``; a node whose prolog (health check) fails: ``HOOK_RESTART``
+  with that node named, so the daemon drains it.
+
+The supervisor runs in its own session, so it survives a scheduler killed with -9; the
+daemon finds it again by its handle and reads ``status.json`` when it is done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from fireflyer.platform.executor import Launch
+from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
+from fireflyer.platform.store import StopCode
+
+COLLECT_S = 2.0
+"""After a first rank failure, how long to wait for others (their exit codes tell more)."""
+POLL_S = 0.05
+
+Procs = list[tuple[str, subprocess.Popen]]
+Starter = Callable[[Launch, AttemptDir], Procs]
+
+
+def task_env(launch: Launch, adir: AttemptDir, *, master_addr: str) -> dict[str, str]:
+    """The variables every rank of an attempt shares (rank-specific ones are added per rank)."""
+    return {
+        **launch.env,
+        "WORLD_SIZE": str(launch.world_size),
+        "LOCAL_WORLD_SIZE": str(launch.ranks_per_node),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(launch.master_port),
+        "FIREFLYER_NNODES": str(len(launch.nodes)),
+        "FIREFLYER_TASK_ID": str(launch.task_id),
+        "FIREFLYER_CHAIN_ID": str(launch.chain_id),
+        "FIREFLYER_ATTEMPT": str(launch.attempt),
+        "FIREFLYER_TASK_NAME": launch.name,
+        "FIREFLYER_USER": launch.user,
+        "FIREFLYER_TASK_DIR": str(adir.root),
+        "FIREFLYER_LOG_DIR": str(adir.logs),
+        "FIREFLYER_WHOLE_LIFE_STATE": str(launch.whole_life_state),
+        "TORCHELASTIC_RUN_ID": f"fireflyer-{launch.task_id}",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
+    """Start every rank on this machine, each emulated node telling its ranks apart by name."""
+    base = {**os.environ, **task_env(launch, adir, master_addr="127.0.0.1")}
+    procs: Procs = []
+    for node_rank, node in enumerate(launch.nodes):
+        for local_rank in range(launch.ranks_per_node):
+            rank = node_rank * launch.ranks_per_node + local_rank
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(node_rank),
+                   "NODE_RANK": str(node_rank), "FIREFLYER_NODE_ID": node}
+            proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.rank", str(adir.root), "--",
+                                     *launch.command], env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+            procs.append((f"rank{rank}", proc))
+    return procs
+
+
+class Supervisor:
+    def __init__(self, adir: AttemptDir, launch: Launch, starter: Starter = local_ranks) -> None:
+        self.adir, self.launch, self.starter = adir, launch, starter
+        self.t = launch.timeouts
+        self.procs: Procs = []
+        self.exit_codes: dict[str, int] = {}
+        self._signalled: str | None = None
+
+    # ------------------------------------------------------------------ edges
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signalled = signal.Signals(signum).name
+        self.adir.raise_flag("suspend", f"signal {self._signalled}")
+
+    def _prologs(self) -> tuple[StopCode, str, list[str]] | None:
+        if not self.launch.prolog:
+            return None
+        for node in self.launch.nodes:
+            env = {**os.environ, **self.launch.env, "FIREFLYER_NODE_ID": node}
+            try:
+                done = subprocess.run(list(self.launch.prolog), env=env, cwd=self.launch.cwd, capture_output=True,
+                                      text=True, timeout=self.t.unschedulable)
+            except subprocess.TimeoutExpired:
+                return StopCode.UNSCHEDULABLE, f"node {node}: prolog did not finish in {self.t.unschedulable:g} s", []
+            except OSError as exc:
+                return StopCode.INIT_FAILED, f"prolog {self.launch.prolog[0]!r} could not start: {exc.strerror}", []
+            if done.returncode != 0:
+                why = (done.stdout + done.stderr).strip().splitlines()
+                return (StopCode.HOOK_RESTART, f"node {node} failed its health check (exit {done.returncode})"
+                        f"{': ' + why[-1] if why else ''}", [node])
+        return None
+
+    def _last_output(self, since: float) -> float:
+        last = since
+        for log in self.adir.rank_logs():
+            try:
+                last = max(last, log.stat().st_mtime)
+            except FileNotFoundError:
+                pass
+        return last
+
+    def _all_started(self) -> bool:
+        return all(self.adir.started_marker(r).exists() for r in range(self.launch.world_size))
+
+    def _stop_ranks(self) -> None:
+        alive = [p for _, p in self.procs if p.poll() is None]
+        for sig, wait in ((signal.SIGTERM, self.t.kill_grace), (signal.SIGKILL, 5.0)):
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+                time.sleep(POLL_S)
+            alive = [p for p in alive if p.poll() is None]
+            if not alive:
+                break
+        for label, p in self.procs:
+            if p.poll() is not None:
+                self.exit_codes.setdefault(label, p.returncode)
+
+    # ------------------------------------------------------------------ the watch
+    def _watch(self) -> tuple[StopCode, str]:
+        t0_wall, t0 = time.time(), time.monotonic()
+        suspend_at: float | None = None
+        first_failure: float | None = None
+        while True:
+            now = time.monotonic()
+            for label, p in self.procs:
+                if label not in self.exit_codes and p.poll() is not None:
+                    self.exit_codes[label] = p.returncode
+            if self.adir.has_flag("stop"):
+                return StopCode.MANUAL_STOP, "stopped by its user"
+            if suspend_at is None and self.adir.has_flag("suspend"):
+                suspend_at = now
+            received = self.adir.has_flag("received")
+            if suspend_at is not None:
+                if self.adir.has_flag("can_suspend"):
+                    return StopCode.INTERRUPT, "suspended: the job saved and called go_suspend"
+                if not received and now - suspend_at > self.t.suspend_ack:
+                    return StopCode.INTERRUPT, (f"suspended without acknowledgement in {self.t.suspend_ack:g} s: "
+                                                "stopped, progress since its last checkpoint is lost")
+                if received and now - suspend_at > self.t.suspend_ack + self.t.suspend_grace:
+                    return StopCode.INTERRUPT, (f"suspended: the job acknowledged but did not call go_suspend "
+                                                f"within {self.t.suspend_grace:g} s of grace; stopped")
+            failed = {k: c for k, c in self.exit_codes.items() if c != 0}
+            if failed:
+                first_failure = now if first_failure is None else first_failure
+                if len(self.exit_codes) == len(self.procs) or now - first_failure > COLLECT_S:
+                    label, code = min(failed.items(), key=lambda kv: _rank_order(kv[0]))
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS \
+                        else f"exited with code {code}"
+                    more = f" ({len(failed)} of {len(self.procs)} failed)" if len(failed) > 1 else ""
+                    return StopCode.FAILED, f"{label} {how}{more}"
+            elif len(self.exit_codes) == len(self.procs):
+                if suspend_at is not None and received:
+                    return StopCode.INTERRUPT, "suspended: the job acknowledged and exited"
+                return StopCode.STOP, "all ranks exited 0"
+            if not self._all_started() and now - t0 > self.t.unschedulable:
+                missing = [r for r in range(self.launch.world_size) if not self.adir.started_marker(r).exists()]
+                return StopCode.UNSCHEDULABLE, (f"ranks {_span(missing)} did not start within "
+                                                f"{self.t.unschedulable:g} s")
+            silent = time.time() - self._last_output(t0_wall)
+            if silent > self.t.watchdog:
+                return StopCode.FAILED | StopCode.TIMEOUT, f"no output from any rank for {silent:.0f} s (watchdog)"
+            time.sleep(POLL_S)
+
+    def run(self) -> dict:
+        started_at = time.time()
+        self.adir.create()
+        write_json_atomic(self.adir.supervisor, {"pid": os.getpid(), "host": socket.gethostname(),
+                                                 "started_at": started_at})
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        failed_nodes: list[str] = []
+        prolog = self._prologs()
+        if prolog is not None:
+            code, detail, failed_nodes = prolog
+        else:
+            try:
+                self.procs = self.starter(self.launch, self.adir)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                self.procs = []
+                code, detail = StopCode.INIT_FAILED | StopCode.UNSCHEDULABLE, f"ranks could not start: {exc}"
+            else:
+                try:
+                    code, detail = self._watch()
+                finally:
+                    self._stop_ranks()
+        status = {
+            "stop_code": int(code), "stop": str(code), "detail": detail, "exit_codes": self.exit_codes,
+            "failed_nodes": failed_nodes, "whole_life_state": read_whole_life_state(self.adir),
+            "started_at": started_at, "finished_at": time.time(), "signal": self._signalled,
+        }
+        write_json_atomic(self.adir.status, status)
+        return status
+
+
+_SIGNALS = {s.value for s in signal.Signals}
+
+
+def _rank_order(label: str) -> int:
+    digits = label.removeprefix("rank")
+    return int(digits) if digits.isdigit() else -1
+
+
+def _span(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def read_whole_life_state(adir: AttemptDir) -> int | None:
+    try:
+        return int(adir.flag("whole_life_state").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0].startswith("-"):
+        print("usage: python -m fireflyer.platform.supervisor ATTEMPT_DIR [--slurm]", file=sys.stderr)
+        return 2
+    adir = AttemptDir(Path(args[0]))
+    starter: Starter = local_ranks
+    if "--slurm" in args[1:]:
+        from fireflyer.platform.slurm import srun_ranks
+
+        starter = srun_ranks
+    if read_json(adir.status) is not None:
+        return 0  # already ended (a Slurm requeue of a finished attempt): nothing to do
+    spec = read_json(adir.spec)
+    if spec is None:
+        write_json_atomic(adir.status, {"stop_code": int(StopCode.FAILED | StopCode.INIT_FAILED),
+                                        "detail": f"no spec.json in {adir.root}", "exit_codes": {},
+                                        "failed_nodes": [], "whole_life_state": None})
+        return 1
+    Supervisor(adir, Launch.from_json(spec), starter).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
