@@ -1,0 +1,40 @@
+"""Small filesystem helpers for the storage part: atomic writes and directory fsync."""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Callable
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or create inside ``path`` durable."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
+    """Write via a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the
+    directory: readers see the old file or the whole new one, never a torn one."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(d)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
