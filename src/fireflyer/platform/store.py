@@ -25,7 +25,10 @@ from typing import Any, Iterable
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
 
 FINISHED = "finished"
-STATES = (QUEUED, RUNNING, SUSPENDING, FINISHED)
+HELD = "held"
+"""A chain's next attempt that waits for ``resume`` (its user suspended it) instead of the queue."""
+STATES = (QUEUED, RUNNING, SUSPENDING, HELD, FINISHED)
+ACTIVE = (QUEUED, RUNNING, SUSPENDING, HELD)
 
 
 class StopCode(IntFlag):
@@ -55,7 +58,11 @@ CREATE TABLE IF NOT EXISTS tasks (
     name TEXT NOT NULL, user TEXT NOT NULL, grp TEXT NOT NULL, priority INTEGER NOT NULL,
     nodes INTEGER NOT NULL, command TEXT NOT NULL, state TEXT NOT NULL, assigned TEXT NOT NULL DEFAULT '[]',
     submitted_at REAL NOT NULL, started_at REAL, finished_at REAL, stop_code INTEGER NOT NULL DEFAULT 0,
-    whole_life_state INTEGER NOT NULL DEFAULT 0, request_id TEXT UNIQUE);
+    whole_life_state INTEGER NOT NULL DEFAULT 0, request_id TEXT UNIQUE,
+    ranks_per_node INTEGER NOT NULL DEFAULT 1, cwd TEXT NOT NULL DEFAULT '', env TEXT NOT NULL DEFAULT '{}',
+    handle TEXT, stop_requested INTEGER NOT NULL DEFAULT 0, hold INTEGER NOT NULL DEFAULT 0,
+    detail TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS tasks_chain ON tasks(chain_first_id);
 CREATE INDEX IF NOT EXISTS tasks_state ON tasks(state);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, task_id INTEGER NOT NULL, at REAL NOT NULL,
@@ -81,6 +88,13 @@ class TaskRow:
     finished_at: float | None
     stop_code: int
     whole_life_state: int
+    ranks_per_node: int = 1
+    cwd: str = ""
+    env: dict[str, str] | None = None
+    handle: str | None = None
+    stop_requested: bool = False
+    hold: bool = False
+    detail: str = ""
 
     def policy_task(self, now: float) -> Task:
         run = now - self.started_at if self.started_at is not None and self.state != QUEUED else 0.0
@@ -121,6 +135,10 @@ class Store:
         rows = self._db.execute("SELECT name, zone, healthy, drained FROM nodes ORDER BY name").fetchall()
         return [Node(name, zone, bool(h), bool(d)) for name, zone, h, d in rows]
 
+    def node_reasons(self) -> dict[str, str]:
+        """Why each node is drained or unhealthy ('' when it is neither)."""
+        return dict(self._db.execute("SELECT name, reason FROM nodes"))
+
     def set_drained(self, name: str, drained: bool, reason: str = "") -> None:
         with self._tx() as db:
             if db.execute("UPDATE nodes SET drained=?, reason=? WHERE name=?", (int(drained), reason, name)).rowcount != 1:
@@ -139,13 +157,16 @@ class Store:
 
     # ------------------------------------------------------------------ tasks
     def submit(self, *, user: str, nodes: int, command: list[str], priority: Priority | str | int = Priority.NORMAL,
-               group: str = "default", name: str = "", request_id: str | None = None, now: float | None = None) -> int:
+               group: str = "default", name: str = "", request_id: str | None = None, now: float | None = None,
+               ranks_per_node: int = 1, cwd: str = "", env: dict[str, str] | None = None) -> int:
         """Queue a new chain; returns its task id (the earlier one if ``request_id`` was seen before)."""
         priority = Priority.parse(priority)
         if nodes < 1:
             raise ValueError(f"a task needs at least one node, got {nodes}")
         if not command:
             raise ValueError("a task needs a command")
+        if ranks_per_node < 1:
+            raise ValueError(f"a task needs at least one rank per node, got {ranks_per_node}")
         now = time.time() if now is None else now
         with self._tx() as db:
             if request_id is not None:
@@ -153,8 +174,9 @@ class Store:
                 if row:
                     return int(row[0])
             cur = db.execute("INSERT INTO tasks(name, user, grp, priority, nodes, command, state, submitted_at, "
-                             "request_id) VALUES (?,?,?,?,?,?,?,?,?)",
-                             (name, user, group, int(priority), nodes, json.dumps(command), QUEUED, now, request_id))
+                             "request_id, ranks_per_node, cwd, env) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                             (name, user, group, int(priority), nodes, json.dumps(command), QUEUED, now, request_id,
+                              ranks_per_node, cwd, json.dumps(env or {})))
             task_id = int(cur.lastrowid)
             db.execute("UPDATE tasks SET chain_first_id=?, name=? WHERE id=?", (task_id, name or f"task{task_id}",
                                                                               task_id))
@@ -168,6 +190,7 @@ class Store:
         return _row(row)
 
     def tasks(self, states: Iterable[str] = (QUEUED, RUNNING, SUSPENDING)) -> list[TaskRow]:
+        """Attempts in ``states`` (default: the ones the scheduler considers), oldest first."""
         states = tuple(states)
         marks = ",".join("?" * len(states))
         return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE state IN ({marks}) ORDER BY id",
@@ -179,6 +202,79 @@ class Store:
 
     def events(self, task_id: int) -> list[tuple[float, str, str]]:
         return list(self._db.execute("SELECT at, kind, detail FROM events WHERE task_id=? ORDER BY id", (task_id,)))
+
+    def chain_events(self, chain_first_id: int) -> list[tuple[int, float, str, str]]:
+        """(task id, time, kind, detail) for every attempt of a chain, in order."""
+        return list(self._db.execute("SELECT e.task_id, e.at, e.kind, e.detail FROM events e JOIN tasks t "
+                                     "ON t.id = e.task_id WHERE t.chain_first_id=? ORDER BY e.id", (chain_first_id,)))
+
+    def latest(self, task_id: int) -> TaskRow:
+        """The newest attempt of the chain that ``task_id`` (any attempt's id) belongs to."""
+        t = self.task(task_id)
+        row = self._db.execute(f"SELECT {_COLS} FROM tasks WHERE chain_first_id=? ORDER BY attempt DESC LIMIT 1",
+                               (t.chain_first_id,)).fetchone()
+        return _row(row)
+
+    def recent(self, limit: int = 50) -> list[TaskRow]:
+        """The newest attempt of the ``limit`` most recent chains, newest chain first."""
+        rows = self._db.execute(f"SELECT {_COLS} FROM tasks t WHERE attempt = (SELECT MAX(attempt) FROM tasks u "
+                                "WHERE u.chain_first_id = t.chain_first_id) ORDER BY chain_first_id DESC LIMIT ?",
+                                (limit,)).fetchall()
+        return [_row(r) for r in rows]
+
+    def event(self, task_id: int, kind: str, detail: str = "", now: float | None = None) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,?,?)",
+                       (task_id, time.time() if now is None else now, kind, detail))
+
+    def set_handle(self, task_id: int, handle: str | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE tasks SET handle=? WHERE id=?", (handle, task_id))
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'launched',?)",
+                       (task_id, time.time(), handle or ""))
+
+    # ------------------------------------------------------------------ users' requests
+    def request_stop(self, task_id: int, *, now: float | None = None) -> TaskRow:
+        """A user's stop of a chain: a queued or held attempt ends now, a running one is told to stop."""
+        now = time.time() if now is None else now
+        t = self.latest(task_id)
+        if t.state in (QUEUED, HELD):
+            self.finish(t.id, StopCode.MANUAL_STOP, detail="stopped by its user before it ran", now=now)
+        elif t.state in (RUNNING, SUSPENDING):
+            with self._tx() as db:
+                db.execute("UPDATE tasks SET stop_requested=1 WHERE id=?", (t.id,))
+                db.execute("INSERT INTO events(task_id, at, kind) VALUES (?,?,'stop requested')", (t.id, now))
+        else:
+            raise ValueError(f"task {task_id} has already finished ({_stop_text(t.stop_code)})")
+        return self.task(t.id)
+
+    def request_suspend(self, task_id: int, *, now: float | None = None) -> TaskRow:
+        """A user's suspend: the running attempt saves and stops; its chain waits (held) for ``resume``."""
+        now = time.time() if now is None else now
+        t = self.latest(task_id)
+        if t.state not in (RUNNING, SUSPENDING):
+            raise ValueError(f"task {task_id} is {t.state}, not running: only a running task can be suspended")
+        with self._tx() as db:
+            db.execute("UPDATE tasks SET state=?, hold=1 WHERE id=? AND state IN (?,?)",
+                       (SUSPENDING, t.id, RUNNING, SUSPENDING))
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'suspending','by its user')",
+                       (t.id, now))
+        return self.task(t.id)
+
+    def resume(self, task_id: int, *, now: float | None = None) -> TaskRow:
+        """Queue a held chain again, in its old place."""
+        now = time.time() if now is None else now
+        t = self.latest(task_id)
+        if t.state == SUSPENDING and t.hold:
+            with self._tx() as db:  # not stopped yet: it will come back queued instead of held
+                db.execute("UPDATE tasks SET hold=0 WHERE id=?", (t.id,))
+            return self.task(t.id)
+        if t.state != HELD:
+            raise ValueError(f"task {task_id} is {t.state}, not suspended by its user: nothing to resume")
+        with self._tx() as db:
+            db.execute("UPDATE tasks SET state=?, submitted_at=? WHERE id=? AND state=?", (QUEUED, now, t.id, HELD))
+            db.execute("INSERT INTO events(task_id, at, kind) VALUES (?,?,'resumed')", (t.id, now))
+        return self.task(t.id)
 
     # ------------------------------------------------------------------ a cycle's decisions
     def apply(self, decisions: Decisions, now: float | None = None) -> list[int]:
@@ -220,29 +316,40 @@ class Store:
             if t.state == FINISHED:
                 return None
             life = t.whole_life_state if whole_life_state is None else whole_life_state
-            db.execute("UPDATE tasks SET state=?, finished_at=?, stop_code=?, whole_life_state=? WHERE id=?",
-                       (FINISHED, now, int(stop_code), life, task_id))
+            db.execute("UPDATE tasks SET state=?, finished_at=?, stop_code=?, whole_life_state=?, detail=? WHERE id=?",
+                       (FINISHED, now, int(stop_code), life, detail, task_id))
             db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'finished',?)",
-                       (task_id, now, f"{stop_code!r} {detail}".strip()))
+                       (task_id, now, f"{_stop_text(stop_code)}: {detail}" if detail else _stop_text(stop_code)))
             if not (stop_code & REQUEUE) or stop_code & StopCode.MANUAL_STOP:
                 return None
             cur = db.execute("INSERT INTO tasks(chain_first_id, attempt, name, user, grp, priority, nodes, command, "
-                             "state, submitted_at, whole_life_state) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                             "state, submitted_at, whole_life_state, ranks_per_node, cwd, env) "
+                             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                              (t.chain_first_id, t.attempt + 1, t.name, t.user, t.group, int(t.priority), t.nodes,
-                              json.dumps(t.command), QUEUED, now, life))
+                              json.dumps(t.command), HELD if t.hold else QUEUED, now, life, t.ranks_per_node,
+                              t.cwd, json.dumps(t.env or {})))
             new_id = int(cur.lastrowid)
-            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'requeued',?)",
-                       (new_id, now, f"attempt {t.attempt + 1} of chain {t.chain_first_id} after {stop_code!r}"))
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,?,?)",
+                       (new_id, now, "held" if t.hold else "requeued",
+                        f"attempt {t.attempt + 1} of chain {t.chain_first_id} after {_stop_text(stop_code)}"))
             return new_id
 
 
 _COLS = ("id, chain_first_id, attempt, name, user, grp, priority, nodes, command, state, assigned, submitted_at, "
-         "started_at, finished_at, stop_code, whole_life_state")
+         "started_at, finished_at, stop_code, whole_life_state, ranks_per_node, cwd, env, handle, stop_requested, "
+         "hold, detail")
 
 
 def _row(r: tuple[Any, ...]) -> TaskRow:
     return TaskRow(r[0], r[1], r[2], r[3], r[4], r[5], Priority(r[6]), r[7], json.loads(r[8]), r[9],
-                   tuple(json.loads(r[10])), r[11], r[12], r[13], r[14], r[15])
+                   tuple(json.loads(r[10])), r[11], r[12], r[13], r[14], r[15], r[16], r[17], json.loads(r[18]),
+                   r[19], bool(r[20]), bool(r[21]), r[22])
+
+
+def _stop_text(code: int) -> str:
+    """``INTERRUPT`` or ``FAILED|TIMEOUT``: the set flags' names, or ``running`` for 0."""
+    names = [f.name for f in StopCode if f.name and code & f]
+    return "|".join(names) if names else "0"
 
 
 class _Transaction:

@@ -1,0 +1,86 @@
+"""The platform's settings, kept in ``HOME/platform.json`` by ``fireflyer platform start``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from fireflyer.platform.executor import Timeouts
+from fireflyer.platform.layout import Home, read_json, write_json_atomic
+from fireflyer.platform.policy import Node, PolicyConfig
+
+EXECUTORS = ("local", "slurm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlatformConfig:
+    executor: str = "local"
+    """``local`` (emulated nodes on this machine) or ``slurm`` (the nodes of a real Slurm cluster)."""
+    nodes: int = 2
+    """Emulated nodes (local executor)."""
+    zones: int = 1
+    """Zones the emulated nodes are split into, in order (node0.. in zone0, ...)."""
+    ranks_per_node: int = 1
+    """Ranks a task starts per node unless it asks otherwise (GPUs per node on a real cluster)."""
+    tick: float = 1.0
+    """Seconds between scheduling cycles (HAI: 1 s)."""
+    max_restarts: int = 3
+    """Restarts after a failed rank, per chain, before a task is left failed."""
+    time_share_after: float = 240 * 60.0
+    """Seconds a running task is safe from other users' tasks of its priority (HAI: 240 minutes)."""
+    max_cross_zone: int = 1
+    prolog: tuple[str, ...] = ()
+    """A health check run for each node before a task's ranks start there; a node that fails it is drained."""
+    partition: str | None = None
+    """Slurm partition (slurm executor)."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
+        for name in ("nodes", "zones", "ranks_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.zones > self.nodes:
+            raise ValueError(f"{self.zones} zones need at least as many nodes, got {self.nodes}")
+        if not self.tick > 0:
+            raise ValueError(f"tick must be positive seconds, got {self.tick!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        self.policy()  # checks its own fields
+
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone)
+
+    def emulated_nodes(self) -> list[Node]:
+        width = len(str(self.nodes - 1))
+        return [Node(f"node{i:0{width}d}" if width > 1 else f"node{i}", f"zone{i * self.zones // self.nodes}")
+                for i in range(self.nodes)]
+
+    def replace(self, **changes: Any) -> "PlatformConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "PlatformConfig":
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown platform settings: {', '.join(unknown)}")
+        data["timeouts"] = Timeouts(**data.get("timeouts", {}))
+        data["prolog"] = tuple(data.get("prolog", ()))
+        return cls(**data)
+
+
+def load(home: Home) -> PlatformConfig | None:
+    data = read_json(home.config)
+    return None if data is None else PlatformConfig.from_json(data)
+
+
+def save(home: Home, cfg: PlatformConfig) -> None:
+    write_json_atomic(home.config, cfg.to_json())
