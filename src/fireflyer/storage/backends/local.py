@@ -1,0 +1,68 @@
+"""A local POSIX directory: the default, and also what a 3FS, Lustre or NFS mount looks like."""
+
+from __future__ import annotations
+
+import os
+
+from fireflyer.storage.backends.base import Backend, RetryConfig
+from fireflyer.storage.fsutil import atomic_write
+
+
+class LocalBackend(Backend):
+    """Keys are paths under ``root``; writes go through a temporary file, fsync and rename."""
+
+    name = "local"
+
+    def __init__(self, root: str | os.PathLike, *, retry: RetryConfig | None = None, create: bool = True) -> None:
+        super().__init__(retry=retry)
+        self.root = os.path.abspath(os.fspath(root))
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        elif not os.path.isdir(self.root):
+            raise FileNotFoundError(f"storage root {self.root} is not a directory")
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({self.root!r})"
+
+    def local_path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def _read(self, key: str) -> bytes:
+        with open(self.local_path(key), "rb") as f:
+            return f.read()
+
+    def _read_range(self, key: str, offset: int, length: int) -> bytes:
+        fd = os.open(self.local_path(key), os.O_RDONLY)
+        try:
+            out = bytearray()
+            while len(out) < length:
+                chunk = os.pread(fd, length - len(out), offset + len(out))
+                if not chunk:
+                    break
+                out += chunk
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    def _write(self, key: str, data: bytes | memoryview) -> None:
+        atomic_write(self.local_path(key), lambda f: f.write(data))
+
+    def _size(self, key: str) -> int:
+        return os.stat(self.local_path(key)).st_size
+
+    def _list(self, prefix: str) -> list[str]:
+        base = self.local_path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        out = []
+        if os.path.isfile(base):
+            return [prefix]
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if ".tmp." in name:
+                    continue  # an atomic write in progress
+                rel = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+                if rel.startswith(prefix):
+                    out.append(rel)
+        return out
+
+    def _delete(self, key: str) -> None:
+        os.unlink(self.local_path(key))
