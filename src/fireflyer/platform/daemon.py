@@ -154,7 +154,7 @@ class Daemon:
         decisions = schedule(self.store.nodes(), [t.policy_task(now) for t in tasks], self.store.quotas(),
                              self.cfg.policy())
         cycle.decide_s = time.perf_counter() - t0
-        started = self.store.apply(decisions, now=now)
+        started = self.store.apply(decisions, now=time.time())
         cycle.suspending = [s.task_id for s in decisions.suspends]
         for s in decisions.suspends:
             log.info("task %s: suspending (%s)", s.task_id, s.reason)
