@@ -278,16 +278,15 @@ class RecordReader:
         """Many samples at once, in the order asked: neighbours in a shard are read with one
         ``preadv`` (one ranged GET on an object store), runs spread over the thread pool."""
         locs = [self.locate(i) for i in ids]
-        order = sorted(range(len(ids)), key=lambda k: (locs[k][0], locs[k][1]))
-        runs: list[list[int]] = []
+        order = sorted(range(len(ids)), key=lambda k: int(ids[k]))
+        runs: list[list[int]] = []  # positions in ids, one run per stretch of neighbouring records
         for k in order:
             if runs:
-                prev = locs[runs[-1][-1]]
-                cur = locs[k]
-                if cur[0] == prev[0] and cur[1] == prev[1] + prev[2] and len(runs[-1]) < 64:
+                prev, cur = locs[runs[-1][-1]], locs[k]
+                if int(ids[k]) == int(ids[runs[-1][-1]]):  # the same sample asked twice
                     runs[-1].append(k)
                     continue
-                if cur[0] == prev[0] and cur[1] == prev[1]:  # the same sample asked twice
+                if cur[0] == prev[0] and cur[1] == prev[1] + prev[2] and len(runs[-1]) < 64:
                     runs[-1].append(k)
                     continue
             runs.append([k])
@@ -296,14 +295,13 @@ class RecordReader:
         def do(run: list[int]) -> None:
             uniq: list[int] = []
             for k in run:
-                if not uniq or locs[k][1] != locs[uniq[-1]][1]:
+                if not uniq or int(ids[k]) != int(ids[uniq[-1]]):
                     uniq.append(k)
             s, start = locs[uniq[0]][0], locs[uniq[0]][1]
             if self._local:
                 bufs = [bytearray(locs[k][2]) for k in uniq]
                 got = os.preadv(self._fd(s), bufs, start)
-                want = sum(len(b) for b in bufs)
-                if got != want:  # a short read: cut each buffer to what arrived, so its check names it
+                if got != sum(len(b) for b in bufs):  # a short read: cut each buffer to what arrived
                     left = got
                     for b in bufs:
                         keep = max(0, min(len(b), left))
@@ -314,12 +312,12 @@ class RecordReader:
                 total = locs[uniq[-1]][1] + locs[uniq[-1]][2] - start
                 blob = self.backend.read_range(self.shards[s]["data"], start, total)
                 pieces = [blob[locs[k][1] - start:locs[k][1] - start + locs[k][2]] for k in uniq]
-            by_offset = {}
+            by_id = {}
             for k, piece in zip(uniq, pieces):
                 self._check(s, locs[k][1], piece, locs[k][3], locs[k][2])
-                by_offset[locs[k][1]] = bytes(piece)
+                by_id[int(ids[k])] = bytes(piece)
             for k in run:
-                out[k] = by_offset[locs[k][1]]
+                out[k] = by_id[int(ids[k])]
 
         if self.threads == 1 or len(runs) == 1:
             for run in runs:
@@ -377,9 +375,9 @@ def from_folder(folder: str | os.PathLike, root: str | os.PathLike | Backend, *,
                 names.append(rel)
     names.sort()
     backend = open_backend(root)
+    if backend.exists(MANIFEST):
+        raise ValueError(f"{backend!r} already holds records; convert a folder into an empty location")
     with RecordWriter(backend, records_per_shard=records_per_shard, meta={"kind": "files"}) as w:
-        if w.count:
-            raise ValueError(f"{backend!r} already holds records; convert a folder into an empty location")
         for rel in names:
             with open(os.path.join(base, *rel.split("/")), "rb") as f:
                 w.append(f.read())

@@ -22,6 +22,10 @@ def open_backend(url: str | os.PathLike | Backend, *, retry: RetryConfig | None 
     if isinstance(url, Backend):
         return url
     text = os.fspath(url)
+    if text.startswith("3fs://"):  # not a valid URL scheme to urlparse (it starts with a digit)
+        from fireflyer.storage.backends.threefs import ThreeFSBackend
+
+        return ThreeFSBackend(text[len("3fs://"):], retry=retry)
     parsed = urlparse(text)
     if parsed.scheme in ("", "file"):
         return LocalBackend(parsed.path if parsed.scheme else text, retry=retry)
@@ -33,8 +37,4 @@ def open_backend(url: str | os.PathLike | Backend, *, retry: RetryConfig | None 
         return S3Backend(S3Config(bucket=parsed.netloc, prefix=parsed.path.lstrip("/"), endpoint_url=endpoint,
                                   region=q.get("region", [os.environ.get("AWS_DEFAULT_REGION", "us-east-1")])[0]),
                          retry=retry)
-    if parsed.scheme == "3fs":
-        from fireflyer.storage.backends.threefs import ThreeFSBackend
-
-        return ThreeFSBackend(parsed.path, retry=retry)
     raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {text!r}; use a path, file://, s3:// or 3fs://")
