@@ -181,7 +181,9 @@ class CacheStats:
     stall_seconds: float = 0.0
     """Time demands spent waiting on I/O (a lower tier, the backend, or a prefetch in flight)."""
     prefetch_issued: int = 0
+    """Prefetches queued (a resident shard's is only an LRU touch)."""
     prefetch_loaded: int = 0
+    """Prefetches that loaded a shard into the top tier."""
     prefetch_dropped: int = 0
     prefetch_errors: int = 0
 
@@ -268,9 +270,7 @@ class ShardCache:
 
     def _enqueue(self, key: str) -> None:
         with self._lock:
-            if key in self._queued or key in self._inflight or key in self.tiers[0]:
-                if key in self.tiers[0] and key not in self._inflight:
-                    self.tiers[0].touch(key)  # a prefetch of a resident shard refreshes it, as in the model
+            if key in self._queued or key in self._inflight:
                 return
             if len(self._queued) >= self.config.prefetch_queue:
                 self.stats.prefetch_dropped += 1
@@ -287,9 +287,12 @@ class ShardCache:
             with self._lock:
                 self._queued.discard(key)
             try:
-                self._fetch(key, time.monotonic() + self.config.timeout, demand=False)
-                with self._lock:
-                    self.stats.prefetch_loaded += 1
+                # A resident shard is only refreshed (LRU touch), as in the model; in queue order, so
+                # that an earlier prefetch's eviction is seen by a later one.
+                _, found, _ = self._fetch(key, time.monotonic() + self.config.timeout, demand=False)
+                if found != "top":
+                    with self._lock:
+                        self.stats.prefetch_loaded += 1
             except Exception:  # noqa: BLE001 - a failed prefetch is retried by the demand that needs it
                 with self._lock:
                     self.stats.prefetch_errors += 1
