@@ -120,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"fireflyer {command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `fireflyer describe 1 | head`: the reader is gone, which is no error
+        sys.stderr.close()
+        return 141
     except KeyboardInterrupt:
         print(f"fireflyer {command}: interrupted", file=sys.stderr)
         return 130

@@ -167,12 +167,13 @@ def set_whole_life_state(state: int) -> bool:
     return True
 
 
-def suspend_if_requested(manager: Any, step: int, state: Callable[[], Any], *, group: Any = None) -> bool:
+def suspend_if_requested(manager: Any, step: int, state: Callable[[], Any] | None, *, group: Any = None) -> bool:
     """If a suspend was requested: save ``state()`` as ``step``, wait until it is committed, go_suspend.
 
     A collective: every rank of ``group`` (default: the whole job, when torch.distributed
-    is initialised) calls it at the same step. Returns False when nothing was requested;
-    otherwise it does not return.
+    is initialised) calls it at the same step. ``state=None`` means ``step`` was just
+    handed to the manager already; only its commit is waited for. Returns False when
+    nothing was requested; otherwise it does not return.
     """
     wanted = receive_suspend_command() if rank() == 0 or not _dist_ready() else False
     if _dist_ready():
@@ -184,7 +185,8 @@ def suspend_if_requested(manager: Any, step: int, state: Callable[[], Any], *, g
         wanted = bool(flag.item())
     if not wanted:
         return False
-    manager.save(step, state(), blocking=True)
+    if state is not None:
+        manager.save(step, state(), blocking=True)
     manager.wait()
     if _dist_ready():
         import torch.distributed as dist

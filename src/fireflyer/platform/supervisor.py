@@ -68,6 +68,8 @@ def task_env(launch: Launch, adir: AttemptDir, *, master_addr: str) -> dict[str,
 def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
     """Start every rank on this machine, each emulated node telling its ranks apart by name."""
     base = {**os.environ, **task_env(launch, adir, master_addr="127.0.0.1")}
+    if "OMP_NUM_THREADS" not in launch.env:  # every emulated node shares this machine's cores
+        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // launch.world_size))
     procs: Procs = []
     for node_rank, node in enumerate(launch.nodes):
         for local_rank in range(launch.ranks_per_node):

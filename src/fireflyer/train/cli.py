@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import shutil
 import time
 from functools import lru_cache
@@ -57,6 +58,10 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     """Run ``fireflyer train`` (and ``fireflyer demo``) with ``argv``; return the exit code."""
     args = build_parser(prog).parse_args(argv)
     overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
+    if os.environ.get("FIREFLYER_TASK_DIR") and "RANK" in os.environ:  # a rank of a platform task
+        from fireflyer.train.job import run_managed
+
+        return run_managed(args.config, overrides, resume=args.resume)
     cfg, resume_from = resolve(args.config, overrides, resume=args.resume)
     if cfg.device == "cuda":
         import torch

@@ -78,5 +78,66 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
+    """``fireflyer train`` as a platform task: this process is one rank the platform started.
+
+    The platform gives every rank torchrun's environment, so there is nothing to launch:
+    the ranks join one hfreduce group, rank 0 readies the out directory and shares the
+    resolved config, and all train. A later attempt of the task's chain (after a suspend
+    or a restart) continues from the newest committed checkpoint in the out directory;
+    a first attempt starts afresh unless ``--resume`` is given. A suspend command is
+    answered by saving the current step and stopping (``Trainer(managed=True)``).
+    """
+    import time
+
+    from fireflyer.errors import UserError
+    from fireflyer.platform import client
+    from fireflyer.train import report
+    from fireflyer.train import state as saved
+    from fireflyer.train.cli import resolve
+    from fireflyer.train.config import builtin_config, read_toml
+    from fireflyer.train.files import write_json
+
+    overrides = {**overrides, "nodes": client.nnodes(), "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    rank = client.rank()
+    dist.init_process_group("hfreduce", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
+    try:
+        box: list = [None]
+        if rank == 0:
+            try:
+                out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
+                    TrainConfig.from_toml(builtin_config("demo")).out
+                go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
+                cfg, resume_from = resolve(config, overrides, resume=go_on)
+                write_json(cfg.out_dir / "config.json", cfg.to_dict())
+                box = [(cfg.to_dict(), resume_from, None)]
+            except (UserError, ValueError) as exc:
+                box = [(None, None, str(exc))]
+        dist.broadcast_object_list(box, src=0)
+        cfg_dict, resume_from, error = box[0]
+        if error is not None:
+            raise UserError(error)
+        cfg = TrainConfig.from_dict(cfg_dict)
+        where = place(cfg)
+        if rank == 0:
+            first = 1 if resume_from is None else resume_from + 1
+            print(f"fireflyer train: platform task {client.chain_id()} attempt {client.attempt()}: "
+                  f"{cfg.nodes} node(s) x {cfg.ranks_per_node} rank(s), steps {first}-{cfg.stop_at or cfg.steps}, "
+                  f"out {cfg.out_dir}/", flush=True)
+        t0 = time.monotonic()
+        trainer = Trainer(cfg, where, resume=resume_from, fail_at=injected_failure(where.rank), managed=True)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+        if rank == 0:
+            run = report.load_run(cfg.out_dir)
+            png = report.plot_losses(run, cfg.out_dir / "loss.png")
+            print(report.summary(run, wall_s=time.monotonic() - t0, out=cfg.out_dir, png=png), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -59,10 +59,12 @@ class Trainer:
     """Builds the data, model, DDP wrapper and optimizer for one rank, then runs the steps."""
 
     def __init__(self, cfg: TrainConfig, where: Placement, *, resume: int | None = None,
-                 fail_at: int | None = None) -> None:
+                 fail_at: int | None = None, managed: bool = False) -> None:
         self.cfg = cfg
         self.where = where
         self.fail_at = fail_at
+        self.managed = managed
+        """Run as a platform task: answer suspend commands by saving the state and stopping."""
         """A step at which to raise, as a crashing rank would (fault injection for tests)."""
         self.history = History()
         self._build_data()
@@ -130,8 +132,11 @@ class Trainer:
                 bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), self.allreduce_gbps()))
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and step != self.end_step:
                     bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
-                if cfg.save_every and step % cfg.save_every == 0 and step != self.end_step:
+                saved_now = bool(cfg.save_every and step % cfg.save_every == 0 and step != self.end_step)
+                if saved_now:
                     self._save(step)
+                if self.managed and step != self.end_step:
+                    self._suspend_if_requested(step, saved_now, bar)
         finally:
             bar.close()
         if not self.history.val or self.history.val[-1][0] != self.end_step:
@@ -177,13 +182,26 @@ class Trainer:
         self.timing["eval_s"] += time.perf_counter() - t0
         return self.history.val[-1][1]
 
+    def _suspend_if_requested(self, step: int, saved_now: bool, bar: Any) -> None:
+        """The platform's suspend handshake: all ranks agree, save ``step``, and stop (see platform.client)."""
+        from fireflyer.platform import client
+
+        if client.rank() == 0 and client.receive_suspend_command():
+            bar.note(f"suspend requested: saving step {step}, then stopping; the platform resumes the run later")
+            bar.close()
+        client.suspend_if_requested(self.ckpt, step, None if saved_now else (lambda: self._state(step)))
+
     def _save(self, step: int) -> None:
         """Every rank hands the (replicated) state to the checkpoint manager; the step waits for the snapshot only."""
         t0 = time.perf_counter()
+        self.ckpt.save(step, self._state(step))
+        self.timing["save_s"] += time.perf_counter() - t0
+
+    def _state(self, step: int) -> dict[str, Any]:
         rng = {"cpu": torch.get_rng_state()}
         if self.where.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
-        self.ckpt.save(step, saved.payload(
+        return saved.payload(
             step,
             config=self.cfg.to_dict(),
             vocab=self.tokenizer.chars,
@@ -192,8 +210,7 @@ class Trainer:
             scheduler=self.scheduler.state_dict(),
             rng=rng,
             history=self.history.to_dict(),
-        ))
-        self.timing["save_s"] += time.perf_counter() - t0
+        )
 
     # ------------------------------------------------------------------ reporting
     def allreduce_gbps(self) -> float:
