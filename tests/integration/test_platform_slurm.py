@@ -1,0 +1,276 @@
+"""The Slurm executor against a real Slurm (started by ``.ci/setup-slurm``: slurmctld and two
+slurmd daemons emulating nodes fnode0 and fnode1 on this host).
+
+Skipped, with the reason, when no Slurm controller answers. Every wait is bounded; nothing
+asserts on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from fireflyer.platform.executor import Launch, Timeouts
+from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
+from fireflyer.platform.slurm import SlurmError, SlurmExecutor, drain, run_slurm, slurm_nodes, undrain
+from fireflyer.platform.store import StopCode
+
+SETUP_STATUS = Path("/run/fireflyer-slurm.status")
+WAIT_S = 40.0
+
+
+def _why_no_slurm() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "Slurm's client is not installed (run .ci/setup-slurm as root)"
+    try:
+        nodes = slurm_nodes(timeout=10)
+    except SlurmError as exc:
+        setup = SETUP_STATUS.read_text().strip() if SETUP_STATUS.exists() else "not run"
+        return f"no Slurm controller answers ({exc}); .ci/setup-slurm said: {setup}"
+    if not any(n.usable for n in nodes):
+        return f"Slurm has no usable node: {nodes}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def nodes() -> list[str]:
+    why = _why_no_slurm()
+    if why:
+        pytest.skip(why)
+    usable = [n.name for n in slurm_nodes(partition="low") if n.usable] or \
+        [n.name for n in slurm_nodes() if n.usable]
+    return usable[:2]
+
+
+@pytest.fixture
+def run_attempt(tmp_path: Path):
+    """Write an attempt's spec and launch it on Slurm; every job it started is cancelled at the end."""
+    ex = SlurmExecutor()
+    jobs: list[str] = []
+    counter = iter(range(1, 1000))
+
+    def start(command: list[str], nodes: list[str], *, ranks_per_node: int = 1, chain: int = 1,
+              attempt: int = 0, timeouts: Timeouts | None = None) -> tuple[AttemptDir, str, Launch]:
+        task_id = 900_000 + os.getpid() % 1000 * 100 + next(counter)
+        launch = Launch(task_id=task_id, chain_id=chain, attempt=attempt, name="it", user="test",
+                        command=tuple(command), nodes=tuple(nodes), ranks_per_node=ranks_per_node,
+                        master_port=29600 + task_id % 1000, cwd=str(tmp_path),
+                        timeouts=timeouts or Timeouts(suspend_ack=5, suspend_grace=20, unschedulable=60))
+        adir = AttemptDir(tmp_path / f"task{task_id}")
+        adir.create()
+        write_json_atomic(adir.spec, launch.to_json())
+        handle = ex.launch(launch, str(adir.root))
+        jobs.append(handle)
+        return adir, handle, launch
+
+    start.executor = ex  # type: ignore[attr-defined]
+    yield start
+    for job in jobs:
+        try:
+            ex.kill(job)
+        except SlurmError:
+            pass
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def wait_ended(ex: SlurmExecutor, adir: AttemptDir, handle: str) -> dict:
+    wait_for(f"job {handle} to end", lambda: not ex.alive(handle))
+    status = read_json(adir.status)
+    assert status is not None, f"job {handle} ended without status.json; {_logs(adir)}"
+    return status
+
+
+def _logs(adir: AttemptDir) -> str:
+    out = []
+    for log in sorted(adir.logs.glob("*")):
+        out.append(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}")
+    return "\n".join(out)
+
+
+def script(tmp_path: Path, name: str, body: str) -> list[str]:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+ENV_DUMP = """
+    import json, os
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "FIREFLYER_NODE_ID", "FIREFLYER_TASK_ID", "FIREFLYER_NNODES", "SLURM_JOB_ID"]
+    print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+"""
+
+COUNTER = """
+    # counts to TARGET, one step per 10 ms; on a suspend request it saves its step and suspends
+    import os, sys, time
+    from fireflyer.platform import client
+    TARGET = 500
+    progress = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progress")
+    step = int(open(progress).read()) if os.path.exists(progress) else 0
+    print(f"start at {step} (attempt {client.attempt()})", flush=True)
+    while step < TARGET:
+        if client.receive_suspend_command():
+            with open(progress + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(progress + ".tmp", progress)
+            client.set_whole_life_state(step)
+            print(f"suspending at {step}", flush=True)
+            client.go_suspend()
+        step += 1
+        time.sleep(0.01)
+    with open(progress, "w") as f:
+        f.write(str(step))
+    print(f"done at {step}", flush=True)
+"""
+
+
+def _rank_envs(adir: AttemptDir) -> list[dict]:
+    envs = []
+    for log in adir.rank_logs():
+        for line in log.read_text().splitlines():
+            if line.startswith("ENV "):
+                envs.append(json.loads(line[4:]))
+    return sorted(envs, key=lambda e: int(e["RANK"]))
+
+
+def test_launch_runs_every_rank_through_the_supervisor(nodes, run_attempt, tmp_path):
+    ex: SlurmExecutor = run_attempt.executor
+    adir, handle, launch = run_attempt(script(tmp_path, "env.py", ENV_DUMP), nodes, ranks_per_node=2)
+    assert handle.isdigit()
+    assert ex.find(launch.task_id, str(adir.root)) == handle
+    assert ex.find(launch.task_id, str(tmp_path / "another-home")) is None
+    status = wait_ended(ex, adir, handle)
+    assert status["stop_code"] == StopCode.STOP, _logs(adir)
+    assert status["exit_codes"] == {"srun": 0}
+    envs = _rank_envs(adir)
+    world = 2 * len(nodes)
+    assert [int(e["RANK"]) for e in envs] == list(range(world)), _logs(adir)
+    for e in envs:
+        rank = int(e["RANK"])
+        assert e["WORLD_SIZE"] == str(world) and e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["LOCAL_RANK"] == str(rank % 2) and e["GROUP_RANK"] == str(rank // 2)
+        assert e["FIREFLYER_NODE_ID"] == nodes[rank // 2], "ranks run on the nodes the platform chose, in order"
+        assert e["MASTER_ADDR"] == "127.0.0.1" and e["MASTER_PORT"] == str(launch.master_port)
+        assert e["FIREFLYER_TASK_ID"] == str(launch.task_id) and e["SLURM_JOB_ID"] == handle
+    assert (adir.logs / f"slurm-{handle}.out").exists()
+    assert ex.state(handle) == "COMPLETED"
+
+    # Slurm requeues the finished job (as after a node failure): its supervisor sees
+    # status.json and exits at once; no rank runs a second time.
+    before = {p.name: p.read_text() for p in adir.rank_logs()}
+    run_slurm(["scontrol", "requeue", handle])
+    run_slurm(["scontrol", "update", f"jobid={handle}", "starttime=now"])  # no requeue delay
+    wait_for(f"requeued job {handle} to run again and end",
+             lambda: ex.state(handle) == "COMPLETED" and
+             "(requeued)" not in (run_slurm(["squeue", "-h", "-j", handle, "--states=all", "-o", "%r"])))
+    assert {p.name: p.read_text() for p in adir.rank_logs()} == before
+    assert read_json(adir.status) == status
+
+
+def test_a_failed_rank_stops_its_peers(nodes, run_attempt, tmp_path):
+    ex: SlurmExecutor = run_attempt.executor
+    cmd = script(tmp_path, "fail.py", """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            print("rank 1 fails", flush=True)
+            sys.exit(3)
+        time.sleep(600)  # a peer that would hang in its next collective
+    """)
+    adir, handle, _ = run_attempt(cmd, nodes, ranks_per_node=1 if len(nodes) > 1 else 2)
+    status = wait_ended(ex, adir, handle)
+    assert status["stop_code"] == StopCode.FAILED, _logs(adir)
+    assert "srun" in status["detail"]
+    srun_log = (adir.logs / "srun.log").read_text()
+    assert "task 1" in srun_log and "code 3" in srun_log, srun_log
+
+
+def test_suspend_by_slurm_signal_then_resume_as_a_new_job(nodes, run_attempt, tmp_path):
+    ex: SlurmExecutor = run_attempt.executor
+    cmd = script(tmp_path, "counter.py", COUNTER)
+    adir, handle, launch = run_attempt(cmd, nodes[:1], chain=7)
+    wait_for("the rank to start", lambda: adir.started_marker(0).exists())
+    wait_for("the first steps", lambda: "start at 0" in adir.rank_log(0).read_text())
+    time.sleep(0.5)
+    ex.signal(handle, "USR1")  # Slurm's own signal path: scancel --signal=USR1 --batch
+    status = wait_ended(ex, adir, handle)
+    assert status["stop_code"] == StopCode.INTERRUPT, _logs(adir)
+    assert status["signal"] == "SIGUSR1"
+    assert "go_suspend" in status["detail"]
+    saved = int((tmp_path / "progress").read_text())
+    assert 0 < saved < 500
+    assert status["whole_life_state"] == saved
+    assert adir.has_flag("received") and adir.has_flag("can_suspend")
+
+    # the chain's next attempt is a new sbatch that resumes from the saved step
+    adir2, handle2, _ = run_attempt(cmd, nodes[:1], chain=7, attempt=1)
+    assert handle2 != handle
+    status2 = wait_ended(ex, adir2, handle2)
+    assert status2["stop_code"] == StopCode.STOP, _logs(adir2)
+    log = adir2.rank_log(0).read_text()
+    assert f"start at {saved} (attempt 1)" in log and "done at 500" in log, log
+    assert (tmp_path / "progress").read_text() == "500"
+
+
+def test_slurm_preemption_runs_the_suspend_handshake(nodes, run_attempt, tmp_path):
+    """A job of Slurm's higher-priority partition takes the node: Slurm sends the batch
+    script USR1 (preempt_send_user_signal), the job saves and suspends within GraceTime."""
+    parts = run_slurm(["sinfo", "-h", "-o", "%R"]).split()
+    if "high" not in parts or "low" not in parts:
+        pytest.skip(f"needs partitions low and high (as .ci/setup-slurm makes), found {parts}")
+    ex: SlurmExecutor = run_attempt.executor
+    cmd = script(tmp_path, "counter.py", COUNTER)
+    adir, handle, _ = run_attempt(cmd, nodes[:1])
+    wait_for("the rank to start", lambda: adir.started_marker(0).exists())
+    wait_for("the first steps", lambda: "start at 0" in adir.rank_log(0).read_text())
+    high = run_slurm(["sbatch", "--parsable", "--partition", "high", "--exclusive", "--nodelist", nodes[0],
+                      "--job-name", "fireflyer-it-high", "--output", "/dev/null", "--wrap", "sleep 1"]).strip()
+    try:
+        status = wait_ended(ex, adir, handle)
+        assert status["stop_code"] == StopCode.INTERRUPT, _logs(adir)
+        assert status["signal"] == "SIGUSR1" and "go_suspend" in status["detail"]
+        assert 0 < int((tmp_path / "progress").read_text()) < 500
+        wait_for("the high-priority job to run", lambda: ex.state(high) == "COMPLETED")
+    finally:
+        ex.kill(high)
+
+
+def test_kill_cancels_the_job_and_is_idempotent(nodes, run_attempt, tmp_path):
+    ex: SlurmExecutor = run_attempt.executor
+    cmd = script(tmp_path, "sleep.py", "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    adir, handle, launch = run_attempt(cmd, nodes[:1])
+    wait_for("the rank to start", lambda: adir.started_marker(0).exists())
+    assert ex.alive(handle) and ex.state(handle) == "RUNNING"
+    ex.kill(handle)
+    wait_for(f"job {handle} to go", lambda: not ex.alive(handle))
+    assert ex.state(handle) == "CANCELLED"
+    ex.kill(handle)  # again: nothing to do, no error
+    wait_for("the rank to be gone", lambda: subprocess.run(
+        ["pgrep", "-f", str(tmp_path / "sleep.py")], capture_output=True).returncode != 0)
+
+
+def test_drain_and_undrain_a_node(nodes):
+    node = nodes[-1]
+    try:
+        drain(node, "fireflyer integration test")
+        state = {n.name: n for n in slurm_nodes()}[node]
+        assert state.drained and not state.usable
+    finally:
+        undrain(node)
+    wait_for(f"{node} to be usable again", lambda: {n.name: n for n in slurm_nodes()}[node].usable, timeout=10)
+    undrain(node)  # not drained: nothing to do
