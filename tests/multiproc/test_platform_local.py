@@ -176,3 +176,45 @@ def test_killing_the_daemon_loses_and_duplicates_nothing(make_platform, tmp_path
         done = p.wait_state(t, "finished", timeout=90)
         assert [a["stop"] for a in done["attempts"]] == ["STOP"]
         assert [step for _, step in steps_run(s)] == list(range(40))
+
+
+def test_a_lost_supervisor_kills_its_ranks_and_restarts_the_chain(make_platform, tmp_path):
+    import json as _json
+
+    p = make_platform("--nodes", "1")
+    state = tmp_path / "lost"
+    task = p.job(state, 60, "--step-s", "0.05")
+    p.wait("progress", lambda: state.with_name("lost.log").exists() and len(steps_run(state)) >= 3)
+    attempt_dir = Path(p.describe(task)["logs"]).parent
+    supervisor = _json.loads((attempt_dir / "supervisor.json").read_text())["pid"]
+    rank_pid = int((attempt_dir / "started" / "rank0").read_text().split()[0])
+    os.kill(supervisor, signal.SIGKILL)
+    done = p.wait_state(task, "finished", timeout=90)
+    first, second = done["attempts"]
+    assert "supervisor ended without a status" in first["detail"] and "restart 1 of 3" in first["detail"]
+    assert second["stop"] == "STOP"
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank_pid, 0)
+
+
+def test_logs_follow_the_chain_across_attempts(make_platform, tmp_path):
+    import subprocess
+    import sys
+
+    p = make_platform("--nodes", "1")
+    state = tmp_path / "f"
+    task = p.job(state, 30, "--step-s", "0.05")
+    p.wait("progress", lambda: state.with_name("f.log").exists())
+    follow = subprocess.Popen([sys.executable, "-m", "fireflyer", "logs", str(task), "-f"], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "FIREFLYER_PLATFORM_HOME": str(p.home)})
+    p.job(tmp_path / "urgent", 2, priority="HIGH")  # preempts; the chain comes back queued, then runs on
+    out, _ = follow.communicate(timeout=90)
+    assert follow.returncode == 0
+    assert "attempt 0 of task" in out and "suspending at step" in out
+    assert "--- task 1: attempt 1 on node0" in out and "attempt 1 of task" in out and "step 30" in out
+    # a chain its user suspended is held: following ends there and says so
+    again = p.job(tmp_path / "g", 1000, "--step-s", "0.05")
+    p.wait("progress", lambda: state.with_name("g.log").exists())
+    p.cli("suspend", str(again))
+    p.wait_state(again, "held")
+    assert p.cli("logs", str(again), "-f", timeout=30).stdout.endswith(f"--- task {again}: attempt 1 is held\n")

@@ -142,13 +142,40 @@ def _platform(argv: list[str]) -> int:
     status = sub.add_parser("status", help="is the daemon up, and what it runs")
     _home_arg(status)
     _json_arg(status)
+    quota = sub.add_parser("quota", help="show quotas, or set one: quota USER GROUP PRIORITY NODES "
+                                         "(USER 'public' is everyone's default)")
+    quota.add_argument("setting", nargs="*", metavar="USER GROUP PRIORITY NODES")
+    _home_arg(quota)
+    _json_arg(quota)
     args = p.parse_args(argv)
     home = Home(args.home)
     if args.action == "start":
         return _start(home, args)
     if args.action == "stop":
         return _stop_daemon(home)
+    if args.action == "quota":
+        return _quota(args)
     return _status(home, args)
+
+
+def _quota(args: Any) -> int:
+    _, store = _open(args)
+    try:
+        if args.setting:
+            if len(args.setting) != 4:
+                raise UserError("quota takes USER GROUP PRIORITY NODES, e.g. quota alice default HIGH 4")
+            user, group, priority, nodes = args.setting
+            try:
+                store.set_quota(user, group, Priority.parse(priority), int(nodes))
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+        rows = sorted(store.quotas().items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2]))
+    finally:
+        store.close()
+    data = [{"user": u, "group": g, "priority": p.name, "nodes": n} for (u, g, p), n in rows]
+    return _emit(args, data, lambda: table([(d["user"], d["group"], d["priority"], d["nodes"]) for d in data],
+                                           ["USER", "GROUP", "PRIORITY", "NODES"]) if data else
+                 "no quotas: every user may use every node at every priority")
 
 
 def _configure(home: Home, args: Any) -> PlatformConfig:
