@@ -274,3 +274,125 @@ def test_drain_and_undrain_a_node(nodes):
         undrain(node)
     wait_for(f"{node} to be usable again", lambda: {n.name: n for n in slurm_nodes()}[node].usable, timeout=10)
     undrain(node)  # not drained: nothing to do
+
+
+# ---------------------------------------------------------------------- the platform on Slurm
+STEPPER = """
+    # counts STEPS steps (20 ms each), logging "attempt step" per step; saves and suspends when asked
+    import os, sys, time
+    from fireflyer.platform import client
+    state, steps = sys.argv[1], int(sys.argv[2])
+    if client.rank() != 0:  # other ranks live as long as rank 0 needs them
+        while not os.path.exists(state + ".done"):
+            time.sleep(0.05)
+        sys.exit(0)
+    step = int(open(state).read()) if os.path.exists(state) else 0
+    print(f"attempt {client.attempt()} starts at {step} on {os.environ['FIREFLYER_NODE_ID']} "
+          f"in Slurm job {os.environ.get('SLURM_JOB_ID')}", flush=True)
+    while step < steps:
+        if client.receive_suspend_command():
+            with open(state + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(state + ".tmp", state)
+            print(f"suspending at {step}", flush=True)
+            client.go_suspend()
+        with open(state + ".log", "a") as f:
+            f.write(f"{client.attempt()} {step}\\n")
+        step += 1
+        time.sleep(0.02)
+    with open(state + ".done", "w") as f:
+        f.write(str(step))
+"""
+
+
+class SlurmPlatform:
+    """``fireflyer platform start --executor slurm`` in a temporary home, driven through the CLI."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.cli("platform", "start", "--executor", "slurm", "--tick", "0.2", "--suspend-ack", "5",
+                 "--suspend-grace", "20", "--unschedulable-after", "60")
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = {**os.environ, "FIREFLYER_PLATFORM_HOME": str(self.home)}
+        done = subprocess.run([sys.executable, "-m", "fireflyer", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+        if check and done.returncode != 0:
+            raise AssertionError(f"fireflyer {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
+        return done
+
+    def submit(self, command: list[str], *, nodes: int, priority: str, name: str) -> int:
+        out = self.cli("submit", "-n", str(nodes), "-p", priority, "--name", name, "--json", "--", *command)
+        return int(json.loads(out.stdout)["id"])
+
+    def describe(self, task: int) -> dict:
+        return json.loads(self.cli("describe", str(task), "--json").stdout)
+
+    def wait_state(self, task: int, state: str, timeout: float = 60) -> dict:
+        found: dict = {}
+
+        def check() -> bool:
+            found.update(self.describe(task))
+            return found["state"] == state
+        try:
+            wait_for(f"task {task} to be {state}", check, timeout)
+        except AssertionError as exc:
+            log = (self.home / "daemon.log")
+            tail = log.read_text().splitlines()[-10:] if log.exists() else []
+            raise AssertionError(f"{exc}; last seen {found.get('state')}; daemon log: {' | '.join(tail)}") from None
+        return found
+
+    def close(self) -> None:
+        self.cli("platform", "stop", check=False)
+        from fireflyer.platform.store import Store
+        store = Store(self.home / "state.db")
+        try:
+            for t in store.tasks():
+                if t.handle:
+                    try:
+                        SlurmExecutor().kill(t.handle)
+                    except SlurmError:
+                        pass
+        finally:
+            store.close()
+
+
+def test_platform_on_slurm_preempts_requeues_and_resumes(nodes, tmp_path):
+    """The HAI flow with executor=slurm: a low-priority task runs; a HIGH task needs its node;
+    the low one acknowledges, saves and ends; the high one runs; the low chain's next attempt
+    is a new Slurm job that resumes from the saved step and finishes."""
+    platform = SlurmPlatform(tmp_path / "home")
+    try:
+        stepper = script(tmp_path, "stepper.py", STEPPER)
+        low_state = tmp_path / "low"
+        low_log = tmp_path / "low.log"
+        low = platform.submit([*stepper, str(low_state), "250"], nodes=1, priority="LOW", name="low")
+        wait_for("the low task to make progress",
+                 lambda: low_log.exists() and len(low_log.read_text().splitlines()) >= 10)
+        first = platform.describe(low)
+        assert first["state"] == "running" and first["handle"].isdigit()
+        assert SlurmExecutor().state(first["handle"]) == "RUNNING"
+        high = platform.submit([*stepper, str(tmp_path / "high"), "5"], nodes=len(nodes), priority="HIGH",
+                               name="high")
+        done_high = platform.wait_state(high, "finished")
+        assert done_high["stop"] == "STOP", done_high
+        assert sorted(done_high["attempts"][0]["assigned"]) == sorted(nodes)
+        done_low = platform.wait_state(low, "finished", timeout=60)
+        attempts = done_low["attempts"]
+        assert [a["stop"] for a in attempts] == ["INTERRUPT", "STOP"], attempts
+        assert "go_suspend" in attempts[0]["detail"]
+        jobs = [a["handle"] for a in attempts]
+        assert len(set(jobs)) == 2 and jobs[0] == first["handle"], "each attempt is its own Slurm job"
+        assert done_high["handle"] not in jobs
+        # every step ran exactly once, in order, over the two attempts; the second began after 'high' ended
+        ran = [tuple(map(int, line.split())) for line in low_log.read_text().splitlines()]
+        assert [s for _, s in ran] == list(range(250))
+        assert {a for a, _ in ran} == {0, 1}
+        assert (tmp_path / "low.done").read_text() == "250"
+        assert attempts[1]["started_at"] >= done_high["attempts"][0]["finished_at"]
+        logs = platform.cli("logs", str(low)).stdout
+        saved = min(s for a, s in ran if a == 1)
+        assert 0 < saved < 250
+        assert f"attempt 1 starts at {saved} on " in logs and f"in Slurm job {jobs[1]}" in logs, logs
+    finally:
+        platform.close()
