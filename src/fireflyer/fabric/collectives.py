@@ -145,11 +145,13 @@ def _linked(node: NodeSpec, a: int, b: int) -> bool:
 # -- the model -------------------------------------------------------------------------------
 
 def allreduce(algo: str, gpus: int, size_bytes: int, node: NodeSpec, *, network: Network | None = None,
-              placement: Placement | None = None, params: ModelParams | None = None) -> AllreduceResult:
+              placement: Placement | None = None, params: ModelParams | None = None,
+              extra_caps: dict[str, float] | None = None) -> AllreduceResult:
     """Model one allreduce of ``size_bytes`` per GPU over ``gpus`` GPUs of ``node``s.
 
     ``network`` (with ``placement``, or a packed one) adds the links' loads under static
-    routing; without it the network is taken as non-blocking.
+    routing; without it the network is taken as non-blocking. ``extra_caps`` adds rate
+    limits found elsewhere (the links' share when several jobs run at once).
     """
     params = params or ModelParams()
     if algo not in ALGOS:
@@ -168,9 +170,10 @@ def allreduce(algo: str, gpus: int, size_bytes: int, node: NodeSpec, *, network:
     local = min(gpus, g)
     if network is not None and placement is None and nodes > 1:
         placement = network.place(nodes)
+    extra = dict(extra_caps or {})
     if algo == "ring":
-        return _ring(gpus, nodes, local, size_bytes, node, network, placement, params)
-    return _tree_based(algo, gpus, nodes, local, size_bytes, node, network, placement, params)
+        return _ring(gpus, nodes, local, size_bytes, node, network, placement, params, extra)
+    return _tree_based(algo, gpus, nodes, local, size_bytes, node, network, placement, params, extra)
 
 
 def _network_cap(network: Network | None, placement: Placement | None, src: np.ndarray, dst: np.ndarray,
@@ -191,7 +194,7 @@ def _finish(algo: str, gpus: int, nodes: int, size: int, seconds: float, caps: d
 
 
 def _ring(gpus: int, nodes: int, local: int, size: int, node: NodeSpec, network: Network | None,
-          placement: Placement | None, params: ModelParams) -> AllreduceResult:
+          placement: Placement | None, params: ModelParams, extra: dict[str, float]) -> AllreduceResult:
     """NCCL's ring: one ring per NIC, each node's GPUs in a row, the ring leaving through a NIC."""
     loads = _Loads(node)
     rings = node.nics if nodes > 1 else 1
@@ -220,9 +223,32 @@ def _ring(gpus: int, nodes: int, local: int, size: int, node: NodeSpec, network:
                                               np.full(nodes, u / node.nics))
         if net_cap < math.inf:
             caps["network links"] = net_cap
+    caps.update(extra)
     steady = min(caps.values())
     seconds = size / (steady * 1e9) + 2 * (gpus - 1) * (params.ring_step_latency_s if nodes > 1 else 0.0)
     return _finish("ring", gpus, nodes, size, seconds, caps, cross_zone_flows=cross, max_bridge_load=bridge)
+
+
+def tree_for(nodes: int, placement: Placement | None) -> DoubleBinaryTree:
+    """The double binary tree a job uses: zone-aware (one crossing pair) unless placed naively."""
+    if placement is not None and not placement.zone_aware:
+        return double_binary_tree(nodes)
+    zone = placement.zone if placement is not None else np.zeros(nodes, dtype=np.int64)
+    return zoned_double_binary_tree(zone)
+
+
+def flows(algo: str, nodes: int, node: NodeSpec, placement: Placement | None = None,
+          gpus: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src rank, dst rank, units per unit of data per NIC) of the flows between nodes."""
+    if nodes < 2:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0)
+    if algo == "ring":
+        src = np.arange(nodes)
+        u = busbw_factor(gpus or nodes * node.gpus)
+        return src, (src + 1) % nodes, np.full(nodes, u / node.nics)
+    src, dst, demand = _tree_flows(tree_for(nodes, placement))
+    return src, dst, demand / node.nics
 
 
 def _tree_flows(tree: DoubleBinaryTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -234,11 +260,9 @@ def _tree_flows(tree: DoubleBinaryTree) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def _tree_based(algo: str, gpus: int, nodes: int, local: int, size: int, node: NodeSpec,
-                network: Network | None, placement: Placement | None, params: ModelParams) -> AllreduceResult:
-    if placement is not None and not placement.zone_aware:
-        tree = double_binary_tree(nodes)
-    else:
-        tree = zoned_double_binary_tree(placement.zone if placement is not None else np.zeros(nodes, dtype=np.int64))
+                network: Network | None, placement: Placement | None, params: ModelParams,
+                extra: dict[str, float]) -> AllreduceResult:
+    tree = tree_for(nodes, placement)
     units = tree.node_units()
     sends = float(units["sends"].max())
     recvs = float(units["recvs"].max())
@@ -283,6 +307,7 @@ def _tree_based(algo: str, gpus: int, nodes: int, local: int, size: int, node: N
         net_cap, cross, bridge = _network_cap(network, placement, src, dst, demand / node.nics)
         if net_cap < math.inf:
             caps["network links"] = net_cap
+    caps.update(extra)
     steady = min(caps.values())
     chunks = math.ceil(size / chunk)
     h = stages + 2 * tree.depth

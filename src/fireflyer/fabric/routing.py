@@ -148,13 +148,24 @@ class Network:
         down = np.where(other, base + 3 * self.ports + leaf_b * self.half + lane, -1)
         return [base + a, up, down, base + self.ports + b]
 
+    def bridge_mask(self) -> np.ndarray:
+        """Which link ids are bridge links (both directions, every zone)."""
+        mask = np.zeros(self.n_links if self.routable else 0, dtype=bool)
+        if self.routable and self.bridge_ports:
+            bp = self.bridge_port(np.repeat(np.arange(self.bridges), self.bridge_links),
+                                  np.tile(np.arange(self.bridge_links), self.bridges))
+            for z in range(self.zones):
+                mask[z * self.block + bp] = True
+                mask[z * self.block + self.ports + bp] = True
+        return mask
+
     def route(self, placement: Placement, src: np.ndarray, dst: np.ndarray, demand: np.ndarray) -> LinkLoads:
         """Loads on every link of flows from rank ``src`` to rank ``dst`` carrying ``demand`` each."""
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
         demand = np.broadcast_to(np.asarray(demand, dtype=float), src.shape)
         loads = np.zeros(self.n_links if self.routable else 0)
-        mask = np.zeros(len(loads), dtype=bool)
+        mask = self.bridge_mask()
         if not self.routable or src.size == 0:
             return LinkLoads(loads=loads, bridge_mask=mask, cross_flows=0)
         za, zb = placement.zone[src], placement.zone[dst]
@@ -184,10 +195,4 @@ class Network:
         all_w = np.concatenate(weights)
         keep = all_ids >= 0
         loads = np.bincount(all_ids[keep], weights=all_w[keep], minlength=self.n_links)
-        if self.bridge_ports:
-            bp = self.bridge_port(np.repeat(np.arange(self.bridges), self.bridge_links),
-                                  np.tile(np.arange(self.bridge_links), self.bridges))
-            for z in range(self.zones):
-                mask[z * self.block + bp] = True
-                mask[z * self.block + self.ports + bp] = True
         return LinkLoads(loads=loads, bridge_mask=mask, cross_flows=int(cross.sum()))

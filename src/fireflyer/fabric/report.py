@@ -1,0 +1,192 @@
+"""Files the fabric commands write: JSON and PNG charts, atomically (temporary file, fsync,
+rename). matplotlib is imported only when a chart is drawn, with the Agg backend.
+
+(hfreduce has an atomic writer too, but importing it would import torch; fabric never does.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from fireflyer.fabric import paper
+from fireflyer.fabric.collectives import ALGO_TITLES, AllreduceResult
+
+if TYPE_CHECKING:
+    from fireflyer.fabric.plan import Plan
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)``, fsync the file, then rename it to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+
+    return atomic_write(path, write)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    plt = _pyplot()
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=90))
+    finally:
+        plt.close(fig)
+
+
+# -- charts ----------------------------------------------------------------------------------
+
+def plot_allreduce(series: dict[str, list[AllreduceResult]], path: str | Path, *, title: str = "",
+                   paper_points: bool = True) -> Path:
+    """algbw against GPU count, one line per series, with the paper's Figure 7 readings."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    for label, rs in series.items():
+        ax.plot([r.gpus for r in rs], [r.algbw_gb_s for r in rs], marker="o", ms=4, label=f"model: {label}")
+    if paper_points:
+        for pts, label, mk in ((paper.FIG7A_HFREDUCE, "paper 7a HFReduce", "s"),
+                               (paper.FIG7A_NCCL, "paper 7a NCCL", "v"),
+                               (paper.FIG7B_IN_ZONE, "paper 7b HFReduce+NVLink", "D"),
+                               (paper.FIG7B_CROSS_ZONE, "paper 7b cross-zone", "x")):
+            ax.scatter(list(pts), list(pts.values()), marker=mk, s=28, color="black", alpha=0.6, label=label)
+        lo, hi, a, b = paper.FIG7A_NCCL_BAND
+        ax.fill_between([lo, hi], [a, a], [b, b], color="gray", alpha=0.15, label="paper 7a NCCL band")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("algbw (GB/s)")
+    ax.set_title(title or "allreduce of 186 MiB: model against the paper's Figure 7")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_plan(plan: "Plan", directory: str | Path) -> list[Path]:
+    """``topology.png`` (the design's switches) and ``cost.png`` (against the alternatives)."""
+    directory = Path(directory)
+    return [_plot_topology(plan, directory / "topology.png"), _plot_cost(plan, directory / "cost.png")]
+
+
+def _plot_topology(plan: "Plan", path: Path) -> Path:
+    plt = _pyplot()
+    from matplotlib.patches import Rectangle
+
+    f = plan.design.fabric
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    zones = f.zones
+    leaves = f.leaves_per_zone or f.leaf
+    spines = f.spines_per_zone or f.spine
+    zone_w = 10.0
+    gap = 3.0 if zones > 1 else 0.0
+    for z in range(zones):
+        x0 = z * (zone_w + gap)
+        ax.add_patch(Rectangle((x0 - 0.3, -0.6), zone_w + 0.6, 4.4, fill=False, ls="--", lw=0.8, color="gray"))
+        lx = [x0 + (i + 0.5) * zone_w / leaves for i in range(leaves)]
+        sx = [x0 + (i + 0.5) * zone_w / spines for i in range(spines)]
+        step = max(1, leaves // 10)
+        for i in range(0, leaves, step):
+            for j in range(0, spines, max(1, spines // 5)):
+                ax.plot([lx[i], sx[j]], [0.5, 2.5], color="tab:blue", lw=0.3, alpha=0.5)
+        ax.scatter(lx, [0.5] * leaves, marker="s", s=max(4, 600 / leaves), color="tab:green", zorder=3)
+        ax.scatter(sx, [2.5] * spines, marker="s", s=max(4, 600 / spines), color="tab:orange", zorder=3)
+        per = f.zone_endpoints[z] if z < len(f.zone_endpoints) else f.endpoints
+        ax.text(x0 + zone_w / 2, 3.4, f"zone {z}: {leaves} leaves, {spines} spines, {per:,} endpoints",
+                ha="center", fontsize=8)
+    if f.bridge:
+        total_w = zones * zone_w + (zones - 1) * gap
+        for b in range(f.bridge):
+            bx = total_w / 2 + (b - (f.bridge - 1) / 2) * 1.5
+            ax.scatter([bx], [-1.6], marker="D", s=60, color="tab:red", zorder=3)
+            for z in range(zones):
+                x0 = z * (zone_w + gap)
+                ax.plot([bx, x0 + zone_w * (0.9 if z == 0 else 0.1)], [-1.6, 0.5], color="tab:red", lw=0.8)
+        ax.text(total_w / 2, -2.4, f"{f.bridge} bridge switches, {f.bridge_links} links into each zone",
+                ha="center", fontsize=8)
+    ax.set_xlim(-1, zones * zone_w + (zones - 1) * gap + 1)
+    ax.set_ylim(-2.9, 4.0)
+    ax.axis("off")
+    planes = f" x {f.planes} planes" if f.planes > 1 else ""
+    ax.set_title(f"{plan.config.gpus:,} GPUs: {f.kind}{planes}, {f.switches:,} switches "
+                 f"({plan.design.switch.name}); leaves green, spines orange, bridges red", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _plot_cost(plan: "Plan", path: Path) -> Path:
+    plt = _pyplot()
+    designs = plan.designs()
+    names = ["this design"] + [("PCIe 3-layer" if d is plan.three_layer else d.node.name) for d in designs[1:]]
+    metrics = [("switches", [d.fabric.switches for d in designs]),
+               ("network price", [d.cost.network for d in designs]),
+               ("total price", [d.cost.total for d in designs]),
+               ("power (kW)", [d.cost.power_w / 1000 for d in designs])]
+    fig, axes = plt.subplots(1, 4, figsize=(11, 3.4))
+    colors = ["tab:green", "tab:blue", "tab:gray"][: len(designs)]
+    for ax, (label, vals) in zip(axes, metrics):
+        ax.bar(range(len(vals)), vals, color=colors)
+        ax.set_xticks(range(len(vals)), names, fontsize=7, rotation=15)
+        ax.set_title(label, fontsize=9)
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"{plan.config.gpus:,} GPUs: cost and power (Table III units)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_bench(rows: Iterable[dict], path: str | Path) -> Path:
+    """Bench: seconds to plan and simulate against GPU count."""
+    plt = _pyplot()
+    rows = list(rows)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind in sorted({r["kind"] for r in rows}):
+        pts = [r for r in rows if r["kind"] == kind]
+        ax.plot([r["gpus"] for r in pts], [r["seconds"] for r in pts], marker="o", label=kind)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("seconds (plan + simulate)")
+    ax.axhline(2.0, color="red", lw=0.8, ls="--", label="target at 10,000 GPUs: 2 s")
+    ax.axhline(5.0, color="purple", lw=0.8, ls=":", label="target at 32,768 GPUs: 5 s")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("fireflyer bench fabric")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def algo_label(algo: str, placement: str = "packed") -> str:
+    base = ALGO_TITLES.get(algo, algo)
+    return base if placement == "packed" else f"{base} ({placement})"
