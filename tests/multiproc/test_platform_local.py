@@ -218,3 +218,14 @@ def test_logs_follow_the_chain_across_attempts(make_platform, tmp_path):
     p.cli("suspend", str(again))
     p.wait_state(again, "held")
     assert p.cli("logs", str(again), "-f", timeout=30).stdout.endswith(f"--- task {again}: attempt 1 is held\n")
+
+
+def test_users_at_the_same_priority_take_turns(make_platform, tmp_path):
+    p = make_platform("--nodes", "1", "--time-share-after", "1")
+    alice = p.job(tmp_path / "alice", 100, "--step-s", "0.05", user="alice")
+    p.wait_state(alice, "running")
+    bob = p.job(tmp_path / "bob", 3, user="bob")
+    assert p.wait_state(bob, "finished", timeout=60)["stop"] == "STOP"
+    done = p.wait_state(alice, "finished", timeout=90)
+    assert done["attempts"][0]["stop"] == "INTERRUPT" and done["attempts"][-1]["stop"] == "STOP"
+    assert [s for _, s in steps_run(tmp_path / "alice")] == list(range(100))

@@ -114,6 +114,10 @@ def _outcome(t: TaskRow) -> str:
         return "stopped"
     if t.stop_code & (StopCode.FAILED | StopCode.INIT_FAILED | StopCode.TIMEOUT):
         return "failed"
+    for flag, word in ((StopCode.INTERRUPT, "suspended"), (StopCode.UNSCHEDULABLE, "unschedulable"),
+                       (StopCode.HOOK_RESTART, "restarted")):
+        if t.stop_code & flag:
+            return word
     return "succeeded" if t.stop_code == StopCode.STOP else _stop_text(t.stop_code).lower()
 
 
@@ -408,7 +412,7 @@ def _queue(argv: list[str]) -> int:
         return table([(t.chain_first_id, t.name, t.user, t.priority.name, t.nodes, _outcome(t), t.attempt,
                        ",".join(t.assigned) or "-",
                        _ago(now - (t.started_at or t.submitted_at)) if t.state != FINISHED else _when(t.finished_at))
-                      for t in rows], ["ID", "NAME", "USER", "PRIORITY", "NODES", "STATE", "ATTEMPT", "ON", "FOR"])
+                      for t in rows], ["ID", "NAME", "USER", "PRIORITY", "NODES", "STATE", "ATTEMPT", "ON", "TIME"])
 
     return _emit(args, [task_json(t) for t in rows], render)
 
