@@ -126,3 +126,20 @@ def test_bad_credentials_are_not_retried(server):
     with pytest.raises(BackendError, match="'k'"):
         b.write("k", b"v")
     assert b.retries == 0
+
+
+def test_checkpoint_through_s3(server, tmp_path):
+    import torch
+
+    from fireflyer.checkpoint import CheckpointManager
+
+    store = server.backend("fireflyer-ckpt", prefix=f"job-{uuid.uuid4().hex[:8]}")
+    state = {"w": torch.randn(256, 128), "opt": {"m": torch.randn(5000)}, "step": 3}
+    m = CheckpointManager(tmp_path / "stage", rank=0, world_size=1, backend=store, keep_last=1)
+    m.save(2, {**state, "step": 2}, blocking=True)
+    m.save(3, state, blocking=True)
+    m.close()
+    assert [k for k in store.list("step_") if k.endswith("COMMIT")] == ["step_0000000003/COMMIT"]  # keep_last=1
+    fresh = CheckpointManager(tmp_path / "elsewhere", rank=0, world_size=1, backend=store)
+    got = fresh.load()
+    assert got["step"] == 3 and torch.equal(got["w"], state["w"]) and torch.equal(got["opt"]["m"], state["opt"]["m"])

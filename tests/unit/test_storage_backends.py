@@ -30,6 +30,7 @@ def test_write_read_list_delete(backend):
     assert backend.size("a/d.bin") == 2 and backend.exists("z") and not backend.exists("nope")
     assert backend.list("a/") == ["a/b/c.bin", "a/d.bin"]
     assert backend.list() == ["a/b/c.bin", "a/d.bin", "z"]
+    assert backend.list("a/b/c") == ["a/b/c.bin"] and backend.list("a/d") == ["a/d.bin"] and backend.list("q") == []
     backend.write("z", b"new")
     assert backend.read("z") == b"new"
     backend.delete("z")

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from fireflyer.checkpoint import shard
+from fireflyer.checkpoint import remote, shard
 from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
 from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
 
@@ -150,10 +150,17 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike, *, every: timedelta | int = timedelta(minutes=5), keep_last: int = 2,
                  kind: str = "replicated", policy: str = "wait", threads: int = 4, chunk_bytes: int = 64 << 20,
                  commit_timeout: float = 600.0, snapshot: str = "overlap", rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, backend: Any = None) -> None:
         self.config = CheckpointConfig(every=every, keep_last=keep_last, kind=kind, policy=policy, threads=threads,
                                        chunk_bytes=chunk_bytes, commit_timeout=commit_timeout, snapshot=snapshot)
         self.root = os.fspath(root)
+        # With a storage backend (a Backend or a URL such as s3://bucket/prefix), ``root`` is the local
+        # staging directory and the backend holds the checkpoints (see checkpoint/remote.py).
+        self.backend = None
+        if backend is not None:
+            from fireflyer.storage.backends import open_backend
+
+            self.backend = open_backend(backend)
         if rank is None or world_size is None:
             import torch.distributed as dist
 
@@ -295,6 +302,11 @@ class CheckpointManager:
                 _atomic_write(os.path.join(d, f"{me}.skeleton"), skeleton)
                 part["skeleton"] = {"file": f"{me}.skeleton", "crc32": zlib.crc32(skeleton), "bytes": len(skeleton)}
             _atomic_write(os.path.join(d, f"{me}.json"), json.dumps(part).encode())  # this rank's part is on disk
+            if self.backend is not None:
+                files = [part["file"]] + ([part["skeleton"]["file"]] if "skeleton" in part else []) + [f"{me}.json"]
+                remote.upload_part(self.backend, os.path.basename(d), d, files)
+                if self.rank != 0:  # rank 0's _retain tidies the staging; on other nodes it is ours to tidy
+                    self._retain_staging(step)
             if self.rank == 0:
                 self._commit(step, d, all_names)
                 self._retain()
@@ -309,6 +321,10 @@ class CheckpointManager:
         parts = []
         for r in range(self.world_size):
             path = os.path.join(d, f"rank{r:05d}.json")
+            if self.backend is not None:
+                parts.append(json.loads(remote.wait_part(self.backend, os.path.basename(d), f"rank{r:05d}.json",
+                                                         deadline, f"rank {r}'s part of step {step}")))
+                continue
             while not os.path.exists(path):
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"rank {r} did not finish its part of step {step} within "
@@ -326,8 +342,25 @@ class CheckpointManager:
         _atomic_write(os.path.join(d, MANIFEST), manifest)
         commit = {"step": step, "manifest_sha256": hashlib.sha256(manifest).hexdigest(), "time": time.time()}
         _atomic_write(os.path.join(d, COMMIT), json.dumps(commit).encode())
+        if self.backend is not None:  # the manifest, then the marker that makes the step count
+            self.backend.write(f"{os.path.basename(d)}/{MANIFEST}", manifest)
+            self.backend.write(f"{os.path.basename(d)}/{COMMIT}", json.dumps(commit).encode())
+
+    def _committed(self) -> list[int]:
+        if self.backend is not None:
+            return remote.committed_steps(self.backend)
+        return committed_steps(self.root)
+
+    def _retain_staging(self, newest: int) -> None:
+        staged = sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.root)) if m)
+        for s in [s for s in staged if s < newest][:-self.config.keep_last or None]:
+            shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
 
     def _retain(self) -> None:
+        if self.backend is not None:
+            steps = remote.committed_steps(self.backend)
+            for s in steps[:-self.config.keep_last]:
+                remote.delete_step(self.backend, os.path.basename(step_dir(self.root, s)))
         steps = committed_steps(self.root)
         keep = set(steps[-self.config.keep_last:])
         newest = steps[-1] if steps else None
@@ -367,7 +400,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ loading
     def latest(self) -> int | None:
         """The newest committed step, or None."""
-        steps = committed_steps(self.root)
+        steps = self._committed()
         return steps[-1] if steps else None
 
     def load(self, step: int | None = None) -> Any:
@@ -377,10 +410,10 @@ class CheckpointManager:
         with an explicit ``step``, damage raises CorruptCheckpoint instead.
         """
         if step is not None:
-            if step not in committed_steps(self.root):
+            if step not in self._committed():
                 raise NoCheckpoint(f"there is no committed checkpoint of step {step} in {self.root}")
             return self._load(step)
-        steps = committed_steps(self.root)
+        steps = self._committed()
         if not steps:
             raise NoCheckpoint(f"there is no committed checkpoint in {self.root}")
         problems = []
@@ -394,6 +427,8 @@ class CheckpointManager:
 
     def _load(self, step: int) -> Any:
         d = step_dir(self.root, step)
+        if self.backend is not None and not os.path.exists(os.path.join(d, COMMIT)):
+            remote.fetch_step(self.backend, os.path.basename(d), d)  # not staged here: download it first
         try:
             with open(os.path.join(d, COMMIT)) as f:
                 commit = json.load(f)

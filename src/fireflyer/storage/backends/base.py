@@ -88,6 +88,14 @@ class Backend:
         except NotFound:
             pass
 
+    def upload(self, key: str, path: str) -> None:
+        """Store the local file ``path`` under ``key`` (atomically, like :meth:`write`)."""
+        self._call("write", check_key(key), lambda: self._upload(key, path))
+
+    def download(self, key: str, path: str) -> None:
+        """Copy ``key`` to the local file ``path`` (temporary file, fsync, rename)."""
+        self._call("read", check_key(key), lambda: self._download(key, path))
+
     def local_path(self, key: str) -> str | None:
         """A POSIX path holding ``key``'s bytes, where the backend has one (for positional reads)."""
         return None
@@ -132,6 +140,16 @@ class Backend:
     def _transient(self, exc: BaseException) -> bool:
         """Worth retrying (a timeout, a dropped connection, a busy server)."""
         return isinstance(exc, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError))
+
+    def _upload(self, key: str, path: str) -> None:
+        with open(path, "rb") as f:
+            self._write(key, f.read())
+
+    def _download(self, key: str, path: str) -> None:
+        from fireflyer.storage.fsutil import atomic_write
+
+        data = self._read(key)
+        atomic_write(path, lambda f: f.write(data))
 
     def _read(self, key: str) -> bytes:
         raise NotImplementedError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 from fireflyer.storage.backends.base import Backend, RetryConfig
 from fireflyer.storage.fsutil import atomic_write
@@ -47,14 +48,27 @@ class LocalBackend(Backend):
     def _write(self, key: str, data: bytes | memoryview) -> None:
         atomic_write(self.local_path(key), lambda f: f.write(data))
 
+    def _upload(self, key: str, path: str) -> None:
+        def copy(dst):
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+
+        atomic_write(self.local_path(key), copy)
+
+    def _download(self, key: str, path: str) -> None:
+        def copy(dst):
+            with open(self.local_path(key), "rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+
+        atomic_write(path, copy)
+
     def _size(self, key: str) -> int:
         return os.stat(self.local_path(key)).st_size
 
     def _list(self, prefix: str) -> list[str]:
-        base = self.local_path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""  # walk only below the prefix's folder
+        base = self.local_path(folder) if folder else self.root
         out = []
-        if os.path.isfile(base):
-            return [prefix]
         for dirpath, _, files in os.walk(base):
             for name in files:
                 if ".tmp." in name:

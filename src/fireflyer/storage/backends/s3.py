@@ -115,6 +115,20 @@ class S3Backend(Backend):
     def _write(self, key: str, data: bytes | memoryview) -> None:
         self._client.put_object(Bucket=self.config.bucket, Key=self._k(key), Body=bytes(data))
 
+    def _upload(self, key: str, path: str) -> None:
+        self._client.upload_file(path, self.config.bucket, self._k(key))  # multipart for large files
+
+    def _download(self, key: str, path: str) -> None:
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            self._client.download_file(self.config.bucket, self._k(key), tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
     def _size(self, key: str) -> int:
         return int(self._client.head_object(Bucket=self.config.bucket, Key=self._k(key))["ContentLength"])
 
