@@ -13,6 +13,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -194,7 +195,7 @@ def _configure(home: Home, args: Any) -> PlatformConfig:
             "executor": args.executor, "nodes": args.nodes, "zones": args.zones,
             "ranks_per_node": args.ranks_per_node, "tick": args.tick, "max_restarts": args.max_restarts,
             "time_share_after": args.time_share_after, "partition": args.partition,
-            "prolog": tuple(args.prolog.split()) if args.prolog else None}.items() if v is not None}
+            "prolog": tuple(shlex.split(args.prolog)) if args.prolog else None}.items() if v is not None}
         cfg = cfg.replace(timeouts=timeouts, **changes)
     except (TypeError, ValueError) as exc:
         raise UserError(str(exc)) from None
@@ -344,6 +345,7 @@ def _submit(argv: list[str]) -> int:
     _home_arg(p)
     _json_arg(p)
     if "--" not in argv:
+        p.parse_known_args(argv)  # --help, and flag errors, come first
         raise UserError("put the task's command after '--', e.g. fireflyer submit -n 1 -- python train.py")
     split = argv.index("--")
     args, command = p.parse_args(argv[:split]), argv[split + 1:]
