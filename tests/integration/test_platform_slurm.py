@@ -7,6 +7,7 @@ asserts on timing.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ SETUP_STATUS = Path("/run/fireflyer-slurm.status")
 WAIT_S = 40.0
 
 
+@functools.lru_cache(maxsize=None)
 def _why_no_slurm() -> str | None:
     if shutil.which("sbatch") is None:
         return "Slurm's client is not installed (run .ci/setup-slurm as root)"

@@ -206,7 +206,7 @@ def _register_nodes(cfg: PlatformConfig, store: Store) -> int:
     if cfg.executor == "slurm":
         from fireflyer.platform.slurm import slurm_nodes
 
-        nodes = slurm_nodes()
+        nodes = slurm_nodes(cfg.partition)
         if not nodes:
             raise UserError("Slurm reports no nodes (is slurmctld running? see 'sinfo')")
     else:
