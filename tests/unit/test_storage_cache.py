@@ -140,9 +140,10 @@ def test_missing_shard_raises_not_found_and_the_cache_recovers():
         assert c.get(keys[0]) == bytes([0]) * SIZE
 
 
-def test_many_threads_read_correct_bytes(tmp_path):
+@pytest.mark.parametrize("loaders", [1, 3])
+def test_many_threads_read_correct_bytes(tmp_path, loaders):
     b, keys = _backend(40)
-    cfg = CacheConfig(dram_bytes=6 * SIZE, ssd_bytes=15 * SIZE, ssd_dir=str(tmp_path / "ssd"))
+    cfg = CacheConfig(dram_bytes=6 * SIZE, ssd_bytes=15 * SIZE, ssd_dir=str(tmp_path / "ssd"), prefetch_threads=loaders)
     errors = []
     with ShardCache(b, keys, config=cfg, prefetcher=LocalityPrefetch(distance=2, num_shards=40)) as c:
         def worker(seed):
@@ -176,7 +177,8 @@ def test_admission_keeps_hot_shards_in_the_top_tier():
         assert set(c.resident()["dram"]) == set(keys[:4])
 
 
-@pytest.mark.parametrize("bad", [dict(dram_bytes=-1), dict(ssd_bytes=10), dict(timeout=0), dict(prefetch_queue=0)])
+@pytest.mark.parametrize("bad", [dict(dram_bytes=-1), dict(ssd_bytes=10), dict(timeout=0), dict(prefetch_queue=0),
+                                 dict(prefetch_threads=0)])
 def test_bad_config(bad):
     with pytest.raises(ValueError):
         CacheConfig(**bad)

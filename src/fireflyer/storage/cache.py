@@ -47,7 +47,9 @@ class CacheConfig:
     """Directory of the SSD tier (required when ssd_bytes > 0); the cache owns its contents."""
     device: str = "cuda"
     prefetch_queue: int = 64
-    """Pending prefetches beyond this are dropped (the oldest first)."""
+    """Pending prefetches beyond this are dropped (the newest, as they arrive)."""
+    prefetch_threads: int = 1
+    """Background loaders. One keeps the model's order exactly; more overlap the backend's latency."""
     timeout: float = 60.0
     """Default seconds a get() may wait for I/O."""
 
@@ -57,6 +59,8 @@ class CacheConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.ssd_bytes > 0 and not self.ssd_dir:
             raise ValueError("ssd_dir is required when ssd_bytes > 0")
+        if self.prefetch_threads < 1:
+            raise ValueError(f"prefetch_threads must be at least 1, got {self.prefetch_threads}")
         if self.prefetch_queue < 1:
             raise ValueError(f"prefetch_queue must be at least 1, got {self.prefetch_queue}")
         if not self.timeout > 0:
@@ -233,10 +237,12 @@ class ShardCache:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._queued: set[str] = set()
         self._closed = False
-        self._worker: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
         if prefetcher is not None:
-            self._worker = threading.Thread(target=self._prefetch_loop, name="shard-prefetch", daemon=True)
-            self._worker.start()
+            for n in range(c.prefetch_threads):
+                t = threading.Thread(target=self._prefetch_loop, name=f"shard-prefetch-{n}", daemon=True)
+                t.start()
+                self._workers.append(t)
 
     # -- demand path -------------------------------------------------------------------
     def get(self, key: str, *, timeout: float | None = None) -> Any:
@@ -380,16 +386,19 @@ class ShardCache:
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
+        if self._workers:
             while True:  # drop what is still queued
                 try:
                     self._queue.get_nowait()
                 except queue.Empty:
                     break
-            self._queue.put(None)
-            self._worker.join(timeout)
-            if self._worker.is_alive():
-                raise TimeoutError(f"the prefetch thread did not stop within {timeout:.0f}s")
+            for _ in self._workers:
+                self._queue.put(None)
+            deadline = time.monotonic() + timeout
+            for t in self._workers:
+                t.join(max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    raise TimeoutError(f"the prefetch threads did not stop within {timeout:.0f}s")
         for t in self.tiers:
             if isinstance(t, _SSDTier):
                 shutil.rmtree(t.dir, ignore_errors=True)

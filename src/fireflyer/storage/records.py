@@ -325,7 +325,13 @@ class RecordReader:
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="records")
-            for f in [self._pool.submit(do, run) for run in runs]:
+            groups = [runs[k::self.threads] for k in range(min(self.threads, len(runs)))]  # one task per thread
+
+            def do_group(group: list[list[int]]) -> None:
+                for run in group:
+                    do(run)
+
+            for f in [self._pool.submit(do_group, g) for g in groups]:
                 f.result(timeout=300)
         return out  # type: ignore[return-value]
 
