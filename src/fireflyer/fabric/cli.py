@@ -94,14 +94,42 @@ def plan_main(argv: list[str]) -> int:
 
 def simulate_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fireflyer simulate allreduce [options] | fireflyer simulate placement [options]\n"
+        print("usage: fireflyer simulate allreduce|placement|paper [options]\n"
+              "  allreduce  time, algbw and busbw against GPU count\n"
+              "  placement  HAI's zone-aware placement against a naive one\n"
+              "  paper      every reproduced figure of the paper, model next to paper\n"
               "Run 'fireflyer simulate allreduce --help' for the options.")
         return 0 if argv else 2
     if argv[0] == "allreduce":
         return _allreduce_main(argv[1:])
     if argv[0] == "placement":
         return _placement_main(argv[1:])
-    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce or placement")
+    if argv[0] == "paper":
+        return _paper_main(argv[1:])
+    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement or paper")
+
+
+def _paper_main(argv: list[str]) -> int:
+    from fireflyer.fabric import reproduce
+
+    p = ArgumentParser(prog="fireflyer simulate paper",
+                       description="Every figure of the paper the fabric model reproduces, model next to paper.")
+    p.add_argument("--catalog", default=None, metavar="FILE", help="TOML merged over the default parts catalogue")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the Figure 7 chart (model and paper)")
+    a = p.parse_args(argv)
+    cat = catalog_mod.load(a.catalog)
+    rows = reproduce.rows(cat)
+    if a.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+    else:
+        print(reproduce.render(rows))
+    if a.plot:
+        from fireflyer.fabric.report import plot_allreduce
+
+        path = plot_allreduce(reproduce.figure7(cat), a.plot)
+        print(f"wrote {path}", file=sys.stderr if a.json else sys.stdout)
+    return 0
 
 
 def _common(p: ArgumentParser) -> None:

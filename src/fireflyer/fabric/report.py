@@ -76,14 +76,18 @@ def plot_allreduce(series: dict[str, list[AllreduceResult]], path: str | Path, *
     for label, rs in series.items():
         ax.plot([r.gpus for r in rs], [r.algbw_gb_s for r in rs], marker="o", ms=4, label=f"model: {label}")
     if paper_points:
-        for pts, label, mk in ((paper.FIG7A_HFREDUCE, "paper 7a HFReduce", "s"),
-                               (paper.FIG7A_NCCL, "paper 7a NCCL", "v"),
-                               (paper.FIG7B_IN_ZONE, "paper 7b HFReduce+NVLink", "D"),
-                               (paper.FIG7B_CROSS_ZONE, "paper 7b cross-zone", "x")):
-            ax.scatter(list(pts), list(pts.values()), marker=mk, s=28, color="black", alpha=0.6, label=label)
+        for pts, label, mk, color in ((paper.FIG7A_HFREDUCE, "paper 7a HFReduce", "s", "tab:blue"),
+                                      (paper.FIG7A_NCCL, "paper 7a NCCL", "v", "tab:orange"),
+                                      (paper.FIG7B_IN_ZONE, "paper 7b HFReduce+NVLink", "D", "tab:green"),
+                                      (paper.FIG7B_CROSS_ZONE, "paper 7b cross-zone", "X", "tab:red")):
+            ax.scatter(list(pts), list(pts.values()), marker=mk, s=36, color=color, edgecolor="black",
+                       linewidths=0.6, zorder=4, label=label)
         lo, hi, a, b = paper.FIG7A_NCCL_BAND
-        ax.fill_between([lo, hi], [a, a], [b, b], color="gray", alpha=0.15, label="paper 7a NCCL band")
+        ax.fill_between([lo, hi], [a, a], [b, b], color="tab:orange", alpha=0.15, label="paper 7a NCCL band")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r.gpus for rs in series.values() for r in rs})
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
+    ax.minorticks_off()
     ax.set_xlabel("GPUs")
     ax.set_ylabel("algbw (GB/s)")
     ax.set_title(title or "allreduce of 186 MiB: model against the paper's Figure 7")
