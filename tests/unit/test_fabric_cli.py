@@ -35,7 +35,7 @@ def test_plan_json_and_plots(capsys, tmp_path):
     assert data["design"]["switches"] == 122
     assert data["alternative"]["switches_by_layer"] == {"leaf": 500, "spine": 500, "core": 320}
     assert data["three_layer"]["switches"] == 200
-    for name in ("topology.png", "cost.png"):
+    for name in ("fabric-topology.png", "fabric-cost.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in err
 

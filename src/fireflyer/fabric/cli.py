@@ -72,7 +72,7 @@ def plan_main(argv: list[str]) -> int:
                         "figures) or for the pods there are (exact)")
     p.add_argument("--catalog", default=None, metavar="FILE", help="TOML merged over the default parts catalogue")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write topology.png and cost.png into DIR")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write fabric-topology.png and fabric-cost.png into DIR")
     a = p.parse_args(argv)
     cat = catalog_mod.load(a.catalog)
     cfg = PlanConfig(gpus=a.gpus, node=a.node, switch=a.switch, planes=a.planes, storage_nodes=a.storage_nodes,

@@ -170,6 +170,9 @@ def plan(config: PlanConfig, catalog: Catalog) -> Plan:
         gpus = design.nodes * node.gpus
         result = allreduce(algo, gpus, config.allreduce_bytes, node, network=net,
                            placement=net.place(design.nodes, "packed"))
+    if f.frames and f.endpoints < f.frames * topology.two_layer_capacity(f.radix) // 2:
+        notes.append(f"most of the {switch.name} frames' ports are unused; --switch {catalog.chip_of(switch).name} "
+                     f"builds only the leaves needed")
     extra = design.nodes * node.gpus - config.gpus
     if extra:
         notes.append(f"{config.gpus} GPUs round up to {design.nodes} nodes ({extra} more GPUs)")

@@ -98,9 +98,9 @@ def plot_allreduce(series: dict[str, list[AllreduceResult]], path: str | Path, *
 
 
 def plot_plan(plan: "Plan", directory: str | Path) -> list[Path]:
-    """``topology.png`` (the design's switches) and ``cost.png`` (against the alternatives)."""
+    """``fabric-topology.png`` (the design's switches) and ``fabric-cost.png`` (against the alternatives)."""
     directory = Path(directory)
-    return [_plot_topology(plan, directory / "topology.png"), _plot_cost(plan, directory / "cost.png")]
+    return [_plot_topology(plan, directory / "fabric-topology.png"), _plot_cost(plan, directory / "fabric-cost.png")]
 
 
 def _plot_topology(plan: "Plan", path: Path) -> Path:
