@@ -36,9 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
@@ -82,7 +83,7 @@ class PlatformBenchConfig:
             raise ValueError(f"ticks must be positive seconds, got {self.ticks}")
 
 
-QUICK = dict(tasks=1_000, nodes=125, users=40, cycles=2, reps=1, ticks=(0.1,))
+QUICK: dict[str, Any] = {"tasks": 1_000, "nodes": 125, "users": 40, "cycles": 2, "reps": 1, "ticks": (0.1,)}
 
 
 def build_config(argv: list[str]) -> PlatformBenchConfig:
@@ -317,7 +318,7 @@ class _LivePlatform:
         n = 2 if args[0] == "platform" else 1  # --home goes after the (sub)command, before a task's "--"
         argv = [sys.executable, "-m", "fireflyer", *args[:n], "--home", str(self.home), *args[n:]]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S)
+            done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=WAIT_S)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"fireflyer {' '.join(args[:2])} did not return in {WAIT_S:g} s") from None
         if done.returncode != 0:
@@ -348,8 +349,11 @@ class _LivePlatform:
         return self.wait(f"{name} of task {chain} attempt {attempt}", lambda: self.mark(name, chain, attempt))
 
     def wait_state(self, chain: int, *states: str) -> Any:
-        return self.wait(f"task {chain} to be {'/'.join(states)}",
-                         lambda: (lambda t: t if t.state in states else None)(self.store.latest(chain)))
+        def reached() -> Any:
+            t = self.store.latest(chain)
+            return t if t.state in states else None
+
+        return self.wait(f"task {chain} to be {'/'.join(states)}", reached)
 
     def finish(self, chain: int) -> None:
         """Stop a chain for good and wait until it has."""
@@ -360,13 +364,13 @@ class _LivePlatform:
         self.wait_state(chain, FINISHED)
 
     def close(self) -> None:
+        from fireflyer.platform.layout import Home
         from fireflyer.platform.local import LocalExecutor
         from fireflyer.platform.store import ACTIVE, Store
-        from fireflyer.platform.layout import Home
 
         try:
             subprocess.run([sys.executable, "-m", "fireflyer", "platform", "stop", "--home", str(self.home)],
-                           capture_output=True, timeout=WAIT_S)
+                           check=False, capture_output=True, timeout=WAIT_S)
         finally:
             store = self.store or (Store(Home(self.home).db) if Home(self.home).db.exists() else None)
             if store is not None:

@@ -30,10 +30,21 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Node, PolicyConfig, Priority, Quotas, Task, schedule
+from fireflyer.platform.policy import (
+    QUEUED,
+    RUNNING,
+    SUSPENDING,
+    Node,
+    PolicyConfig,
+    Priority,
+    Quotas,
+    Task,
+    schedule,
+)
 
 POLICIES = ("hai", "fifo", "fifo_backfill")
 FINISHED = "finished"
