@@ -61,7 +61,8 @@ def run_attempt(tmp_path: Path):
     counter = iter(range(1, 1000))
 
     def start(command: list[str], nodes: list[str], *, ranks_per_node: int = 1, chain: int = 1,
-              attempt: int = 0, timeouts: Timeouts | None = None) -> tuple[AttemptDir, str, Launch]:
+              attempt: int = 0, timeouts: Timeouts | None = None,
+              executor: SlurmExecutor | None = None) -> tuple[AttemptDir, str, Launch]:
         task_id = 900_000 + os.getpid() % 1000 * 100 + next(counter)
         launch = Launch(task_id=task_id, chain_id=chain, attempt=attempt, name="it", user="test",
                         command=tuple(command), nodes=tuple(nodes), ranks_per_node=ranks_per_node,
@@ -70,7 +71,7 @@ def run_attempt(tmp_path: Path):
         adir = AttemptDir(tmp_path / f"task{task_id}")
         adir.create()
         write_json_atomic(adir.spec, launch.to_json())
-        handle = ex.launch(launch, str(adir.root))
+        handle = (executor or ex).launch(launch, str(adir.root))
         jobs.append(handle)
         return adir, handle, launch
 
@@ -91,8 +92,8 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = WAIT_S) -> No
         time.sleep(0.2)
 
 
-def wait_ended(ex: SlurmExecutor, adir: AttemptDir, handle: str) -> dict:
-    wait_for(f"job {handle} to end", lambda: not ex.alive(handle))
+def wait_ended(ex: SlurmExecutor, adir: AttemptDir, handle: str, timeout: float = WAIT_S) -> dict:
+    wait_for(f"job {handle} to end", lambda: not ex.alive(handle), timeout)
     status = read_json(adir.status)
     assert status is not None, f"job {handle} ended without status.json; {_logs(adir)}"
     return status
@@ -252,6 +253,20 @@ def test_slurm_preemption_runs_the_suspend_handshake(nodes, run_attempt, tmp_pat
         ex.kill(high)
 
 
+def test_the_warning_before_a_time_limit_runs_the_suspend_handshake(nodes, run_attempt, tmp_path):
+    """``--signal=B:USR1@S`` with S (suspend-ack + suspend-grace + 10 s) above the one-minute
+    limit: Slurm's next time-limit check (every 30 s or so) signals the batch script."""
+    ex = SlurmExecutor(time_limit="1")
+    cmd = script(tmp_path, "counter.py", COUNTER.replace("TARGET = 500", "TARGET = 100_000"))
+    adir, handle, _ = run_attempt(cmd, nodes[-1:], timeouts=Timeouts(suspend_ack=5, suspend_grace=20), executor=ex)
+    assert ex.state(handle) in ("PENDING", "CONFIGURING", "RUNNING")
+    status = wait_ended(ex, adir, handle, timeout=90)
+    assert status["stop_code"] == StopCode.INTERRUPT, _logs(adir)
+    assert status["signal"] == "SIGUSR1" and "go_suspend" in status["detail"]
+    assert int((tmp_path / "progress").read_text()) > 0
+    assert ex.state(handle) == "COMPLETED", "it ended by the handshake, not by Slurm's kill at the limit"
+
+
 def test_kill_cancels_the_job_and_is_idempotent(nodes, run_attempt, tmp_path):
     ex: SlurmExecutor = run_attempt.executor
     cmd = script(tmp_path, "sleep.py", "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
@@ -276,6 +291,18 @@ def test_drain_and_undrain_a_node(nodes):
         undrain(node)
     wait_for(f"{node} to be usable again", lambda: {n.name: n for n in slurm_nodes()}[node].usable, timeout=10)
     undrain(node)  # not drained: nothing to do
+
+
+def test_a_zone_feature_sets_the_node_zone(nodes):
+    node = nodes[-1]
+    try:
+        run_slurm(["scontrol", "update", f"nodename={node}", "availablefeatures=zone=z1,fast"])
+        found = {n.name: n for n in slurm_nodes()}
+        assert found[node].zone == "z1"
+        assert all(n.zone == "zone0" for name, n in found.items() if name != node)
+    finally:
+        run_slurm(["scontrol", "update", f"nodename={node}", "activefeatures=", "availablefeatures="])
+    assert {n.name: n for n in slurm_nodes()}[node].zone == "zone0"
 
 
 # ---------------------------------------------------------------------- the platform on Slurm
