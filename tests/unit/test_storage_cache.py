@@ -194,3 +194,28 @@ def test_no_tier_and_duplicate_keys_refused():
     c.close()
     with pytest.raises(Exception, match="closed"):
         c.get(keys[0])
+
+
+def _cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_tier_serves_cuda_tensors(tmp_path):
+    import torch
+
+    b, keys = _backend(8)
+    cfg = CacheConfig(gpu_bytes=2 * SIZE, dram_bytes=4 * SIZE, ssd_bytes=8 * SIZE, ssd_dir=str(tmp_path / "ssd"))
+    with ShardCache(b, keys, config=cfg, prefetcher=LocalityPrefetch(distance=1, num_shards=8)) as c:
+        for i, k in enumerate(keys):
+            t = c.get(k)
+            assert t.is_cuda and t.dtype == torch.uint8 and bytes(t.cpu().numpy()) == bytes([i]) * SIZE
+            c.wait_idle()
+        res = c.resident()
+        assert list(res) == ["gpu", "dram", "ssd"] and len(res["gpu"]) == 2 and len(res["dram"]) == 4
+        assert c.stats.hits["gpu"] >= 6
