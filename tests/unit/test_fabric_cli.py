@@ -64,7 +64,7 @@ def test_plan_multiplane(capsys):
     (["simulate", "teleport"], "unknown simulation"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
-    rc, out, err = run(capsys, *argv)
+    rc, _, err = run(capsys, *argv)
     assert rc == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1
@@ -100,7 +100,7 @@ def test_simulate_placement(capsys):
 
 
 def test_bench_fabric_writes_json_and_png(capsys, tmp_path):
-    rc, out, _ = run(capsys, "bench", "fabric", "--sizes", "1000,10000", "--multiplane", "32768", "--repeats", "1",
+    rc, _, _ = run(capsys, "bench", "fabric", "--sizes", "1000,10000", "--multiplane", "32768", "--repeats", "1",
                      "--out", str(tmp_path))
     assert rc == 0
     data = json.loads((tmp_path / "fabric.json").read_text())

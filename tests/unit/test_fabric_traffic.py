@@ -3,8 +3,12 @@
 import pytest
 
 from fireflyer.fabric import paper
-from fireflyer.fabric.traffic import (hfreduce_pcie_units, memory_traffic, ring_pcie_units,
-                                      ring_pcie_units_paper)
+from fireflyer.fabric.traffic import (
+    hfreduce_pcie_units,
+    memory_traffic,
+    ring_pcie_units,
+    ring_pcie_units_paper,
+)
 
 
 @pytest.mark.parametrize("n", [2, 8, 16, 128, 1024])

@@ -6,7 +6,7 @@ import json
 import math
 import re
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError

@@ -21,6 +21,7 @@ memory ceiling and 12.5 GB/s network ceiling are written in; busbw is algbw x 2(
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -30,7 +31,11 @@ from fireflyer.errors import UserError
 from fireflyer.fabric.catalog import NodeSpec
 from fireflyer.fabric.routing import Network, Placement
 from fireflyer.fabric.traffic import memory_traffic
-from fireflyer.fabric.trees import DoubleBinaryTree, double_binary_tree, zoned_double_binary_tree
+from fireflyer.fabric.trees import (
+    DoubleBinaryTree,
+    double_binary_tree,
+    zoned_double_binary_tree,
+)
 
 MiB = 1 << 20
 ALGOS = ("ring", "tree", "hfreduce", "hfreduce-nvlink")
@@ -202,7 +207,7 @@ def _ring(gpus: int, nodes: int, local: int, size: int, node: NodeSpec, network:
     for r in range(rings):
         offset = (r * local) // rings
         order = [(offset + i) % local for i in range(local)]
-        hops = list(zip(order, order[1:])) + ([] if nodes > 1 else [(order[-1], order[0])])
+        hops = list(itertools.pairwise(order)) + ([] if nodes > 1 else [(order[-1], order[0])])
         for a, b in hops:
             if _linked(node, a, b):
                 loads.nvlink = max(loads.nvlink, share)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fireflyer.errors import UserError
 from fireflyer.fabric import topology
 from fireflyer.fabric.catalog import Catalog, NodeSpec, SwitchSpec
-from fireflyer.fabric.collectives import MiB, AllreduceResult, allreduce
+from fireflyer.fabric.collectives import AllreduceResult, MiB, allreduce
 from fireflyer.fabric.cost import Cost, NodeComparison, compare_nodes, cost_of
 from fireflyer.fabric.routing import Network
 from fireflyer.fabric.topology import Fabric
@@ -194,8 +194,8 @@ def render(p: Plan) -> str:
     f = d.fabric
     node = d.node
     lines = [
-        f"{p.config.gpus:,} GPUs on {d.nodes:,} {node.name} nodes "
-        f"({node.gpus} GPUs, {node.nics}x {node.nic_gbps:g}G NIC each)",
+        (f"{p.config.gpus:,} GPUs on {d.nodes:,} {node.name} nodes "
+         f"({node.gpus} GPUs, {node.nics}x {node.nic_gbps:g}G NIC each)"),
         f"network: {f.kind} of {d.switch.name} ({f.radix}-port, {d.switch.gbps:g}G)"
         + (f"; {f.notes[0]}" if f.notes else ""),
         "",
@@ -230,21 +230,23 @@ def render(p: Plan) -> str:
     lines += _table(heads, rows)
     if p.dgx is not None:
         base = p.dgx.cost
-        lines += ["", f"against {p.dgx.node.name}: total price {d.cost.total / base.total:.0%}, "
-                      f"network price {d.cost.network / base.network:.0%}, power {d.cost.power_w / base.power_w:.0%}"]
+        lines += ["", (f"against {p.dgx.node.name}: total price {d.cost.total / base.total:.0%}, "
+                       f"network price {d.cost.network / base.network:.0%}, "
+                       f"power {d.cost.power_w / base.power_w:.0%}")]
     if p.three_layer is not None:
         lines.append(f"network saving against the PCIe three-layer fat tree: "
                      f"{1 - d.cost.network / p.three_layer.cost.network:.0%}")
     c = p.nodes_compared
     if c is not None:
-        lines += ["", f"per GPU, {c.ours} against {c.theirs}: GEMM TF32 {c.tf32_ratio:.0%}, FP16 {c.fp16_ratio:.0%} "
-                      f"(relative performance {c.relative_performance:.0%}), price {c.price_ratio:.0%}, "
-                      f"cost-performance {c.cost_performance:.2f}, power {c.power_ratio:.0%}"]
+        lines += ["", (f"per GPU, {c.ours} against {c.theirs}: GEMM TF32 {c.tf32_ratio:.0%}, "
+                       f"FP16 {c.fp16_ratio:.0%} (relative performance {c.relative_performance:.0%}), "
+                       f"price {c.price_ratio:.0%}, cost-performance {c.cost_performance:.2f}, "
+                       f"power {c.power_ratio:.0%}")]
     r = p.allreduce
     if r is not None:
-        lines += ["", f"{r.algo} allreduce of {r.size_bytes / MiB:g} MiB over all {r.gpus:,} GPUs "
-                      f"(tree depth {r.tree_depth}): {r.seconds * 1000:.1f} ms, algbw {r.algbw_gb_s:.2f} GB/s, "
-                      f"busbw {r.busbw_gb_s:.2f} GB/s; bottleneck: {r.bottleneck}"]
+        lines += ["", (f"{r.algo} allreduce of {r.size_bytes / MiB:g} MiB over all {r.gpus:,} GPUs "
+                       f"(tree depth {r.tree_depth}): {r.seconds * 1000:.1f} ms, algbw {r.algbw_gb_s:.2f} GB/s, "
+                       f"busbw {r.busbw_gb_s:.2f} GB/s; bottleneck: {r.bottleneck}")]
     for note in p.notes:
         lines.append(f"note: {note}")
     lines.append("prices in Table III units (one PCIe A100 node = 9); override with --catalog FILE")

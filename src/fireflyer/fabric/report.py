@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from fireflyer.fabric import paper
 from fireflyer.fabric.collectives import ALGO_TITLES, AllreduceResult
@@ -97,13 +98,13 @@ def plot_allreduce(series: dict[str, list[AllreduceResult]], path: str | Path, *
     return _save(fig, path)
 
 
-def plot_plan(plan: "Plan", directory: str | Path) -> list[Path]:
+def plot_plan(plan: Plan, directory: str | Path) -> list[Path]:
     """``fabric-topology.png`` (the design's switches) and ``fabric-cost.png`` (against the alternatives)."""
     directory = Path(directory)
     return [_plot_topology(plan, directory / "fabric-topology.png"), _plot_cost(plan, directory / "fabric-cost.png")]
 
 
-def _plot_topology(plan: "Plan", path: Path) -> Path:
+def _plot_topology(plan: Plan, path: Path) -> Path:
     plt = _pyplot()
     from matplotlib.patches import Rectangle
 
@@ -148,7 +149,7 @@ def _plot_topology(plan: "Plan", path: Path) -> Path:
     return _save(fig, path)
 
 
-def _plot_cost(plan: "Plan", path: Path) -> Path:
+def _plot_cost(plan: Plan, path: Path) -> Path:
     plt = _pyplot()
     designs = plan.designs()
     names = ["this design"] + [("PCIe 3-layer" if d is plan.three_layer else d.node.name) for d in designs[1:]]

@@ -14,7 +14,11 @@ from fireflyer.fabric.collectives import AllreduceResult, sweep
 from fireflyer.fabric.cost import compare_nodes
 from fireflyer.fabric.plan import PlanConfig, plan
 from fireflyer.fabric.routing import Network
-from fireflyer.fabric.traffic import memory_traffic, ring_pcie_units, ring_pcie_units_paper
+from fireflyer.fabric.traffic import (
+    memory_traffic,
+    ring_pcie_units,
+    ring_pcie_units_paper,
+)
 
 FIG7A_GPUS = [16, 32, 64, 128, 256, 512, 1024, 1440]
 FIG7B_GPUS = [16, 32, 64, 128, 256, 512, 1024]

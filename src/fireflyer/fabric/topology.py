@@ -11,7 +11,7 @@ Pure functions on plain numbers; :class:`Fabric` is what the cost model and the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fireflyer.errors import UserError
 
@@ -239,13 +239,7 @@ def planes_of(fabric_per_plane: Fabric, planes: int) -> Fabric:
     """``planes`` copies of one plane's design (section IX's multi-plane network)."""
     if planes < 1:
         raise UserError(f"planes must be at least 1, got {planes}")
-    return _replace(fabric_per_plane, planes=planes)
-
-
-def _replace(f: Fabric, **changes: object) -> Fabric:
-    from dataclasses import replace
-
-    return replace(f, **changes)
+    return replace(fabric_per_plane, planes=planes)
 
 
 def _check_endpoints(endpoints: int) -> None:
