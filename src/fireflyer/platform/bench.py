@@ -336,6 +336,12 @@ class _LivePlatform:
         except (FileNotFoundError, ValueError):
             return None
 
+    def status_time(self, task_id: int) -> float:
+        """When the attempt's supervisor wrote how it ended (its ranks had stopped)."""
+        from fireflyer.platform.layout import Home
+
+        return Home(self.home).attempt(task_id).status.stat().st_mtime
+
     def wait(self, what: str, pred: Callable[[], Any], timeout: float = WAIT_S) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -401,9 +407,10 @@ def _roundtrip_once(p: _LivePlatform) -> dict[str, float]:
     if not first.stop_code & StopCode.INTERRUPT:
         raise RuntimeError(f"task {chain}'s first attempt ended {first.stop_code}, not INTERRUPT: {first.detail}")
     ack = p.wait_mark("ack", chain, 0)
+    ended = p.status_time(first.id)
     p.finish(chain)
     return {"cold_start_s": ready0 - t_submit, "suspend_cli_s": t_cli - t0, "acknowledged_s": ack - t0,
-            "stopped_s": first.finished_at - t0, "resume_issued_s": t_res - t0,
+            "supervisor_stopped_s": ended - t0, "stopped_s": first.finished_at - t0, "resume_issued_s": t_res - t0,
             "rescheduled_after_resume_s": second.started_at - t_res, "running_after_resume_s": ready1 - t_res,
             "total_s": ready1 - t0}
 
@@ -535,7 +542,8 @@ def _print(r: dict[str, Any]) -> None:
         x = rt["roundtrip"]
         cold = x["cold_start_s"]["median"]
         for label, key in (("suspend → job acknowledged", "acknowledged_s"),
-                           ("suspend → attempt stopped (INTERRUPT)", "stopped_s"),
+                           ("suspend → ranks stopped (supervisor's status)", "supervisor_stopped_s"),
+                           ("suspend → stop recorded (INTERRUPT, held)", "stopped_s"),
                            ("resume → attempt scheduled", "rescheduled_after_resume_s"),
                            ("resume → ranks running", "running_after_resume_s"),
                            ("suspend → resumed ranks running (total)", "total_s"),
