@@ -48,7 +48,12 @@ def test_any_records_any_batch(tmp_path_factory, recs, rps, picks, threads):
 def test_append_reopens_the_short_last_shard(tmp_path):
     _write(tmp_path, [b"a", b"b", b"c"], rps=2)
     with RecordWriter(tmp_path) as w:
-        assert w.append(b"d") == 3 and w.append(b"e") == 4
+        assert w.count == 3
+        assert w.append(b"d") == 3
+        # the completed shard is committed under a new name; the short one is gone only after the manifest switched
+        m = json.loads((tmp_path / MANIFEST).read_text())
+        assert m["shards"][1]["data"] == "shard-00001.1.rec" and not (tmp_path / "shard-00001.rec").exists()
+        assert w.append(b"e") == 4
     m = json.loads((tmp_path / MANIFEST).read_text())
     assert [s["records"] for s in m["shards"]] == [2, 2, 1]
     with RecordReader(tmp_path) as r:
@@ -64,7 +69,31 @@ def test_unclosed_writer_keeps_committed_shards_only(tmp_path):
     # no close(): the third record's shard was never committed, the first shard is whole
     with RecordReader(tmp_path) as r:
         assert len(r) == 2 and r.read(1) == b"2"
+    w.abort()
     assert not [n for n in os.listdir(tmp_path) if ".tmp." in n]
+
+
+def test_an_exception_in_the_with_block_commits_nothing_new(tmp_path):
+    _write(tmp_path, [b"a", b"b", b"c"], rps=2)
+    with pytest.raises(RuntimeError):
+        with RecordWriter(tmp_path) as w:
+            w.append(b"d")  # completes shard 1 under a new name: committed
+            w.append(b"e")  # in the spool only
+            raise RuntimeError("job killed")
+    with RecordReader(tmp_path) as r:
+        assert [r.read(i) for i in range(len(r))] == [b"a", b"b", b"c", b"d"]
+    assert not [n for n in os.listdir(tmp_path) if ".tmp." in n]
+
+
+def test_append_over_a_non_posix_backend():
+    b = MemoryBackend()
+    _write(b, [b"1", b"2", b"3"], rps=2)
+    with RecordWriter(b) as w:
+        w.extend([b"4", b"5"])
+    with RecordReader(b) as r:
+        assert r.read_many(list(range(5))) == [b"1", b"2", b"3", b"4", b"5"]
+    assert sorted(k for k in b.objects if k.endswith(".rec")) == ["shard-00000.rec", "shard-00001.1.rec",
+                                                                  "shard-00002.rec"]
 
 
 def test_from_numpy_and_decode(tmp_path):

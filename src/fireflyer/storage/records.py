@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ import numpy as np
 
 from fireflyer.storage.backends import Backend, LocalBackend, open_backend
 from fireflyer.storage.errors import CorruptRecord, DatasetError, NotFound
+from fireflyer.storage.fsutil import fsync_dir
 
 MANIFEST = "dataset.json"
 _MAGIC = b"FFRIDX1\x00"
@@ -60,9 +62,12 @@ class WriterConfig:
 class RecordWriter:
     """Append records to a dataset; ``close()`` (or leaving the ``with`` block) commits the last shard.
 
-    Opening an existing dataset appends to it: new records get the next ids. A partially
-    filled last shard is completed by writing a new, longer copy of it (atomically), so
-    every shard but the last stays exactly ``records_per_shard`` long.
+    Records stream into a spool file (beside the shards on a POSIX backend, so the commit
+    is a rename; in the temporary directory otherwise, then uploaded), so a shard never has
+    to fit in memory. Opening an existing dataset appends to it: new records get the next
+    ids. A short last shard is completed under a new name and swapped in by the manifest,
+    and the old files are removed only after that: a reader, or a crash, never sees a
+    shard half rewritten.
     """
 
     def __init__(self, root: str | os.PathLike | Backend, *, records_per_shard: int | None = None,
@@ -76,7 +81,7 @@ class RecordWriter:
             cfg = WriterConfig(records_per_shard=records_per_shard or WriterConfig().records_per_shard)
             self.manifest: dict[str, Any] = {"version": FORMAT_VERSION, "records": 0,
                                              "records_per_shard": cfg.records_per_shard, "shards": [],
-                                             "meta": meta or {}}
+                                             "generation": 0, "meta": meta or {}}
         else:
             self.manifest = manifest
             if records_per_shard is not None and records_per_shard != manifest["records_per_shard"]:
@@ -85,16 +90,23 @@ class RecordWriter:
             if meta is not None and meta != manifest.get("meta", {}):
                 raise ValueError("meta differs from the dataset's; appending records of another kind is refused")
         self.rps = int(self.manifest["records_per_shard"])
-        self._data = bytearray()
         self._entries: list[tuple[int, int, int]] = []
-        shards = self.manifest["shards"]
-        if shards and shards[-1]["records"] < self.rps:  # reopen the short last shard
-            last = shards.pop()
-            reader_entries = _read_index(self.backend, last, self.rps)
-            self._data = bytearray(self.backend.read(last["data"]))
-            self._entries = [tuple(int(x) for x in e) for e in reader_entries]  # type: ignore[misc]
-            self.manifest["records"] -= last["records"]
+        self._size = 0
+        self._spool: Any = None
+        self._spool_path = ""
+        self._name = ""
+        self._replaces: dict[str, Any] | None = None
         self._closed = False
+        shards = self.manifest["shards"]
+        if shards and shards[-1]["records"] < self.rps:  # complete the short last shard under a new name
+            last = shards[-1]
+            entries = _read_index(self.backend, last, self.rps)
+            self.manifest["generation"] = int(self.manifest.get("generation", 0)) + 1
+            self._replaces = last
+            self._open_spool(len(shards) - 1)
+            self._spool.write(self.backend.read(last["data"]))
+            self._entries = [(int(e["offset"]), int(e["length"]), int(e["crc"])) for e in entries]
+            self._size = int(last["bytes"])
 
     def __enter__(self) -> "RecordWriter":
         return self
@@ -102,11 +114,26 @@ class RecordWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self.abort()
 
     @property
     def count(self) -> int:
         """Records written so far (committed or not)."""
-        return int(self.manifest["records"]) + len(self._entries)
+        committed = int(self.manifest["records"]) - (int(self._replaces["records"]) if self._replaces else 0)
+        return committed + len(self._entries)
+
+    def _open_spool(self, n: int) -> None:
+        gen = int(self.manifest.get("generation", 0))
+        self._name = _shard_name(n) + (f".{gen}" if self._replaces is not None else "")
+        local = self.backend.local_path(f"{self._name}.rec")
+        if local is not None:
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            self._spool_path = f"{local}.tmp.{os.getpid()}"
+            self._spool = open(self._spool_path, "wb")
+        else:
+            fd, self._spool_path = tempfile.mkstemp(prefix="fireflyer-records-", suffix=".rec")
+            self._spool = os.fdopen(fd, "wb")
 
     def append(self, record: bytes | bytearray | memoryview) -> int:
         """Add one record; returns its sample id."""
@@ -116,8 +143,11 @@ class RecordWriter:
         if len(data) >= 1 << 32:
             raise ValueError(f"a record must be under 4 GiB, got {len(data)} bytes")
         sid = self.count
-        self._entries.append((len(self._data), len(data), zlib.crc32(data)))
-        self._data += data
+        if self._spool is None:
+            self._open_spool(len(self.manifest["shards"]))
+        self._spool.write(data)
+        self._entries.append((self._size, len(data), zlib.crc32(data)))
+        self._size += len(data)
         if len(self._entries) == self.rps:
             self._flush()
         return sid
@@ -127,21 +157,42 @@ class RecordWriter:
             self.append(r)
 
     def _flush(self) -> None:
-        if not self._entries:
+        if self._spool is None:
             return
-        n = len(self.manifest["shards"])
-        name = _shard_name(n)
+        name = self._name
         entries = np.array(self._entries, dtype=ENTRY)
         body = entries.tobytes()
-        header = _HEADER.pack(_MAGIC, len(entries), len(self._data), zlib.crc32(body))
-        self.backend.write(f"{name}.rec", bytes(self._data))  # data first, then its index, then the manifest
+        header = _HEADER.pack(_MAGIC, len(entries), self._size, zlib.crc32(body))
+        self._spool.flush()
+        os.fsync(self._spool.fileno())
+        self._spool.close()
+        self._spool = None
+        local = self.backend.local_path(f"{name}.rec")
+        try:  # data first, then its index, then the manifest that names them
+            if local is not None:
+                os.replace(self._spool_path, local)
+                fsync_dir(os.path.dirname(local))
+            else:
+                self.backend.upload(f"{name}.rec", self._spool_path)
+        finally:
+            if os.path.exists(self._spool_path):
+                os.unlink(self._spool_path)
         self.backend.write(f"{name}.idx", header + body)
-        self.manifest["shards"].append({"data": f"{name}.rec", "index": f"{name}.idx", "records": len(entries),
-                                        "bytes": len(self._data)})
-        self.manifest["records"] += len(entries)
+        shard = {"data": f"{name}.rec", "index": f"{name}.idx", "records": len(entries), "bytes": self._size}
+        old = self._replaces
+        if old is not None:
+            self.manifest["shards"][-1] = shard
+            self.manifest["records"] += len(entries) - int(old["records"])
+        else:
+            self.manifest["shards"].append(shard)
+            self.manifest["records"] += len(entries)
         self.backend.write(MANIFEST, json.dumps(self.manifest, indent=1).encode())
-        self._data = bytearray()
+        if old is not None and old["data"] != shard["data"]:  # no longer named: safe to remove
+            self.backend.delete(old["data"])
+            self.backend.delete(old["index"])
+        self._replaces = None
         self._entries = []
+        self._size = 0
 
     def close(self) -> None:
         """Commit the last (short) shard and the manifest."""
@@ -150,6 +201,15 @@ class RecordWriter:
         self._flush()
         if not self.manifest["shards"]:
             self.backend.write(MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        self._closed = True
+
+    def abort(self) -> None:
+        """Drop the records not yet committed (the dataset stays as the manifest last said)."""
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
+            if os.path.exists(self._spool_path):
+                os.unlink(self._spool_path)
         self._closed = True
 
 
