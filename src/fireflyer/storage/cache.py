@@ -232,6 +232,7 @@ class ShardCache:
         self.stats = CacheStats(hits={t.name: 0 for t in self.tiers} | {"backend": 0, "top": 0},
                                 bytes_moved={t.name: 0 for t in self.tiers})
         self._lock = threading.Lock()
+        self._policy_lock = threading.Lock()
         self._inflight: dict[str, threading.Event] = {}
         self._steps = 0
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -269,8 +270,10 @@ class ShardCache:
         if self.prefetcher is None or key not in self._index:
             return
         shard = self._index[key]
-        self.prefetcher.observe(step, shard)
-        for s in self.prefetcher.candidates(step, shard):
+        with self._policy_lock:  # policies keep state; readers on several threads take turns
+            self.prefetcher.observe(step, shard)
+            wanted = self.prefetcher.candidates(step, shard)
+        for s in wanted:
             if 0 <= s < len(self.keys) and s != shard:
                 self._enqueue(self.keys[s])
 

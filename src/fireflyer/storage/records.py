@@ -280,7 +280,7 @@ class RecordReader:
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._local = all(self.backend.local_path(s["data"]) for s in self.shards)
+        self._local = self.backend.positional_reads and all(self.backend.local_path(s["data"]) for s in self.shards)
 
     def __len__(self) -> int:
         return self._len

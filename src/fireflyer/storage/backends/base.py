@@ -45,6 +45,8 @@ class Backend:
     """Where shards and checkpoints are stored, addressed by ``/``-separated keys."""
 
     name = "backend"
+    positional_reads = False
+    """True where :meth:`local_path` files are best read with ``os.pread`` (a POSIX mount)."""
 
     def __init__(self, *, retry: RetryConfig | None = None) -> None:
         self.retry = retry or RetryConfig()

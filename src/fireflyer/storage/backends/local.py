@@ -13,6 +13,7 @@ class LocalBackend(Backend):
     """Keys are paths under ``root``; writes go through a temporary file, fsync and rename."""
 
     name = "local"
+    positional_reads = True
 
     def __init__(self, root: str | os.PathLike, *, retry: RetryConfig | None = None, create: bool = True) -> None:
         super().__init__(retry=retry)

@@ -29,6 +29,7 @@ class ThreeFSBackend(LocalBackend):
     """A directory on a 3FS mount, read with USRBIO."""
 
     name = "3fs"
+    positional_reads = False  # record reads go through read_range, i.e. the USRBIO ring
 
     def __init__(self, root: str | os.PathLike, *, mount_point: str | None = None, buffer_bytes: int = 64 << 20,
                  ring_entries: int = 64, retry: RetryConfig | None = None) -> None:
