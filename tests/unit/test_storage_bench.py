@@ -1,4 +1,4 @@
-"""``fireflyer bench storage`` end to end on a tiny config: it runs, checks bytes, writes JSON and PNG (no timings asserted)."""
+"""``fireflyer bench storage`` on a tiny config: it runs, checks bytes, writes JSON and PNG (no timing asserted)."""
 
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ def build_config(argv: list[str]) -> StorageBenchConfig:
         return StorageBenchConfig(samples=a.samples, sample_kb=a.sample_kb, reads=a.reads, batch=a.batch,
                                   threads=threads, shard_kb=a.shard_kb, trace_len=a.trace_len,
                                   latency_ms=a.latency_ms, backend_mbps=a.backend_mbps, compute_ms=a.compute_ms,
-                                  prefetch_threads=a.prefetch_threads, distances=distances, directory=a.dir, out_dir=a.out)
+                                  prefetch_threads=a.prefetch_threads, distances=distances, directory=a.dir,
+                                  out_dir=a.out)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

@@ -47,7 +47,8 @@ def build_config(argv: list[str]) -> tuple[SimConfig, Any]:
     add("--distances", default=",".join(map(str, d.distances)), help="prefetch distances swept (default 1,2,3,4)")
     add("--penalty", type=int, default=d.penalty,
         help=f"stretch: cost of a speculative load missed by the next --window accesses (default {d.penalty})")
-    add("--window", type=int, default=d.window, help=f"stretch: accesses a prefetch has to be used (default {d.window})")
+    add("--window", type=int, default=d.window,
+        help=f"stretch: accesses a prefetch has to be used in (default {d.window})")
     add("--thresholds", default=",".join(f"{t:g}" for t in d.thresholds),
         help="stretch: confidence thresholds swept for the prefetch queue")
     add("--admission-window", type=int, default=d.admission_window,
@@ -121,7 +122,8 @@ def render(r: dict[str, Any]) -> str:
                f"{b['hits']} at {b['cost']}")
     ac = a["same_cost"]
     if ac["lru"] and ac["admission"]:
-        out.append(f"  admission vs LRU, cost <= {ac['cost_cap']}: {ac['admission']['label']} {ac['admission']['hits']} "
+        adm = ac["admission"]
+        out.append(f"  admission vs LRU, cost <= {ac['cost_cap']}: {adm['label']} {adm['hits']} "
                    f"hits at {ac['admission']['cost']} vs {ac['lru']['label']} {ac['lru']['hits']} at "
                    f"{ac['lru']['cost']}")
     lat = s["latency"]

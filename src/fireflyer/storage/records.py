@@ -266,7 +266,7 @@ class RecordReader:
                                f"reads version {FORMAT_VERSION}")
         self.rps = int(self.manifest["records_per_shard"])
         self.shards = self.manifest["shards"]
-        for k, s in enumerate(self.shards[:-1]):
+        for s in self.shards[:-1]:
             if s["records"] != self.rps:
                 raise DatasetError(f"shard {s['data']} has {s['records']} records; every shard but the last must have "
                                    f"{self.rps}")
@@ -311,7 +311,8 @@ class RecordReader:
                     try:
                         fd = os.open(path, os.O_RDONLY)
                     except FileNotFoundError:
-                        raise DatasetError(f"shard {self.shards[s]['data']} disappeared from {self.backend!r}") from None
+                        name = self.shards[s]["data"]
+                        raise DatasetError(f"shard {name} disappeared from {self.backend!r}") from None
                     self._fds[s] = fd
         return fd
 
@@ -373,7 +374,7 @@ class RecordReader:
                 blob = self.backend.read_range(self.shards[s]["data"], start, total)
                 pieces = [blob[locs[k][1] - start:locs[k][1] - start + locs[k][2]] for k in uniq]
             by_id = {}
-            for k, piece in zip(uniq, pieces):
+            for k, piece in zip(uniq, pieces, strict=True):
                 self._check(s, locs[k][1], piece, locs[k][3], locs[k][2])
                 by_id[int(ids[k])] = bytes(piece)
             for k in run:

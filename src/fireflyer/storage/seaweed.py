@@ -97,7 +97,7 @@ class SeaweedS3:
             time.sleep(0.25)
 
     def _answers(self) -> bool:
-        """The gateway answers HTTP, and the filer behind it is up (a listing of a missing bucket is refused, not 5xx)."""
+        """The gateway answers, and the filer behind it is up (a missing bucket is refused, not a 5xx)."""
         try:
             urllib.request.urlopen(self.endpoint + "/fireflyer-probe-bucket", timeout=2)
         except urllib.error.HTTPError as exc:

@@ -67,7 +67,8 @@ class Backend:
 
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` under ``key`` atomically: readers see the old object or the new one, whole."""
-        self._call("write", check_key(key), lambda: self._write(key, bytes(data) if isinstance(data, bytearray) else data))
+        payload = bytes(data) if isinstance(data, bytearray) else data
+        self._call("write", check_key(key), lambda: self._write(key, payload))
 
     def size(self, key: str) -> int:
         return self._call("stat", check_key(key), lambda: self._size(key))

@@ -85,8 +85,8 @@ class S3Backend(Backend):
         return False
 
     def _transient(self, exc: BaseException) -> bool:
-        from botocore.exceptions import (ClientError, ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
-                                         ReadTimeoutError)
+        from botocore.exceptions import (ClientError, ConnectionClosedError, ConnectTimeoutError,
+                                         EndpointConnectionError, ReadTimeoutError)
 
         if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError)):
             return True
