@@ -17,7 +17,7 @@ from fireflyer.platform.policy import PolicyConfig, schedule
 def test_the_bench_runs_at_tiny_sizes_and_writes_json_and_png(tmp_path):
     out = tmp_path / "out"
     rc = bench.main(["--quick", "--skip-roundtrip", "--tasks", "150", "--nodes", "40", "--cycles", "1",
-                     "--sim-nodes", "32", "--sim-hours", "4", "--out", str(out)])
+                     "--sim-nodes", "32", "--sim-hours", "4", "--day-seeds", "2", "--out", str(out)])
     assert rc == 0
     doc = json.loads((out / "bench-platform.json").read_text())
     assert (out / "bench-platform.png").stat().st_size > 0
@@ -28,6 +28,7 @@ def test_the_bench_runs_at_tiny_sizes_and_writes_json_and_png(tmp_path):
     day = doc["day"]
     assert set(day["policies"]) == {"hai", "fifo", "fifo_backfill"}
     assert day["config"]["nodes"] == 32 and day["ratio_utilisation_hai_to_fifo"] > 0
+    assert [x["seed"] for x in day["seeds"]] == [0, 1]
     assert doc["command"][:3] == ["fireflyer", "bench", "platform"]
 
 

@@ -71,10 +71,12 @@ class PlatformBenchConfig:
     sim_hours: float = 24.0
     sim_step_s: float = 60.0
     seed: int = 0
+    day_seeds: int = 5
+    """The day is also simulated with this many seeds (seed, seed+1, ...), to show how much one day's ratios vary."""
     out_dir: str = "runs/bench-platform"
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "nodes", "zones", "users", "cycles", "reps", "sim_nodes", "sim_zones"):
+        for name in ("tasks", "nodes", "zones", "users", "cycles", "reps", "sim_nodes", "sim_zones", "day_seeds"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.zones > self.nodes:
@@ -102,6 +104,7 @@ def build_config(argv: list[str]) -> PlatformBenchConfig:
     p.add_argument("--sim-hours", type=float, help=f"simulated hours (default {d.sim_hours:g})")
     p.add_argument("--sim-step", type=float, help=f"simulated seconds per scheduling cycle (default {d.sim_step_s:g})")
     p.add_argument("--seed", type=int, help=f"workload seed (default {d.seed})")
+    p.add_argument("--day-seeds", type=int, help=f"seeds the day's ratios are also given for (default {d.day_seeds})")
     a = p.parse_args(argv)
     changes: dict[str, Any] = dict(QUICK) if a.quick else {}
     try:
@@ -110,7 +113,8 @@ def build_config(argv: list[str]) -> PlatformBenchConfig:
         raise UserError(f"--ticks takes comma-separated seconds, got {a.ticks!r}") from None
     changes.update({k: v for k, v in {
         "tasks": a.tasks, "nodes": a.nodes, "cycles": a.cycles, "reps": a.reps, "ticks": ticks,
-        "sim_nodes": a.sim_nodes, "sim_hours": a.sim_hours, "sim_step_s": a.sim_step, "seed": a.seed}.items()
+        "sim_nodes": a.sim_nodes, "sim_hours": a.sim_hours, "sim_step_s": a.sim_step, "seed": a.seed,
+        "day_seeds": a.day_seeds}.items()
         if v is not None})
     changes.update(out_dir=a.out, skip_roundtrip=a.skip_roundtrip)
     try:
@@ -475,6 +479,19 @@ def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
         return a / b if b else None
 
     hi = [p.name for p in (Priority.EXTREME_HIGH, Priority.VERY_HIGH, Priority.HIGH) if p.name in hai["wait_s"]]
+    seeds = []
+    for seed in range(cfg.seed, cfg.seed + cfg.day_seeds):
+        day = sim.make_workload(seed=seed, max_nodes=cfg.sim_nodes)
+        other = {name: r.summary() for name, r in sim.compare(day, scfg).items()}
+        h, f = other["hai"], other["fifo"]
+        seeds.append({"seed": seed, "offered_node_hours": sum(j.nodes * j.work_s for j in day) / 3600,
+                      "utilisation": {n: o["utilisation"] for n, o in other.items()},
+                      "useful_utilisation": {n: o["useful_utilisation"] for n, o in other.items()},
+                      "ratio_utilisation_hai_to_fifo": ratio(h["utilisation"], f["utilisation"]),
+                      "ratio_useful_utilisation_hai_to_fifo": ratio(h["useful_utilisation"], f["useful_utilisation"]),
+                      "ratio_high_wait_mean_hai_to_fifo": ratio(h["wait_s"]["HIGH"]["mean_s"],
+                                                                f["wait_s"]["HIGH"]["mean_s"])
+                      if "HIGH" in h["wait_s"] else None})
     return {
         "config": asdict(scfg), "seed": cfg.seed, "simulate_s": elapsed,
         "workload": [{"name": c.name, "priority": c.priority.name, "count": c.count, "sizes": list(c.sizes),
@@ -490,6 +507,7 @@ def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
         "ratio_wait_hai_to_fifo": {p: {"mean": ratio(hai["wait_s"][p]["mean_s"], fifo["wait_s"][p]["mean_s"]),
                                        "p95": ratio(hai["wait_s"][p]["p95_s"], fifo["wait_s"][p]["p95_s"])}
                                    for p in hi},
+        "seeds": seeds,
     }
 
 
@@ -582,6 +600,14 @@ def _print(r: dict[str, Any]) -> None:
             t.add_row(f"{prio} wait {stat[:-2]}", *[f"{v / 60:.1f} min" for v in vals],
                       f"{pol['hai']['wait_s'][prio][stat] / f:.3f}" if f else "-")
     console.print(t)
+    if d["seeds"]:
+        def spread(key: str) -> str:
+            vals = [x[key] for x in d["seeds"] if x[key] is not None]
+            return f"median {statistics.median(vals):.3f} (min {min(vals):.3f}, max {max(vals):.3f})"
+
+        console.print(f"  over seeds {d['seeds'][0]['seed']}..{d['seeds'][-1]['seed']}: hai/fifo utilisation "
+                      f"{spread('ratio_utilisation_hai_to_fifo')}; useful {spread('ratio_useful_utilisation_hai_to_fifo')}"
+                      f"; HIGH mean wait {spread('ratio_high_wait_mean_hai_to_fifo')}")
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
