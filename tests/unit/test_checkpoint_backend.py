@@ -37,8 +37,10 @@ def test_save_to_backend_and_load_on_a_fresh_node(tmp_path):
     assert fresh.latest() == 3
     _equal(fresh.load(), _state(3))
     _equal(fresh.load(2), _state(2))
-    with pytest.raises(NoCheckpoint):
+    with pytest.raises(NoCheckpoint, match="step 1 in MemoryBackend"):
         fresh.load(1)
+    with pytest.raises(NoCheckpoint, match="no committed checkpoint in MemoryBackend"):
+        CheckpointManager(tmp_path / "node-c", rank=0, world_size=1, backend=MemoryBackend()).load()
 
 
 def test_two_ranks_on_two_nodes_commit_through_the_backend(tmp_path):

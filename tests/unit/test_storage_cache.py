@@ -6,6 +6,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fireflyer.storage.backends.memory import MemoryBackend
 from fireflyer.storage.cache import CacheConfig, ShardCache
@@ -219,3 +221,20 @@ def test_gpu_tier_serves_cuda_tensors(tmp_path):
         res = c.resident()
         assert list(res) == ["gpu", "dram", "ssd"] and len(res["gpu"]) == 2 and len(res["dram"]) == 4
         assert c.stats.hits["gpu"] >= 6
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000), shards=st.integers(3, 30), hbm=st.integers(1, 5), dram=st.integers(1, 10),
+       d=st.integers(0, 3))
+def test_matches_the_simulator_on_random_configs(tmp_path_factory, seed, shards, hbm, dram, d):
+    cfg = SimConfig(seed=seed, shards=shards, hbm_slots=hbm, dram_slots=dram, trace_len=120)
+    trace = make_trace(cfg)
+    sim = simulate(trace, cfg, LocalityPrefetch(distance=d, num_shards=shards) if d else None)
+    b, keys = _backend(shards)
+    cc = CacheConfig(dram_bytes=hbm * SIZE, ssd_bytes=dram * SIZE, ssd_dir=str(tmp_path_factory.mktemp("ssd")))
+    with ShardCache(b, keys, config=cc,
+                    prefetcher=LocalityPrefetch(distance=d, num_shards=shards) if d else None) as cache:
+        for s in trace:
+            cache.get(keys[s])
+            cache.wait_idle()
+        assert cache.stats.hits["top"] == sim.hits

@@ -346,6 +346,9 @@ class CheckpointManager:
             self.backend.write(f"{os.path.basename(d)}/{MANIFEST}", manifest)
             self.backend.write(f"{os.path.basename(d)}/{COMMIT}", json.dumps(commit).encode())
 
+    def _where(self) -> str:
+        return repr(self.backend) if self.backend is not None else self.root
+
     def _committed(self) -> list[int]:
         if self.backend is not None:
             return remote.committed_steps(self.backend)
@@ -411,11 +414,11 @@ class CheckpointManager:
         """
         if step is not None:
             if step not in self._committed():
-                raise NoCheckpoint(f"there is no committed checkpoint of step {step} in {self.root}")
+                raise NoCheckpoint(f"there is no committed checkpoint of step {step} in {self._where()}")
             return self._load(step)
         steps = self._committed()
         if not steps:
-            raise NoCheckpoint(f"there is no committed checkpoint in {self.root}")
+            raise NoCheckpoint(f"there is no committed checkpoint in {self._where()}")
         problems = []
         for s in reversed(steps):
             try:
@@ -423,7 +426,7 @@ class CheckpointManager:
             except CorruptCheckpoint as exc:
                 problems.append(str(exc))
                 warnings.warn(f"checkpoint of step {s} is damaged ({exc}); trying the previous one", stacklevel=2)
-        raise NoCheckpoint("no intact committed checkpoint in " + self.root + ": " + "; ".join(problems))
+        raise NoCheckpoint("no intact committed checkpoint in " + self._where() + ": " + "; ".join(problems))
 
     def _load(self, step: int) -> Any:
         d = step_dir(self.root, step)
