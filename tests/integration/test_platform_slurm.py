@@ -246,7 +246,7 @@ def test_slurm_preemption_runs_the_suspend_handshake(nodes, run_attempt, tmp_pat
     try:
         status = wait_ended(ex, adir, handle)
         assert status["stop_code"] == StopCode.INTERRUPT, _logs(adir)
-        assert status["signal"] == "SIGUSR1" and "go_suspend" in status["detail"]
+        assert adir.flag("suspend").read_text().startswith("signal SIGUSR1") and "go_suspend" in status["detail"]
         assert 0 < int((tmp_path / "progress").read_text()) < 500
         wait_for("the high-priority job to run", lambda: ex.state(high) == "COMPLETED")
     finally:
@@ -262,8 +262,11 @@ def test_the_warning_before_a_time_limit_runs_the_suspend_handshake(nodes, run_a
     assert ex.state(handle) in ("PENDING", "CONFIGURING", "RUNNING")
     status = wait_ended(ex, adir, handle, timeout=90)
     assert status["stop_code"] == StopCode.INTERRUPT, _logs(adir)
-    assert status["signal"] == "SIGUSR1" and "go_suspend" in status["detail"]
-    assert int((tmp_path / "progress").read_text()) > 0
+    assert "go_suspend" in status["detail"]
+    # the warning may come as the job starts, before the supervisor has its handler: the
+    # batch script raised the suspend itself then
+    assert adir.flag("suspend").read_text().startswith("signal SIGUSR1")
+    assert int((tmp_path / "progress").read_text()) >= 0
     assert ex.state(handle) == "COMPLETED", "it ended by the handshake, not by Slurm's kill at the limit"
 
 

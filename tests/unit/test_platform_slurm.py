@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
+import subprocess
 import sys
+import time
 import textwrap
 from pathlib import Path
 
@@ -146,7 +150,7 @@ def test_launch_submits_the_supervisor_on_exactly_the_chosen_nodes(fake, tmp_pat
     assert script == adir.root / "slurm.sh" and os.access(script, os.X_OK)
     text = script.read_text()
     assert text.startswith("#!/bin/sh\n")
-    assert f"exec {sys.executable} -m fireflyer.platform.supervisor {adir.root} --slurm\n" in text
+    assert f"\n{sys.executable} -m fireflyer.platform.supervisor {adir.root} --slurm &\n" in text
 
 
 def test_launch_without_options_leaves_them_to_slurm(fake, tmp_path):
@@ -165,10 +169,66 @@ def test_launch_quotes_paths_in_the_batch_script(fake, tmp_path):
     launch = Launch(task_id=1, chain_id=1, attempt=0, name="x", user="u", command=("true",), nodes=("n1",),
                     ranks_per_node=1, master_port=1, cwd=str(tmp_path))
     SlurmExecutor(python="/opt/my python/bin/python").launch(launch, str(root))
-    line = (root / "slurm.sh").read_text().splitlines()[-1]
-    assert line.startswith("exec '/opt/my python/bin/python' -m fireflyer.platform.supervisor '")
-    import shlex
-    assert shlex.split(line)[4] == str(root)
+    line = next(ln for ln in (root / "slurm.sh").read_text().splitlines() if "supervisor" in ln)
+    assert line.startswith("'/opt/my python/bin/python' -m fireflyer.platform.supervisor '")
+    assert shlex.split(line)[3] == str(root)
+
+
+FAKE_SUPERVISOR = textwrap.dedent("""\
+    #!{python}
+    # Stands in for the supervisor: slow to start (USR1 as it inherited it meanwhile), then counts USR1s.
+    import os, signal, sys, time
+    adir = sys.argv[3]
+    def mark(name, text=""):
+        with open(os.path.join(adir, name), "a") as f:
+            f.write(text)
+    mark("child-started", str(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN))
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(adir, "go-on")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    signal.signal(signal.SIGUSR1, lambda *_: mark("child-got", "USR1 "))
+    mark("child-ready")
+    while not os.path.exists(os.path.join(adir, "release")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(7)
+""")
+
+
+def _wait_file(path: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_the_batch_script_turns_early_and_late_signals_into_a_suspend(tmp_path):
+    """Slurm may signal the batch script the instant the job starts (a time limit shorter
+    than the warning): the script itself raises the suspend, and the supervisor, still
+    starting, ignores the signal instead of dying of it."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_SUPERVISOR.format(python=sys.executable))
+    fake.chmod(0o755)
+    launch, adir = make_launch(tmp_path)
+    script = adir.root / "slurm.sh"
+    script.write_text(SlurmExecutor(python=str(fake)).batch_script(launch, adir))
+    proc = subprocess.Popen(["/bin/sh", str(script)], start_new_session=True)
+    try:
+        _wait_file(adir.root / "child-started")
+        assert (adir.root / "child-started").read_text() == "True", "the supervisor starts with USR1 ignored"
+        proc.send_signal(signal.SIGUSR1)  # before the supervisor's handler
+        _wait_file(adir.flag("suspend"))
+        assert adir.flag("suspend").read_text().startswith("signal SIGUSR1")
+        (adir.root / "go-on").touch()
+        _wait_file(adir.root / "child-ready")
+        proc.send_signal(signal.SIGUSR1)  # once it has one, the supervisor gets the signal too
+        _wait_file(adir.root / "child-got")
+        (adir.root / "release").touch()
+        assert proc.wait(timeout=20) == 7, "the script ends with the supervisor's exit code"
+        assert (adir.root / "child-got").read_text() == "USR1 "
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.parametrize("out", ["", "Submitted batch job 12\n", "error\n"])

@@ -3,7 +3,7 @@
 The platform's daemon stays the scheduler; Slurm only runs what it is given. For an
 attempt, :meth:`SlurmExecutor.launch` writes ``slurm.sh`` into the attempt's directory and
 submits it with ``sbatch`` on exactly the chosen nodes (``--nodelist``, ``--exclusive``).
-The script ``exec``\\ s the attempt's supervisor (``python -m fireflyer.platform.supervisor
+The script runs the attempt's supervisor (``python -m fireflyer.platform.supervisor
 ATTEMPT_DIR --slurm``), which starts the ranks with one ``srun`` (:func:`srun_ranks`) and
 then runs the same watch as on the local executor: handshake, watchdog, ``status.json``.
 
@@ -30,6 +30,7 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -117,14 +118,36 @@ class SlurmExecutor:
         return min(65535, math.ceil(launch.timeouts.suspend_ack + launch.timeouts.suspend_grace) + 10)
 
     def batch_script(self, launch: Launch, adir: AttemptDir) -> str:
+        """The job's script: runs the supervisor, and turns Slurm's batch signals into suspend requests.
+
+        Slurm signals only this shell (``B:USR1`` before a time limit or on preemption,
+        ``scancel --signal=USR1 --batch``), possibly the instant the job starts. The shell
+        writes ``control/suspend`` itself, so a signal that comes before the supervisor's
+        handler is in place is not lost, and passes the signal on; the supervisor starts
+        with USR1 and TERM ignored, so such an early signal cannot kill it either.
+        """
         supervisor = shlex.join([self.python, "-m", "fireflyer.platform.supervisor", str(adir.root), "--slurm"])
-        return (
-            "#!/bin/sh\n"
-            f"# fireflyer task {launch.task_id} ({launch.name!r}, chain {launch.chain_id}, "
-            f"attempt {launch.attempt}) on {len(launch.nodes)} node(s)\n"
-            "# The supervisor replaces this shell, so Slurm's batch signals (USR1, TERM) reach it.\n"
-            f"exec {supervisor}\n"
-        )
+        flag = shlex.quote(str(adir.flag("suspend")))
+        about = (f"fireflyer task {launch.task_id} ({launch.name!r}, chain {launch.chain_id}, "
+                 f"attempt {launch.attempt}) on {len(launch.nodes)} node(s)")
+        return textwrap.dedent(f"""\
+            #!/bin/sh
+            # {about}
+            trap '' USR1 TERM
+            {supervisor} &
+            child=$!
+            suspend() {{
+                [ -e {flag} ] || echo "signal SIG$1 (Slurm, to the batch script)" > {flag}
+                kill -"$1" "$child" 2>/dev/null
+            }}
+            trap 'suspend USR1' USR1
+            trap 'suspend TERM' TERM
+            while :; do
+                wait "$child"
+                rc=$?
+                kill -0 "$child" 2>/dev/null || exit "$rc"
+            done
+            """)
 
     def sbatch_argv(self, launch: Launch, adir: AttemptDir, script: Path) -> list[str]:
         if not launch.nodes:
