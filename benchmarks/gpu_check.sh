@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     sys.exit("gpu_check: torch sees no CUDA device")
 print("gpu_check:", torch.__version__, torch.cuda.get_device_name(0), "x", torch.cuda.device_count())'
 status=0
-"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/multiproc/test_cuda.py tests/multiproc/test_ddp_cuda.py tests/multiproc/test_validator_cuda.py || status=$?
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/multiproc/test_cuda.py tests/multiproc/test_ddp_cuda.py tests/multiproc/test_validator_cuda.py tests/unit/test_storage_cache.py || status=$?
 "$PY" -m fireflyer.hfreduce.gpu_bench || status=$?
 "$PY" -m fireflyer.cli validate --quick || status=$?
 exit $status
