@@ -91,7 +91,7 @@ def test_local_writes_are_atomic_and_leave_no_temp_files(tmp_path):
         f.write(b"half")
         raise Boom
 
-    from fireflyer.storage.fsutil import atomic_write
+    from fireflyer.fsutil import atomic_write
 
     with pytest.raises(Boom):
         atomic_write(b.local_path("f"), failing)

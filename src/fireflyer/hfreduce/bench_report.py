@@ -8,6 +8,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
+from fireflyer import fsutil
 from fireflyer.errors import UserError
 
 if TYPE_CHECKING:
@@ -185,14 +186,8 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
 
 
 def atomic_write(path: str, write: Callable[[Any], None]) -> None:
-    """Write via ``path.tmp``, fsync, rename: readers never see a half-written file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write via a temporary file, fsync, rename: readers never see a half-written file."""
+    fsutil.atomic_write(path, write)
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from fireflyer.fsutil import write_json_atomic  # noqa: F401 - the platform's writers import it from here
 
 HOME_ENV = "FIREFLYER_PLATFORM_HOME"
 TASK_DIR_ENV = "FIREFLYER_TASK_DIR"
@@ -17,24 +18,6 @@ TASK_DIR_ENV = "FIREFLYER_TASK_DIR"
 
 def default_home() -> Path:
     return Path(os.environ.get(HOME_ENV) or Path.home() / ".fireflyer" / "platform")
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write, fsync, rename: a reader sees the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def read_json(path: Path) -> Any | None:

@@ -35,7 +35,7 @@ from fireflyer.errors import UserError
 from fireflyer.storage.backends import LocalBackend
 from fireflyer.storage.cache import CacheConfig, ShardCache
 from fireflyer.storage.cachesim import SimConfig, make_trace
-from fireflyer.storage.fsutil import atomic_write
+from fireflyer.fsutil import atomic_write
 from fireflyer.storage.policy import LocalityPrefetch
 from fireflyer.storage.records import RecordReader, RecordWriter
 

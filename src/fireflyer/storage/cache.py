@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from fireflyer.storage.backends import Backend, open_backend
 from fireflyer.storage.errors import StorageError
-from fireflyer.storage.fsutil import atomic_write
+from fireflyer.fsutil import atomic_write
 from fireflyer.storage.policy import FrequencyAdmission, Prefetcher
 
 

@@ -146,7 +146,7 @@ def write_plot(path: str, r: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fireflyer.storage.fsutil import atomic_write
+    from fireflyer.fsutil import atomic_write
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     series = [("locality (LRU)", [r["baseline"], *r["locality"]], "o-", "tab:blue"),

@@ -36,7 +36,7 @@ import numpy as np
 
 from fireflyer.storage.backends import Backend, LocalBackend, open_backend
 from fireflyer.storage.errors import CorruptRecord, DatasetError, NotFound
-from fireflyer.storage.fsutil import fsync_dir
+from fireflyer.fsutil import fsync_dir
 
 MANIFEST = "dataset.json"
 _MAGIC = b"FFRIDX1\x00"

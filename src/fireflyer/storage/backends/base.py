@@ -149,7 +149,7 @@ class Backend:
             self._write(key, f.read())
 
     def _download(self, key: str, path: str) -> None:
-        from fireflyer.storage.fsutil import atomic_write
+        from fireflyer.fsutil import atomic_write
 
         data = self._read(key)
         atomic_write(path, lambda f: f.write(data))

@@ -6,7 +6,7 @@ import os
 import shutil
 
 from fireflyer.storage.backends.base import Backend, RetryConfig
-from fireflyer.storage.fsutil import atomic_write
+from fireflyer.fsutil import atomic_write
 
 
 class LocalBackend(Backend):

@@ -1,9 +1,10 @@
-"""Small filesystem helpers for the storage part: atomic writes and directory fsync."""
+"""Filesystem helpers every part may use (torch-free): atomic writes and directory fsync."""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import IO, Callable
+from typing import IO, Any, Callable
 
 
 def fsync_dir(path: str) -> None:
@@ -38,3 +39,8 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """``data`` as indented JSON, written atomically."""
+    atomic_write(os.fspath(path), lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"))
