@@ -10,8 +10,8 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +53,7 @@ class FakeSlurm:
         self.write()
 
     def on(self, cmd: str, *, out: str = "", err: str = "", rc: int = 0, sleep: float = 0,
-           match: str = "") -> "FakeSlurm":
+           match: str = "") -> FakeSlurm:
         self.rules.setdefault(cmd, []).append({"out": out, "err": err, "rc": rc, "sleep": sleep, "match": match})
         self.write()
         return self
@@ -87,10 +87,9 @@ def fake(tmp_path, monkeypatch) -> FakeSlurm:
 
 
 def make_launch(tmp_path: Path, **kw) -> tuple[Launch, AttemptDir]:
-    fields = dict(task_id=42, chain_id=40, attempt=2, name="train", user="alice", command=("python", "train.py"),
-                  nodes=("n1", "n2"), ranks_per_node=4, master_port=29511, cwd=str(tmp_path),
-                  timeouts=Timeouts(suspend_ack=5, suspend_grace=60))
-    fields.update(kw)
+    fields = {"task_id": 42, "chain_id": 40, "attempt": 2, "name": "train", "user": "alice",
+              "command": ("python", "train.py"), "nodes": ("n1", "n2"), "ranks_per_node": 4, "master_port": 29511,
+              "cwd": str(tmp_path), "timeouts": Timeouts(suspend_ack=5, suspend_grace=60), **kw}
     launch = Launch(**fields)
     adir = AttemptDir(tmp_path / "tasks" / str(launch.task_id))
     adir.create()

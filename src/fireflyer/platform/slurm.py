@@ -31,9 +31,9 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir
@@ -71,7 +71,7 @@ def run_slurm(argv: Sequence[str], *, timeout: float = TIMEOUT_S, ok_errors: Seq
     cmd = shlex.join(argv)
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, check=False)
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]!r} not found: Slurm's client is not installed "
                          "(apt-get install slurm-client) or not on PATH") from None
@@ -280,12 +280,9 @@ def srun_ranks(launch: Launch, adir: AttemptDir) -> list[tuple[str, subprocess.P
     if cpus.isdigit() and int(cpus) >= per_node:
         argv += ["--cpus-per-task", str(int(cpus) // per_node)]  # the whole node, not one CPU per rank
     argv += [sys.executable, "-m", "fireflyer.platform.rank", str(adir.root), "--", *launch.command]
-    log = open(adir.logs / "srun.log", "ab")
-    try:
+    with open(adir.logs / "srun.log", "ab") as log:
         proc = subprocess.Popen(argv, env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        log.close()
     return [("srun", proc)]
 
 
