@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from fireflyer.platform.daemon import daemon_pid
 from fireflyer.platform.executor import Launch, Timeouts
-from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
+from fireflyer.platform.layout import AttemptDir, Home, read_json, write_json_atomic
 from fireflyer.platform.slurm import (
     SlurmError,
     SlurmExecutor,
@@ -30,7 +32,7 @@ from fireflyer.platform.slurm import (
     slurm_nodes,
     undrain,
 )
-from fireflyer.platform.store import StopCode
+from fireflyer.platform.store import StopCode, Store
 
 SETUP_STATUS = Path("/run/fireflyer-slurm.status")
 WAIT_S = 40.0
@@ -393,7 +395,6 @@ class SlurmPlatform:
 
     def close(self) -> None:
         self.cli("platform", "stop", check=False)
-        from fireflyer.platform.store import Store
         store = Store(self.home / "state.db")
         try:
             for t in store.tasks():
@@ -407,20 +408,37 @@ class SlurmPlatform:
 
 
 def test_platform_on_slurm_preempts_requeues_and_resumes(nodes, tmp_path):
-    """The HAI flow with executor=slurm: a low-priority task runs; a HIGH task needs its node;
-    the low one acknowledges, saves and ends; the high one runs; the low chain's next attempt
-    is a new Slurm job that resumes from the saved step and finishes."""
+    """The HAI flow with executor=slurm: a low-priority task runs (and is adopted by a new
+    daemon after the first is killed with -9); a HIGH task needs its node; the low one
+    acknowledges, saves and ends; the high one runs; the low chain's next attempt is a new
+    Slurm job that resumes from the saved step and finishes."""
     platform = SlurmPlatform(tmp_path / "home")
     try:
         stepper = script(tmp_path, "stepper.py", STEPPER)
         low_state = tmp_path / "low"
         low_log = tmp_path / "low.log"
-        low = platform.submit([*stepper, str(low_state), "250"], nodes=1, priority="LOW", name="low")
+        low = platform.submit([*stepper, str(low_state), "400"], nodes=1, priority="LOW", name="low")
         wait_for("the low task to make progress",
                  lambda: low_log.exists() and len(low_log.read_text().splitlines()) >= 10)
         first = platform.describe(low)
         assert first["state"] == "running" and first["handle"].isdigit()
         assert SlurmExecutor().state(first["handle"]) == "RUNNING"
+
+        # the daemon dies with -9 as if between sbatch and recording the job id: the next
+        # daemon finds the Slurm job by name and attempt directory and adopts it
+        home = Home(tmp_path / "home")
+        pid = daemon_pid(home)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for("the daemon's lock to be free", lambda: daemon_pid(home) is None, timeout=10)
+        store = Store(home.db)
+        try:
+            store.set_handle(first["task_id"], None)
+        finally:
+            store.close()
+        platform.cli("platform", "start")
+        wait_for("the running attempt to be adopted", lambda: platform.describe(low)["handle"] == first["handle"])
+        assert platform.describe(low)["state"] == "running"
         high = platform.submit([*stepper, str(tmp_path / "high"), "5"], nodes=len(nodes), priority="HIGH",
                                name="high")
         done_high = platform.wait_state(high, "finished")
@@ -435,13 +453,13 @@ def test_platform_on_slurm_preempts_requeues_and_resumes(nodes, tmp_path):
         assert done_high["handle"] not in jobs
         # every step ran exactly once, in order, over the two attempts; the second began after 'high' ended
         ran = [tuple(map(int, line.split())) for line in low_log.read_text().splitlines()]
-        assert [s for _, s in ran] == list(range(250))
+        assert [s for _, s in ran] == list(range(400))
         assert {a for a, _ in ran} == {0, 1}
-        assert (tmp_path / "low.done").read_text() == "250"
+        assert (tmp_path / "low.done").read_text() == "400"
         assert attempts[1]["started_at"] >= done_high["attempts"][0]["finished_at"]
         logs = platform.cli("logs", str(low)).stdout
         saved = min(s for a, s in ran if a == 1)
-        assert 0 < saved < 250
+        assert 0 < saved < 400
         assert f"attempt 1 starts at {saved} on " in logs and f"in Slurm job {jobs[1]}" in logs, logs
     finally:
         platform.close()
