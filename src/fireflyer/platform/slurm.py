@@ -9,8 +9,10 @@ then runs the same watch as on the local executor: handshake, watchdog, ``status
 
 Slurm's own signals reach the same handshake:
 
-* ``--signal=B:USR1@S``: Slurm warns the batch script S seconds before a time limit; the
-  supervisor takes SIGUSR1 (and SIGTERM) as a suspend request.
+* ``--signal=B:USR1@S``: Slurm warns the batch script S seconds before a time limit. The
+  script turns SIGUSR1 (and SIGTERM) into a suspend request (:meth:`SlurmExecutor.batch_script`).
+* Slurm's own preemption sends the same USR1 when the cluster sets
+  ``SlurmctldParameters=preempt_send_user_signal`` and a ``GraceTime`` (as ``.ci/setup-slurm`` does).
 * :meth:`SlurmExecutor.signal` (``scancel --signal=USR1 --batch``) delivers one by hand.
 * ``--requeue``: when Slurm itself requeues the job (a failed node, or Slurm's own
   preemption), the batch script runs again; a supervisor whose attempt already wrote
