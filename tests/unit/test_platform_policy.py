@@ -113,6 +113,29 @@ def test_zones_best_fit_then_one_cross_zone_task_crossing_once():
     assert 6 in dec.waiting  # a second cross-zone task is not allowed
 
 
+def test_zones_count_when_claiming_so_a_big_task_preempts_inside_one_zone_instead_of_waiting():
+    ns = nodes(8, zones=2)  # z0: n000-n003, z1: n004-n007
+    cross = Task(1, "a", 2, P.LOW, state=RUNNING, assigned=("n003", "n004"), run_seconds=1)  # holds the crossing
+    low = Task(2, "b", 2, P.LOW, state=RUNNING, assigned=("n005", "n006"), run_seconds=1)
+    normal = Task(3, "c", 1, P.NORMAL, state=RUNNING, assigned=("n000",), run_seconds=1)
+    big = Task(4, "d", 4, P.ABOVE_NORMAL)
+    small = Task(5, "e", 1, P.BELOW_NORMAL)
+    dec = schedule(ns, [cross, low, normal, big, small])
+    # 3 nodes are free (n001, n002, n007) but no zone has 4: the big task takes zone 1 from the LOW tasks
+    assert sorted(s.task_id for s in dec.suspends) == [1, 2] and 4 in dec.waiting
+    assert started(dec) == {5: ("n001",)}  # a lower priority fills a gap the big task does not need
+
+
+def test_free_nodes_are_taken_before_anyone_is_preempted_and_then_the_latest_in_order_goes():
+    ns = nodes(6)
+    low = Task(1, "a", 2, P.LOW, state=RUNNING, assigned=("n000", "n001"), run_seconds=1)
+    normal = Task(2, "b", 2, P.NORMAL, state=RUNNING, assigned=("n002", "n003"), run_seconds=1)
+    dec = schedule(ns, [low, normal, Task(3, "c", 2, P.HIGH)])
+    assert not dec.suspends and started(dec) == {3: ("n004", "n005")}
+    dec = schedule(ns, [low, normal, Task(3, "c", 4, P.HIGH)])
+    assert [s.task_id for s in dec.suspends] == [1] and 3 in dec.waiting  # LOW goes, NORMAL stays
+
+
 def test_priority_names_and_bad_values():
     assert P.parse("high") is P.HIGH and P.parse(40) is P.VERY_HIGH and P.parse("10") is P.NORMAL
     with pytest.raises(ValueError, match="EXTREME_HIGH"):

@@ -150,8 +150,7 @@ class Daemon:
         for t in self.store.tasks((RUNNING, SUSPENDING)):
             self._watch(t, now, cycle)
         t0 = time.perf_counter()
-        tasks = self.store.tasks()
-        decisions = schedule(self.store.nodes(), [t.policy_task(now) for t in tasks], self.store.quotas(),
+        decisions = schedule(self.store.nodes(), self.store.policy_tasks(now), self.store.quotas(),
                              self.cfg.policy())
         cycle.decide_s = time.perf_counter() - t0
         started = self.store.apply(decisions, now=time.time())

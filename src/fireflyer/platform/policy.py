@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 
 class Priority(IntEnum):
@@ -177,28 +177,48 @@ def order_tasks(tasks: Sequence[Task], cfg: PolicyConfig) -> list[Task]:
 
 def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None = None,
              cfg: PolicyConfig | None = None) -> Decisions:
-    """One scheduling cycle."""
+    """One scheduling cycle.
+
+    Tasks claim real nodes in :func:`order_tasks` order, so zones count from the start: a
+    running task keeps its nodes if no task before it claimed one of them (else it is
+    suspended); a queued task claims nodes by :func:`_claim`, free ones first, then ones
+    of tasks already on their way out, then those of the running tasks latest in the
+    order, which are then preempted. A queued task starts once all its nodes are free.
+    """
     cfg = cfg or PolicyConfig()
     quotas = quotas or {}
     node_list = list(nodes)
-    by_name = {n.name: n for n in node_list}
+    zone_of = {n.name: n.zone for n in node_list}
     usable = {n.name for n in node_list if n.usable}
     tasks = list(tasks)
+    order = order_tasks(tasks, cfg)
     out = Decisions()
 
-    # 1. Who may hold nodes this cycle: claim capacity in order, all-or-nothing, within quota.
-    capacity = len(usable)
+    # Who holds each node now, and how dear it is to take: free 0, leaving 1, else later in the order is cheaper.
+    owner: dict[str, Task] = {n: t for t in tasks if t.state != QUEUED for n in t.assigned}
+    leaving = {t.id for t in tasks if t.state == SUSPENDING or
+               (t.state == RUNNING and any(n not in usable for n in t.assigned))}
+    place_in_order = {t.id: i for i, t in enumerate(order)}
+
+    def price(name: str) -> int:
+        t = owner.get(name)
+        if t is None:
+            return 0
+        return 1 if t.id in leaving else 2 + len(order) - place_in_order[t.id]
+
+    claimed: set[str] = set()
+    pool = _Pool({n: zone_of[n] for n in usable}, price, claimed)
+    cross_used = 0
     used: dict[tuple[str, str, Priority], int] = defaultdict(int)
-    can_run: set[int] = set()
-    # A queued task that does not fit blocks later queued tasks of its own priority, so a big
+    claims: dict[int, tuple[str, ...]] = {}
+    # A queued task that cannot be placed blocks later queued tasks of its own priority, so a big
     # task is not starved by smaller ones behind it. Lower priorities may use the gap: they are
-    # preempted once the big one fits. Tasks later in the order have not claimed capacity yet,
-    # so a task that does not fit could not fit by preempting them either.
+    # preempted once the big one fits.
     blocked: set[Priority] = set()
-    for t in order_tasks(tasks, cfg):
+    for t in order:
         if t.state == SUSPENDING:
             continue  # already on its way out; its nodes free up when it stops
-        if t.state == RUNNING and any(n not in usable for n in t.assigned):
+        if t.state == RUNNING and t.id in leaving:
             out.suspends.append(Suspend(t.id, "a node it runs on was drained or failed"))
             continue
         q = _quota(quotas, t.user, t.group, t.priority, cfg.default_quota)
@@ -213,50 +233,104 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
             if t.state == QUEUED:
                 out.waiting[t.id] = f"asks for {t.nodes} nodes; {len(usable)} are usable"
             continue
-        if t.nodes <= capacity and not (t.state == QUEUED and t.priority in blocked):
-            capacity -= t.nodes
-            used[key] += t.nodes
-            can_run.add(t.id)
-        elif t.state == RUNNING:
-            out.suspends.append(Suspend(t.id, "preempted by a task of higher priority or a user's turn"))
-        else:
-            if t.priority not in blocked:
-                blocked.add(t.priority)
-                out.waiting[t.id] = "waiting for nodes"
+        if t.state == RUNNING:
+            crosses = len({zone_of.get(n) for n in t.assigned}) > 1
+            if claimed.isdisjoint(t.assigned) and (not crosses or cross_used < cfg.max_cross_zone):
+                pool.take(t.assigned)
+                used[key] += t.nodes
+                cross_used += crosses
             else:
-                out.waiting[t.id] = "waiting behind an earlier task of its priority"
-
-    # 2. Place the tasks that may start on nodes free now; the rest wait for preempted nodes to free up.
-    busy = {n for t in tasks if t.state != QUEUED for n in t.assigned}
-    free_by_zone: dict[str, list[str]] = defaultdict(list)
-    for name in sorted(usable - busy):
-        free_by_zone[by_name[name].zone].append(name)
-    cross_zone = sum(1 for t in tasks if t.state != QUEUED and len({by_name[n].zone for n in t.assigned
-                                                                   if n in by_name}) > 1)
-    for t in order_tasks([t for t in tasks if t.state == QUEUED and t.id in can_run], cfg):
-        placed = _place(t.nodes, free_by_zone, allow_cross=cross_zone < cfg.max_cross_zone)
-        if placed is None:
-            out.waiting[t.id] = "waiting for preempted or finishing tasks to free their nodes"
+                out.suspends.append(Suspend(t.id, "preempted by a task of higher priority or a user's turn"))
             continue
-        if len({by_name[n].zone for n in placed}) > 1:
-            cross_zone += 1
-        for name in placed:
-            free_by_zone[by_name[name].zone].remove(name)
-        out.starts.append(Start(t.id, placed))
+        if t.priority in blocked:
+            out.waiting[t.id] = "waiting behind an earlier task of its priority"
+            continue
+        placed = pool.claim(t.nodes, allow_cross=cross_used < cfg.max_cross_zone)
+        if placed is None:
+            blocked.add(t.priority)
+            out.waiting[t.id] = "waiting for nodes"
+            continue
+        pool.take(placed)
+        used[key] += t.nodes
+        cross_used += len({zone_of[n] for n in placed}) > 1
+        claims[t.id] = placed
+
+    # Start what may start on nodes that are free now; the rest wait for preempted tasks to stop.
+    for t in order:
+        placed = claims.get(t.id)
+        if placed is None:
+            continue
+        if any(n in owner for n in placed):
+            out.waiting[t.id] = "waiting for preempted or finishing tasks to free their nodes"
+        else:
+            out.starts.append(Start(t.id, placed))
     return out
 
 
-def _place(count: int, free_by_zone: dict[str, list[str]], *, allow_cross: bool) -> tuple[str, ...] | None:
-    """Best fit inside one zone; else, if allowed, two zones whose node lists meet at one rank pair."""
-    fitting = [z for z, free in free_by_zone.items() if len(free) >= count]
-    if fitting:
-        zone = min(fitting, key=lambda z: (len(free_by_zone[z]), z))
-        return tuple(free_by_zone[zone][:count])
-    if not allow_cross:
-        return None
-    zones = sorted(free_by_zone, key=lambda z: (-len(free_by_zone[z]), z))
-    if len(zones) < 2 or len(free_by_zone[zones[0]]) + len(free_by_zone[zones[1]]) < count:
-        return None  # only two zones may be joined, so only one pair crosses
-    first = free_by_zone[zones[0]]
-    rest = count - len(first)
-    return tuple(first) + tuple(free_by_zone[zones[1]][:rest])
+def _cost(picked: list[tuple[int, str]]) -> tuple[int, ...]:
+    """Dearest first, so one task of a higher priority outweighs any number of lower ones."""
+    return tuple(sorted((p for p, _ in picked), reverse=True))
+
+
+class _Pool:
+    """The nodes not yet claimed this cycle, per zone, cheapest first (sorted once per cycle)."""
+
+    def __init__(self, zone_of: Mapping[str, str], price: Callable[[str], int], claimed: set[str]) -> None:
+        by_zone: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        for name, zone in zone_of.items():
+            by_zone[zone].append((price(name), name))
+        self.zones = {z: sorted(pairs) for z, pairs in by_zone.items()}
+        self.left = {z: len(pairs) for z, pairs in self.zones.items()}
+        self.zone_of = zone_of
+        self.claimed = claimed
+
+    def take(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name not in self.claimed and name in self.zone_of:
+                self.claimed.add(name)
+                self.left[self.zone_of[name]] -= 1
+
+    def _cheapest(self, zone: str, count: int) -> list[tuple[int, str]]:
+        pairs = self.zones[zone]
+        if len(pairs) > 2 * self.left[zone] + 8:  # drop claimed entries now and then: amortised O(1)
+            pairs = self.zones[zone] = [p for p in pairs if p[1] not in self.claimed]
+        picked = []
+        for pair in pairs:
+            if pair[1] not in self.claimed:
+                picked.append(pair)
+                if len(picked) == count:
+                    break
+        return picked
+
+    def claim(self, count: int, *, allow_cross: bool) -> tuple[str, ...] | None:
+        """The cheapest ``count`` nodes in one zone (the fullest such zone among equals); else, if
+        allowed, the cheapest ``count`` across two zones, ordered so one rank pair crosses.
+
+        A node's price is 0 when free, more when its task would have to go, so tasks are
+        preempted only when free nodes do not suffice, and then those latest in the order.
+        """
+        fitting = []
+        for zone, left in self.left.items():
+            if left >= count:
+                picked = self._cheapest(zone, count)
+                fitting.append((_cost(picked), left, zone, picked))
+        if fitting:
+            picked = min(fitting)[3]
+            return tuple(sorted(n for _, n in picked))
+        if not allow_cross or sum(self.left.values()) < count:
+            return None
+        best = None
+        zones = sorted(z for z, left in self.left.items() if left)
+        for i, a in enumerate(zones):  # only two zones may be joined, so only one pair crosses
+            for b in zones[i + 1:]:
+                if self.left[a] + self.left[b] < count:
+                    continue
+                both = sorted(self._cheapest(a, count) + self._cheapest(b, count))[:count]
+                cost = _cost(both)
+                if best is None or cost < best[0]:
+                    best = (cost, a, both)
+        if best is None:
+            return None
+        _, a, both = best
+        return tuple(sorted(n for _, n in both if self.zone_of[n] == a)) + \
+            tuple(sorted(n for _, n in both if self.zone_of[n] != a))

@@ -196,6 +196,15 @@ class Store:
         return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE state IN ({marks}) ORDER BY id",
                                                   states)]
 
+    def policy_tasks(self, now: float | None = None) -> list[Task]:
+        """What the policy needs of every task it considers, and nothing more (one cycle's read)."""
+        now = time.time() if now is None else now
+        rows = self._db.execute("SELECT id, user, nodes, priority, grp, chain_first_id, state, assigned, started_at "
+                                "FROM tasks WHERE state IN (?,?,?) ORDER BY id", (QUEUED, RUNNING, SUSPENDING))
+        return [Task(i, u, n, Priority(p), g, c, st, tuple(json.loads(a)) if a != "[]" else (),
+                     max(0.0, now - started) if started is not None and st != QUEUED else 0.0)
+                for i, u, n, p, g, c, st, a, started in rows]
+
     def chain(self, chain_first_id: int) -> list[TaskRow]:
         return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE chain_first_id=? ORDER BY attempt",
                                                   (chain_first_id,))]
