@@ -73,3 +73,17 @@ def test_nodes_and_quotas(store):
         store.set_drained("zz", True)
     store.set_quota("public", "default", Priority.NORMAL, 2)
     assert store.quotas() == {("public", "default", Priority.NORMAL): 2}
+
+
+def test_sync_nodes_takes_health_from_the_resource_manager(store):
+    store.add_nodes([Node("a"), Node("b"), Node("c")])
+    changed = store.sync_nodes([Node("a", zone="z1"), Node("b", drained=True), Node("d", healthy=False)],
+                               reason="down in Slurm")
+    assert sorted(changed) == ["b", "c", "d"]
+    nodes = {n.name: n for n in store.nodes()}
+    assert nodes["a"].zone == "z1" and nodes["a"].usable
+    assert nodes["b"].drained and not nodes["c"].healthy and not nodes["d"].healthy
+    reasons = store.node_reasons()
+    assert reasons["b"] == "down in Slurm" and "not listed" in reasons["c"]
+    assert store.sync_nodes([Node("a", zone="z1"), Node("b"), Node("c"), Node("d")], reason="x") == ["b", "c", "d"]
+    assert all(n.usable for n in store.nodes()) and set(store.node_reasons().values()) == {""}

@@ -30,7 +30,8 @@ from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Timeouts
 from fireflyer.platform.layout import HOME_ENV, Home, read_json
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Priority
-from fireflyer.platform.store import ACTIVE, FINISHED, HELD, StopCode, Store, TaskRow, UnknownTask, _stop_text
+from fireflyer.platform.store import (ACTIVE, FINISHED, HELD, StopCode, Store, TaskRow, UnknownTask,
+                                      stop_text)
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -104,7 +105,7 @@ def task_json(t: TaskRow) -> dict[str, Any]:
             "group": t.group, "priority": t.priority.name, "nodes": t.nodes, "ranks_per_node": t.ranks_per_node,
             "command": t.command, "state": t.state, "assigned": list(t.assigned), "submitted_at": t.submitted_at,
             "started_at": t.started_at, "finished_at": t.finished_at, "stop_code": t.stop_code,
-            "stop": _stop_text(t.stop_code) if t.state == FINISHED else None, "detail": t.detail,
+            "stop": stop_text(t.stop_code) if t.state == FINISHED else None, "detail": t.detail,
             "whole_life_state": t.whole_life_state, "handle": t.handle}
 
 
@@ -119,7 +120,7 @@ def _outcome(t: TaskRow) -> str:
                        (StopCode.HOOK_RESTART, "restarted")):
         if t.stop_code & flag:
             return word
-    return "succeeded" if t.stop_code == StopCode.STOP else _stop_text(t.stop_code).lower()
+    return "succeeded" if t.stop_code == StopCode.STOP else stop_text(t.stop_code).lower()
 
 
 # ---------------------------------------------------------------------- platform start|stop|status
@@ -442,7 +443,7 @@ def _describe(argv: list[str]) -> int:
                 f"{t.ranks_per_node} rank(s), whole-life state {t.whole_life_state}",
                 f"  command: {' '.join(t.command)}", f"  logs: {home.attempt(t.id).logs}", "", "attempts:"]
         attempts = table([(a.id, a.attempt, _outcome(a), ",".join(a.assigned) or "-", _when(a.started_at),
-                           _when(a.finished_at), _stop_text(a.stop_code) if a.state == FINISHED else "-",
+                           _when(a.finished_at), stop_text(a.stop_code) if a.state == FINISHED else "-",
                            a.detail or "") for a in chain],
                          ["TASK", "ATTEMPT", "STATE", "NODES", "STARTED", "ENDED", "STOP", "DETAIL"])
         history = table([(_when(at), i, k, d) for i, at, k, d in events], ["AT", "TASK", "EVENT", "DETAIL"])

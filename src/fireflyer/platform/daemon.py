@@ -38,6 +38,8 @@ from fireflyer.platform.store import Store, StopCode, TaskRow
 from fireflyer.ports import free_port
 
 log = logging.getLogger("fireflyer.platform")
+NODE_SYNC_S = 10.0
+"""How often the daemon re-reads node health from Slurm (slurm executor)."""
 
 
 def make_executor(cfg: PlatformConfig) -> Executor:
@@ -66,12 +68,34 @@ class Daemon:
         self.home, self.cfg = home, cfg
         self.store = store or Store(home.db)
         self.executor = executor or make_executor(cfg)
+        self._node_sync_at = 0.0
+
+    def _sync_slurm_nodes(self, now: float) -> None:
+        """Slurm is the source of truth for node health: a node it marks DOWN or DRAIN is not used."""
+        if self.cfg.executor != "slurm" or now - self._node_sync_at < NODE_SYNC_S:
+            return
+        from fireflyer.platform.slurm import slurm_nodes
+
+        self._node_sync_at = now
+        changed = self.store.sync_nodes(slurm_nodes(self.cfg.partition), reason="down or drained in Slurm")
+        if changed:
+            log.info("nodes changed in Slurm: %s", ", ".join(changed))
+
+    def _drain(self, node: str, reason: str) -> None:
+        self.store.set_drained(node, True, reason=reason)
+        if self.cfg.executor == "slurm":
+            from fireflyer.platform import slurm
+
+            try:
+                slurm.drain(node, reason)
+            except (RuntimeError, OSError) as exc:
+                log.warning("could not drain %s in Slurm: %s", node, exc)
 
     # ------------------------------------------------------------------ 1. watch
     def _finish(self, t: TaskRow, code: StopCode, detail: str, *, life: int | None = None,
                 failed_nodes: tuple[str, ...] = ()) -> int | None:
         for node in failed_nodes:
-            self.store.set_drained(node, True, reason=f"failed its health check in task {t.id}")
+            self._drain(node, f"failed its health check in task {t.id}")
             self.store.event(t.id, "drained", node)
             log.warning("task %s: drained %s (%s)", t.id, node, detail)
         if t.stop_requested:
@@ -147,8 +171,15 @@ class Daemon:
     def tick(self, now: float | None = None) -> Cycle:
         now = time.time() if now is None else now
         cycle = Cycle()
+        try:
+            self._sync_slurm_nodes(now)
+        except (RuntimeError, OSError) as exc:  # the controller is away: keep the last known state
+            log.warning("could not read nodes from Slurm: %s", exc)
         for t in self.store.tasks((RUNNING, SUSPENDING)):
-            self._watch(t, now, cycle)
+            try:
+                self._watch(t, now, cycle)
+            except (RuntimeError, OSError) as exc:  # e.g. squeue timed out: look again next cycle
+                log.warning("task %s: could not check it this cycle: %s", t.id, exc)
         t0 = time.perf_counter()
         decisions = schedule(self.store.nodes(), self.store.policy_tasks(now), self.store.quotas(),
                              self.cfg.policy())

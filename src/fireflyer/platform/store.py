@@ -135,6 +135,33 @@ class Store:
         rows = self._db.execute("SELECT name, zone, healthy, drained FROM nodes ORDER BY name").fetchall()
         return [Node(name, zone, bool(h), bool(d)) for name, zone, h, d in rows]
 
+    def sync_nodes(self, nodes: Iterable[Node], *, reason: str) -> list[str]:
+        """Take nodes' zone and health from the resource manager (Slurm); returns the names whose state changed.
+
+        A node that became drained or unhealthy there gets ``reason``; one that came back
+        is cleared. Nodes the manager no longer lists are marked unhealthy.
+        """
+        changed = []
+        with self._tx() as db:
+            known = {r[0]: (bool(r[1]), bool(r[2])) for r in db.execute("SELECT name, healthy, drained FROM nodes")}
+            seen = set()
+            for n in nodes:
+                seen.add(n.name)
+                if known.get(n.name) == (n.healthy, n.drained):
+                    db.execute("UPDATE nodes SET zone=? WHERE name=?", (n.zone, n.name))
+                    continue
+                changed.append(n.name)
+                why = "" if n.usable else reason
+                db.execute("INSERT INTO nodes(name, zone, healthy, drained, reason) VALUES (?,?,?,?,?) "
+                           "ON CONFLICT(name) DO UPDATE SET zone=excluded.zone, healthy=excluded.healthy, "
+                           "drained=excluded.drained, reason=excluded.reason",
+                           (n.name, n.zone, int(n.healthy), int(n.drained), why))
+            for name, (healthy, _) in known.items():
+                if name not in seen and healthy:
+                    changed.append(name)
+                    db.execute("UPDATE nodes SET healthy=0, reason=? WHERE name=?", (f"{reason}: not listed", name))
+        return changed
+
     def node_reasons(self) -> dict[str, str]:
         """Why each node is drained or unhealthy ('' when it is neither)."""
         return dict(self._db.execute("SELECT name, reason FROM nodes"))
@@ -254,7 +281,7 @@ class Store:
                 db.execute("UPDATE tasks SET stop_requested=1 WHERE id=?", (t.id,))
                 db.execute("INSERT INTO events(task_id, at, kind) VALUES (?,?,'stop requested')", (t.id, now))
         else:
-            raise ValueError(f"task {task_id} has already finished ({_stop_text(t.stop_code)})")
+            raise ValueError(f"task {task_id} has already finished ({stop_text(t.stop_code)})")
         return self.task(t.id)
 
     def request_suspend(self, task_id: int, *, now: float | None = None) -> TaskRow:
@@ -328,7 +355,7 @@ class Store:
             db.execute("UPDATE tasks SET state=?, finished_at=?, stop_code=?, whole_life_state=?, detail=? WHERE id=?",
                        (FINISHED, now, int(stop_code), life, detail, task_id))
             db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'finished',?)",
-                       (task_id, now, f"{_stop_text(stop_code)}: {detail}" if detail else _stop_text(stop_code)))
+                       (task_id, now, f"{stop_text(stop_code)}: {detail}" if detail else stop_text(stop_code)))
             if not (stop_code & REQUEUE) or stop_code & StopCode.MANUAL_STOP:
                 return None
             cur = db.execute("INSERT INTO tasks(chain_first_id, attempt, name, user, grp, priority, nodes, command, "
@@ -340,7 +367,7 @@ class Store:
             new_id = int(cur.lastrowid)
             db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,?,?)",
                        (new_id, now, "held" if t.hold else "requeued",
-                        f"attempt {t.attempt + 1} of chain {t.chain_first_id} after {_stop_text(stop_code)}"))
+                        f"attempt {t.attempt + 1} of chain {t.chain_first_id} after {stop_text(stop_code)}"))
             return new_id
 
 
@@ -355,7 +382,7 @@ def _row(r: tuple[Any, ...]) -> TaskRow:
                    r[19], bool(r[20]), bool(r[21]), r[22])
 
 
-def _stop_text(code: int) -> str:
+def stop_text(code: int) -> str:
     """``INTERRUPT`` or ``FAILED|TIMEOUT``: the set flags' names, or ``running`` for 0."""
     names = [f.name for f in StopCode if f.name and code & f]
     return "|".join(names) if names else "0"

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
-from fireflyer.platform.store import StopCode
+from fireflyer.platform.store import StopCode, stop_text
 
 COLLECT_S = 2.0
 """After a first rank failure, how long to wait for others (their exit codes tell more)."""
@@ -213,7 +213,7 @@ class Supervisor:
                 finally:
                     self._stop_ranks()
         status = {
-            "stop_code": int(code), "stop": str(code), "detail": detail, "exit_codes": self.exit_codes,
+            "stop_code": int(code), "stop": stop_text(code), "detail": detail, "exit_codes": self.exit_codes,
             "failed_nodes": failed_nodes, "whole_life_state": read_whole_life_state(self.adir),
             "started_at": started_at, "finished_at": time.time(), "signal": self._signalled,
         }

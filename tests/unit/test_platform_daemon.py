@@ -1,0 +1,93 @@
+"""The daemon's cycle with a stand-in executor (the process boundary): launches, statuses, failing checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from fireflyer.platform.config import PlatformConfig
+from fireflyer.platform.daemon import Daemon
+from fireflyer.platform.layout import Home, write_json_atomic
+from fireflyer.platform.store import StopCode, Store
+
+
+class StandIn:
+    """Records launches; ``broken`` handles raise as a Slurm controller that does not answer would."""
+
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.launched: dict[str, int] = {}
+        self.broken: set[str] = set()
+        self.dead: set[str] = set()
+        self.killed: list[str] = []
+
+    def launch(self, launch, attempt_dir):
+        handle = f"h{launch.task_id}"
+        self.launched[handle] = launch.task_id
+        return handle
+
+    def alive(self, handle):
+        if handle in self.broken:
+            raise RuntimeError("squeue timed out")
+        return handle not in self.dead
+
+    def kill(self, handle):
+        self.killed.append(handle)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    home = Home(tmp_path)
+    cfg = PlatformConfig(nodes=2, max_restarts=1)
+    store = Store(home.db)
+    store.add_nodes(cfg.emulated_nodes())
+    d = Daemon(home, cfg, executor=StandIn(), store=store)
+    yield d
+    store.close()
+
+
+def test_a_cycle_launches_and_a_status_finishes(daemon):
+    a = daemon.store.submit(user="u", nodes=1, command=["true"])
+    b = daemon.store.submit(user="u", nodes=1, command=["true"])
+    cycle = daemon.tick()
+    assert sorted(cycle.started) == [a, b] and set(daemon.executor.launched.values()) == {a, b}
+    spec = daemon.home.attempt(a).spec
+    assert spec.exists() and '"master_port"' in spec.read_text()
+    write_json_atomic(daemon.home.attempt(a).status, {"stop_code": int(StopCode.STOP), "detail": "all ranks exited 0"})
+    daemon.tick()
+    assert daemon.store.task(a).state == "finished" and daemon.store.task(b).state == "running"
+
+
+def test_one_task_whose_check_fails_does_not_stop_the_cycle(daemon):
+    a = daemon.store.submit(user="u", nodes=1, command=["true"])
+    daemon.tick()
+    daemon.executor.broken.add(f"h{a}")
+    b = daemon.store.submit(user="u", nodes=1, command=["true"])
+    cycle = daemon.tick()
+    assert cycle.started == [b] and daemon.store.task(a).state == "running"
+
+
+def test_a_vanished_attempt_restarts_then_gives_up(daemon):
+    a = daemon.store.submit(user="u", nodes=2, command=["true"])
+    daemon.tick()
+    daemon.executor.dead.add(f"h{a}")
+    daemon.tick()
+    chain = daemon.store.chain(a)
+    assert chain[0].stop_code == StopCode.FAILED | StopCode.HOOK_RESTART and "restart 1 of 1" in chain[0].detail
+    daemon.tick()
+    daemon.executor.dead.add(f"h{chain[1].id}")
+    daemon.tick()
+    chain = daemon.store.chain(a)
+    assert len(chain) == 2 and chain[1].stop_code == StopCode.FAILED and "no restarts left" in chain[1].detail
+
+
+def test_a_failed_health_check_drains_the_node(daemon):
+    a = daemon.store.submit(user="u", nodes=1, command=["true"])
+    daemon.tick()
+    node = daemon.store.task(a).assigned[0]
+    write_json_atomic(daemon.home.attempt(a).status, {"stop_code": int(StopCode.HOOK_RESTART),
+                                                      "detail": "ECC", "failed_nodes": [node]})
+    cycle = daemon.tick()
+    assert {n.name: n.drained for n in daemon.store.nodes()}[node]
+    restarted = daemon.store.latest(a)
+    assert cycle.started == [restarted.id] and node not in restarted.assigned
