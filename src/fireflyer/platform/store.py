@@ -258,6 +258,21 @@ class Store:
                                 (limit,)).fetchall()
         return [_row(r) for r in rows]
 
+    def latest_attempts(self, *, active_only: bool = False) -> list[TaskRow]:
+        """The newest attempt of every chain (only the unfinished ones with ``active_only``)."""
+        if active_only:
+            marks = ",".join("?" * len(ACTIVE))
+            return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE state IN ({marks})", ACTIVE)]
+        cols = ", ".join(f"t.{c.strip()}" for c in _COLS.split(","))
+        return [_row(r) for r in self._db.execute(
+            f"SELECT {cols} FROM tasks t JOIN (SELECT chain_first_id AS c, MAX(attempt) AS a FROM tasks "
+            "GROUP BY chain_first_id) m ON t.chain_first_id = m.c AND t.attempt = m.a")]
+
+    def node_intervals(self, *, since: float) -> list[tuple[float, float | None, int]]:
+        """(started, finished or None, nodes) of every attempt that held nodes after ``since``."""
+        return list(self._db.execute("SELECT started_at, finished_at, nodes FROM tasks WHERE started_at IS NOT NULL "
+                                     "AND (finished_at IS NULL OR finished_at >= ?)", (since,)))
+
     def event(self, task_id: int, kind: str, detail: str = "", now: float | None = None) -> None:
         with self._tx() as db:
             db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,?,?)",

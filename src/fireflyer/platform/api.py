@@ -1,0 +1,350 @@
+"""What users may do with the platform, as plain data: the one core under the CLI and the HTTP server.
+
+A :class:`PlatformApi` acts for one user over a platform home (its SQLite state and
+attempt directories). The local CLI acts as everyone (``user=None``); the server opens
+one per request for the token's user, who sees and controls only their own tasks
+unless they are an admin. Every method returns JSON-able data and raises an
+:class:`ApiError` (with an HTTP status) for bad input, unknown ids, forbidden access
+or a request the task's state does not allow.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from fireflyer.platform import config as platform_config
+from fireflyer.platform.config import PlatformConfig
+from fireflyer.platform.layout import Home
+from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Priority
+from fireflyer.platform.store import ACTIVE, FINISHED, HELD, STATES, StopCode, Store, TaskRow, UnknownTask, stop_text
+
+MAX_LIMIT = 10_000
+ENV_PASSED = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+"""The submitter's variables a local submit passes on (HAI passes its task spec's environments)."""
+
+
+class ApiError(Exception):
+    """A request that cannot be done; the message is one line for the user."""
+
+    status = 400
+
+
+class NotFound(ApiError):
+    status = 404
+
+
+class Forbidden(ApiError):
+    status = 403
+
+
+class Conflict(ApiError):
+    status = 409
+
+
+def outcome(t: TaskRow) -> str:
+    """One word for where an attempt stands or how it ended."""
+    if t.state != FINISHED:
+        return t.state
+    if t.stop_code & StopCode.MANUAL_STOP:
+        return "stopped"
+    if t.stop_code & (StopCode.FAILED | StopCode.INIT_FAILED | StopCode.TIMEOUT):
+        return "failed"
+    for flag, word in ((StopCode.INTERRUPT, "suspended"), (StopCode.UNSCHEDULABLE, "unschedulable"),
+                       (StopCode.HOOK_RESTART, "restarted")):
+        if t.stop_code & flag:
+            return word
+    return "succeeded" if t.stop_code == StopCode.STOP else stop_text(t.stop_code).lower()
+
+
+def task_json(t: TaskRow) -> dict[str, Any]:
+    return {"id": t.chain_first_id, "task_id": t.id, "attempt": t.attempt, "name": t.name, "user": t.user,
+            "group": t.group, "priority": t.priority.name, "nodes": t.nodes, "ranks_per_node": t.ranks_per_node,
+            "command": t.command, "state": t.state, "outcome": outcome(t), "assigned": list(t.assigned),
+            "submitted_at": t.submitted_at, "started_at": t.started_at, "finished_at": t.finished_at,
+            "stop_code": t.stop_code, "stop": stop_text(t.stop_code) if t.state == FINISHED else None,
+            "detail": t.detail, "whole_life_state": t.whole_life_state, "handle": t.handle}
+
+
+def check_command(command: list[str], cwd: str) -> None:
+    """The command's program must exist where the task will run."""
+    exe = command[0]
+    if "/" in exe:
+        path = Path(cwd, exe)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ApiError(f"command {exe!r} is not an executable file (from {cwd})")
+    elif shutil.which(exe) is None:
+        raise ApiError(f"command {exe!r} not found on PATH")
+
+
+class PlatformApi:
+    def __init__(self, home: Home, *, user: str | None = None, admin: bool = True) -> None:
+        if not home.db.exists():
+            raise NotFound(f"no platform in {home.root}: start one with 'fireflyer platform start'")
+        self.home = home
+        self.user = user
+        self.admin = admin if user is not None else True
+        self.store = Store(home.db)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "PlatformApi":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _config(self) -> PlatformConfig:
+        return platform_config.load(self.home) or PlatformConfig()
+
+    def _chain(self, task_id: int) -> TaskRow:
+        """The latest attempt of the chain ``task_id`` names, if the caller may see it."""
+        if not isinstance(task_id, int) or task_id < 1:
+            raise ApiError(f"a task id is a positive number, got {task_id!r}")
+        try:
+            t = self.store.latest(task_id)
+        except UnknownTask:
+            raise NotFound(f"no task {task_id}") from None
+        if not self.admin and t.user != self.user:
+            raise Forbidden(f"task {task_id} belongs to another user")
+        return t
+
+    def me(self) -> dict[str, Any]:
+        return {"user": self.user or getpass.getuser(), "admin": self.admin}
+
+    # ------------------------------------------------------------------ tasks
+    def submit(self, *, nodes: int, command: list[str], priority: str | int = "NORMAL", group: str = "default",
+               name: str = "", ranks_per_node: int | None = None, env: dict[str, str] | None = None,
+               request_id: str | None = None, cwd: str | None = None, user: str | None = None) -> dict[str, Any]:
+        if user is not None and user != self.user and not self.admin:
+            raise Forbidden("only an admin may submit for another user")
+        owner = user or self.user or getpass.getuser()
+        try:
+            prio = Priority.parse(priority)
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ApiError(f"a task needs at least 1 node, got {nodes!r}")
+        have = len(self.store.nodes())
+        if nodes > have:
+            raise ApiError(f"the task asks for {nodes} nodes but the platform has {have}")
+        if not command or not all(isinstance(c, str) and c for c in command):
+            raise ApiError("a task needs a command: a list of non-empty strings")
+        cwd = cwd or os.getcwd()
+        if not os.path.isdir(cwd):
+            raise ApiError(f"working directory {cwd!r} does not exist")
+        check_command(command, cwd)
+        for key, value in (env or {}).items():
+            if not key or "=" in key or "\0" in key or "\0" in str(value):
+                raise ApiError(f"bad environment variable {key!r}")
+        try:
+            task_id = self.store.submit(user=owner, nodes=nodes, command=list(command), priority=prio, group=group,
+                                        name=name, request_id=request_id,
+                                        ranks_per_node=ranks_per_node or self._config().ranks_per_node,
+                                        cwd=cwd, env=dict(env or {}))
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        return task_json(self.store.task(task_id))
+
+    def tasks(self, *, all: bool = False, user: str | None = None, state: str | None = None,
+              priority: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        if not 1 <= limit <= MAX_LIMIT or offset < 0:
+            raise ApiError(f"limit must be 1..{MAX_LIMIT} and offset at least 0")
+        if state is not None and state not in STATES:
+            raise ApiError(f"unknown state {state!r}; choose one of {', '.join(STATES)}")
+        prio = None
+        if priority is not None:
+            try:
+                prio = Priority.parse(priority)
+            except ValueError as exc:
+                raise ApiError(str(exc)) from None
+        if not self.admin:
+            if user is not None and user != self.user:
+                raise Forbidden("only an admin may list another user's tasks")
+            user = self.user
+        rows = self.store.latest_attempts(active_only=not all and state is None)
+        picked = [t for t in rows if (user is None or t.user == user) and (state is None or t.state == state)
+                  and (prio is None or t.priority == prio)]
+        order = {RUNNING: 0, SUSPENDING: 0, QUEUED: 1, HELD: 2, FINISHED: 3}
+        picked.sort(key=lambda t: (order.get(t.state, 4), -t.priority if t.state != FINISHED else 0,
+                                   t.chain_first_id if t.state != FINISHED else -t.chain_first_id))
+        page = picked[offset:offset + limit]
+        return {"tasks": [task_json(t) for t in page], "total": len(picked), "limit": limit, "offset": offset}
+
+    def describe(self, task_id: int) -> dict[str, Any]:
+        t = self._chain(task_id)
+        chain = self.store.chain(t.chain_first_id)
+        events = self.store.chain_events(t.chain_first_id)
+        return {**task_json(t), "attempts": [task_json(a) for a in chain],
+                "events": [{"task_id": i, "at": at, "kind": k, "detail": d} for i, at, k, d in events],
+                "logs": str(self.home.attempt(t.id).logs)}
+
+    def _attempt_for_logs(self, t: TaskRow, attempt: int | None) -> TaskRow:
+        chain = self.store.chain(t.chain_first_id)
+        if attempt is not None:
+            picked = [a for a in chain if a.attempt == attempt]
+            if not picked:
+                raise NotFound(f"task {t.chain_first_id} has attempts 0..{chain[-1].attempt}, not {attempt}")
+            return picked[0]
+        ran = [a for a in chain if a.started_at is not None]
+        return ran[-1] if ran else chain[-1]
+
+    def log_path(self, task_id: int, *, rank: int = 0, attempt: int | None = None) -> tuple[Path, TaskRow]:
+        target = self._attempt_for_logs(self._chain(task_id), attempt)
+        ranks = target.nodes * target.ranks_per_node
+        if not isinstance(rank, int) or not 0 <= rank < ranks:
+            raise ApiError(f"task {task_id} has ranks 0..{ranks - 1}, not {rank}")
+        return self.home.attempt(target.id).rank_log(rank), target
+
+    def logs(self, task_id: int, *, rank: int = 0, attempt: int | None = None,
+             tail: int | None = None) -> dict[str, Any]:
+        path, target = self.log_path(task_id, rank=rank, attempt=attempt)
+        if tail is not None and tail < 1:
+            raise ApiError(f"tail must be at least 1, got {tail}")
+        try:
+            text = _tail(path, tail) if tail else path.read_text(errors="replace")
+        except FileNotFoundError:
+            raise NotFound(f"task {task_id} has no log for rank {rank} yet ({target.state})") from None
+        return {"task_id": target.chain_first_id, "attempt": target.attempt, "rank": rank, "text": text,
+                "state": target.state}
+
+    def follow(self, task_id: int, *, rank: int = 0, poll: float = 0.2,
+               timeout: float | None = None) -> Iterator[str]:
+        """The log as it grows, across the chain's attempts; ends when the chain finishes or is held."""
+        path, current = self.log_path(task_id, rank=rank)
+        first = current.chain_first_id
+        pos = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            chunk = b""
+            path = self.home.attempt(current.id).rank_log(rank)
+            if path.exists():
+                with open(path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                if chunk:
+                    pos += len(chunk)
+                    yield chunk.decode(errors="replace")
+            if not chunk and self.store.task(current.id).state == FINISHED:
+                latest = self.store.latest(current.id)
+                if latest.id == current.id or latest.state in (FINISHED, HELD):
+                    if latest.id != current.id:
+                        yield f"--- task {first}: attempt {latest.attempt} is {outcome(latest)}\n"
+                    return
+                if latest.started_at is not None:
+                    yield f"--- task {first}: attempt {latest.attempt} on {','.join(latest.assigned)}\n"
+                    current, pos = latest, 0
+                    continue
+            time.sleep(poll)
+
+    def suspend(self, task_id: int) -> dict[str, Any]:
+        return self._request(task_id, self.store.request_suspend)
+
+    def resume(self, task_id: int) -> dict[str, Any]:
+        return self._request(task_id, self.store.resume)
+
+    def stop(self, task_id: int) -> dict[str, Any]:
+        return self._request(task_id, self.store.request_stop)
+
+    def _request(self, task_id: int, act: Any) -> dict[str, Any]:
+        self._chain(task_id)
+        try:
+            return task_json(act(task_id))
+        except ValueError as exc:
+            raise Conflict(str(exc)) from None
+
+    # ------------------------------------------------------------------ nodes and the cluster
+    def nodes(self) -> list[dict[str, Any]]:
+        reasons = self.store.node_reasons()
+        busy = {n: t for t in self.store.tasks((RUNNING, SUSPENDING)) for n in t.assigned}
+        out = []
+        for n in self.store.nodes():
+            state = "drained" if n.drained else "unhealthy" if not n.healthy else "busy" if n.name in busy else "idle"
+            out.append({"name": n.name, "zone": n.zone, "state": state, "healthy": n.healthy, "drained": n.drained,
+                        "reason": reasons.get(n.name, ""),
+                        "task": busy[n.name].chain_first_id if n.name in busy else None})
+        return out
+
+    def _set_drained(self, node: str, drained: bool, reason: str) -> dict[str, Any]:
+        if not self.admin:
+            raise Forbidden("only an admin may drain or undrain nodes")
+        try:
+            self.store.set_drained(node, drained, reason=reason)
+        except ValueError as exc:
+            raise NotFound(str(exc)) from None
+        if self._config().executor == "slurm":
+            from fireflyer.platform import slurm
+
+            try:
+                slurm.drain(node, reason) if drained else slurm.undrain(node)
+            except (RuntimeError, OSError) as exc:
+                raise ApiError(f"drained here, but Slurm refused: {exc}") from None
+        return {"node": node, "drained": drained}
+
+    def drain(self, node: str, reason: str = "drained by an admin") -> dict[str, Any]:
+        return self._set_drained(node, True, reason)
+
+    def undrain(self, node: str) -> dict[str, Any]:
+        return self._set_drained(node, False, "")
+
+    def overview(self, *, hours: float = 24.0, buckets: int = 96) -> dict[str, Any]:
+        if not 0 < hours <= 24 * 30 or not 1 <= buckets <= 1000:
+            raise ApiError("hours must be in (0, 720] and buckets in 1..1000")
+        nodes = self.nodes()
+        counts = {k: sum(1 for n in nodes if n["state"] == k) for k in ("busy", "idle", "drained", "unhealthy")}
+        usable = counts["busy"] + counts["idle"]
+        active = self.store.tasks(ACTIVE)
+        queue = {p.name: 0 for p in sorted(Priority, reverse=True)}
+        running = dict(queue)
+        for t in active:
+            if t.state == QUEUED:
+                queue[t.priority.name] += 1
+            elif t.state in (RUNNING, SUSPENDING):
+                running[t.priority.name] += 1
+        used: dict[tuple[str, str, Priority], int] = {}
+        for t in active:
+            if t.state in (RUNNING, SUSPENDING):
+                used[(t.user, t.group, t.priority)] = used.get((t.user, t.group, t.priority), 0) + t.nodes
+        quotas = self.store.quotas()
+        keys = sorted(set(used) | set(quotas), key=lambda k: (k[0], k[1], -k[2]))
+        quota_use = [{"user": u, "group": g, "priority": p.name, "used": used.get((u, g, p), 0),
+                      "quota": quotas.get((u, g, p), quotas.get(("public", g, p)))}
+                     for u, g, p in keys if self.admin or u == self.user]
+        now = time.time()
+        start = now - hours * 3600
+        width = hours * 3600 / buckets
+        busy_time = [0.0] * buckets
+        for started, finished, n in self.store.node_intervals(since=start):
+            lo, hi = max(started, start), min(finished if finished is not None else now, now)
+            if hi <= lo:
+                continue
+            first, last = int((lo - start) // width), min(buckets - 1, int((hi - start) // width))
+            for b in range(first, last + 1):
+                b0 = start + b * width
+                overlap = min(hi, b0 + width) - max(lo, b0)
+                if overlap > 0:
+                    busy_time[b] += overlap * n
+        history = [{"at": start + (b + 1) * width, "busy": busy_time[b] / width, "total": len(nodes)}
+                   for b in range(buckets)]
+        return {"nodes": {"total": len(nodes), **counts}, "utilisation": counts["busy"] / usable if usable else 0.0,
+                "queue_by_priority": queue, "running_by_priority": running, "quota_use": quota_use,
+                "history": history}
+
+
+def _tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines, reading only the end of a large file."""
+    with open(path, "rb") as f:
+        pos = f.seek(0, os.SEEK_END)
+        data = b""
+        while pos > 0 and data.count(b"\n") <= lines:
+            step = min(1 << 16, pos)
+            pos -= step
+            f.seek(pos)
+            data = f.read(step) + data
+    return b"".join(data.splitlines(keepends=True)[-lines:]).decode(errors="replace")
