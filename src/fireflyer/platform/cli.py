@@ -10,17 +10,14 @@ Every command prints a table, or JSON with ``--json``.
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from fireflyer.cliutil import ArgumentParser
@@ -29,14 +26,13 @@ from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Timeouts
 from fireflyer.platform.layout import HOME_ENV, Home, read_json
-from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Priority
-from fireflyer.platform.store import (ACTIVE, FINISHED, HELD, StopCode, Store, TaskRow, UnknownTask,
-                                      stop_text)
+from fireflyer.platform.policy import Priority
+from fireflyer.platform.api import ENV_PASSED, ApiError, PlatformApi
+from fireflyer.platform.remote import SERVER_ENV, TOKEN_ENV, RemoteApi
+from fireflyer.platform.store import ACTIVE, FINISHED, Store
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
-ENV_PASSED = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
-"""The submitter's variables a task inherits (HAI passes its task spec's environments; -e adds more)."""
 
 
 # ---------------------------------------------------------------------- helpers
@@ -67,13 +63,6 @@ def _task_id(text: str) -> int:
     return value
 
 
-def _latest(store: Store, task_id: int) -> TaskRow:
-    try:
-        return store.latest(task_id)
-    except UnknownTask:
-        raise UserError(f"no task {task_id} (see 'fireflyer queue --all')") from None
-
-
 def _when(t: float | None) -> str:
     return "-" if t is None else datetime.fromtimestamp(t).strftime("%m-%d %H:%M:%S")
 
@@ -100,33 +89,58 @@ def _emit(args: Any, data: Any, render: Callable[[], str]) -> int:
     return 0
 
 
-def task_json(t: TaskRow) -> dict[str, Any]:
-    return {"id": t.chain_first_id, "task_id": t.id, "attempt": t.attempt, "name": t.name, "user": t.user,
-            "group": t.group, "priority": t.priority.name, "nodes": t.nodes, "ranks_per_node": t.ranks_per_node,
-            "command": t.command, "state": t.state, "assigned": list(t.assigned), "submitted_at": t.submitted_at,
-            "started_at": t.started_at, "finished_at": t.finished_at, "stop_code": t.stop_code,
-            "stop": stop_text(t.stop_code) if t.state == FINISHED else None, "detail": t.detail,
-            "whole_life_state": t.whole_life_state, "handle": t.handle}
+def _target_args(p: ArgumentParser) -> None:
+    """Where a command acts: a local home, or a server (``--server`` / ``FIREFLYER_SERVER``) with a token."""
+    _home_arg(p)
+    p.add_argument("--server", default=os.environ.get(SERVER_ENV) or None,
+                   help=f"a platform server's URL (default ${SERVER_ENV}); the token comes from ${TOKEN_ENV}")
+    _json_arg(p)
 
 
-def _outcome(t: TaskRow) -> str:
-    if t.state != FINISHED:
-        return t.state
-    if t.stop_code & StopCode.MANUAL_STOP:
-        return "stopped"
-    if t.stop_code & (StopCode.FAILED | StopCode.INIT_FAILED | StopCode.TIMEOUT):
-        return "failed"
-    for flag, word in ((StopCode.INTERRUPT, "suspended"), (StopCode.UNSCHEDULABLE, "unschedulable"),
-                       (StopCode.HOOK_RESTART, "restarted")):
-        if t.stop_code & flag:
-            return word
-    return "succeeded" if t.stop_code == StopCode.STOP else stop_text(t.stop_code).lower()
+class _Api:
+    """The API a command acts through, with its errors turned into one-line user errors."""
+
+    def __init__(self, args: Any) -> None:
+        try:
+            if args.server:
+                self.api: Any = RemoteApi(args.server, os.environ.get(TOKEN_ENV))
+            else:
+                home = Home(args.home)
+                if not home.db.exists():
+                    raise UserError(f"no platform in {home.root}: start one with 'fireflyer platform start'"
+                                    + ("" if args.home else f" (or point --home/{HOME_ENV} at one)"))
+                self.api = PlatformApi(home)
+        except ApiError as exc:
+            raise UserError(str(exc)) from None
+        self.remote = bool(args.server)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.api, name)
+
+        def call(*a: Any, **kw: Any) -> Any:
+            try:
+                return method(*a, **kw)
+            except ApiError as exc:
+                raise UserError(str(exc)) from None
+
+        return call
+
+    def __enter__(self) -> "_Api":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.api.close()
 
 
 # ---------------------------------------------------------------------- platform start|stop|status
 def _platform(argv: list[str]) -> int:
-    p = ArgumentParser(prog="fireflyer platform", description="Run the platform's scheduler daemon.")
-    sub = p.add_subparsers(dest="action", required=True, metavar="start|stop|status")
+    if argv and argv[0] in ("serve", "user"):  # the HTTP server and its users
+        from fireflyer.platform.server.cli import main as server_main
+
+        return server_main(argv)
+    p = ArgumentParser(prog="fireflyer platform", description="Run the platform's scheduler daemon, its HTTP server "
+                       "('fireflyer platform serve --help') and its users ('fireflyer platform user --help').")
+    sub = p.add_subparsers(dest="action", required=True, metavar="start|stop|status|quota|serve|user")
     start = sub.add_parser("start", help="start the daemon (configures the platform on first start)")
     _home_arg(start)
     start.add_argument("--executor", choices=("local", "slurm"), help="local emulated nodes (default) or Slurm")
@@ -320,16 +334,6 @@ def _env_pairs(pairs: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def _check_command(command: list[str], cwd: str) -> None:
-    exe = command[0]
-    if "/" in exe:
-        path = Path(cwd, exe)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise UserError(f"command {exe!r} is not an executable file (from {cwd})")
-    elif shutil.which(exe) is None:
-        raise UserError(f"command {exe!r} not found on PATH")
-
-
 def _submit(argv: list[str]) -> int:
     p = ArgumentParser(prog="fireflyer submit", usage="fireflyer submit -n NODES [options] -- CMD [ARGS...]",
                        description="Queue a task of whole nodes.")
@@ -339,12 +343,11 @@ def _submit(argv: list[str]) -> int:
                         "EXTREME_HIGH, or the number")
     p.add_argument("-g", "--group", default="default", help="the node group / quota group (default 'default')")
     p.add_argument("--name", default="", help="a name for the task (default taskID)")
-    p.add_argument("--user", default=None, help="submit as this user (default: you)")
+    p.add_argument("--user", default=None, help="submit for this user (default: you; others need an admin)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the platform's)")
     p.add_argument("-e", "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable")
     p.add_argument("--request-id", default=None, help="idempotency key: resubmitting it returns the first task")
-    _home_arg(p)
-    _json_arg(p)
+    _target_args(p)
     if "--" not in argv:
         p.parse_known_args(argv)  # --help, and flag errors, come first
         raise UserError("put the task's command after '--', e.g. fireflyer submit -n 1 -- python train.py")
@@ -352,104 +355,77 @@ def _submit(argv: list[str]) -> int:
     args, command = p.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         raise UserError("no command after '--'")
-    home, store = _open(args)
-    try:
-        cfg = platform_config.load(home) or PlatformConfig()
-        try:
-            priority = Priority.parse(args.priority)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        nodes = store.nodes()
-        if args.nodes < 1:
-            raise UserError(f"-n/--nodes must be at least 1, got {args.nodes}")
-        if args.nodes > len(nodes):
-            raise UserError(f"the task asks for {args.nodes} nodes but the platform has {len(nodes)}")
-        cwd = os.getcwd()
-        _check_command(command, cwd)
-        env = {k: os.environ[k] for k in ENV_PASSED if k in os.environ}
-        env.update(_env_pairs(args.env))
-        try:
-            task_id = store.submit(user=args.user or getpass.getuser(), nodes=args.nodes, command=command,
-                                   priority=priority, group=args.group, name=args.name,
-                                   request_id=args.request_id, ranks_per_node=args.ranks_per_node or cfg.ranks_per_node,
-                                   cwd=cwd, env=env)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        t = store.task(task_id)
-    finally:
-        store.close()
-    from fireflyer.platform.daemon import daemon_pid
+    env = _env_pairs(args.env)
+    with _Api(args) as api:
+        if not api.remote:  # a local task inherits the submitter's paths; a remote one the server's
+            env = {**{k: os.environ[k] for k in ENV_PASSED if k in os.environ}, **env}
+        t = api.submit(nodes=args.nodes, command=command, priority=args.priority, group=args.group,
+                       name=args.name, ranks_per_node=args.ranks_per_node, env=env, request_id=args.request_id,
+                       cwd=os.getcwd(), user=args.user)
+        if not api.remote:
+            from fireflyer.platform.daemon import daemon_pid
 
-    if daemon_pid(home) is None:
-        print(f"note: no daemon runs for {home.root}; the task waits until 'fireflyer platform start'",
-              file=sys.stderr)
-    return _emit(args, task_json(t), lambda: f"submitted task {t.id} ({t.name}): {t.nodes} node(s), "
-                                           f"priority {t.priority.name}, group {t.group}")
+            home = api.api.home
+            if daemon_pid(home) is None:
+                print(f"note: no daemon runs for {home.root}; the task waits until 'fireflyer platform start'",
+                      file=sys.stderr)
+    return _emit(args, t, lambda: f"submitted task {t['id']} ({t['name']}): {t['nodes']} node(s), "
+                                  f"priority {t['priority']}, group {t['group']}")
 
 
 def _queue(argv: list[str]) -> int:
     p = ArgumentParser(prog="fireflyer queue", description="The platform's tasks (latest attempt of each).")
     p.add_argument("--all", action="store_true", help="include finished tasks")
-    p.add_argument("--limit", type=int, default=100, help="at most this many finished tasks with --all")
+    p.add_argument("--limit", type=int, default=100, help="at most this many tasks (default 100)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many first (paging)")
     p.add_argument("--user", default=None, help="only this user's tasks")
-    _home_arg(p)
-    _json_arg(p)
+    p.add_argument("--state", default=None, help="only tasks in this state (queued, running, held, finished, ...)")
+    _target_args(p)
     args = p.parse_args(argv)
-    _, store = _open(args)
-    try:
-        active = {t.chain_first_id: t for t in store.tasks(ACTIVE)}
-        rows = list(active.values())
-        if args.all:
-            rows += [t for t in store.recent(args.limit) if t.chain_first_id not in active]
-    finally:
-        store.close()
-    if args.user:
-        rows = [t for t in rows if t.user == args.user]
-    order = {RUNNING: 0, SUSPENDING: 0, QUEUED: 1, HELD: 2, FINISHED: 3}
-    rows.sort(key=lambda t: (order.get(t.state, 4), -t.priority, t.chain_first_id))
+    with _Api(args) as api:
+        page = api.tasks(all=args.all, user=args.user, state=args.state, limit=args.limit, offset=args.offset)
+    rows = page["tasks"]
     now = time.time()
 
     def render() -> str:
         if not rows:
             return "no tasks" + ("" if args.all else " (--all shows finished ones)")
-        return table([(t.chain_first_id, t.name, t.user, t.priority.name, t.nodes, _outcome(t), t.attempt,
-                       ",".join(t.assigned) or "-",
-                       _ago(now - (t.started_at or t.submitted_at)) if t.state != FINISHED else _when(t.finished_at))
-                      for t in rows], ["ID", "NAME", "USER", "PRIORITY", "NODES", "STATE", "ATTEMPT", "ON", "TIME"])
+        out = table([(t["id"], t["name"], t["user"], t["priority"], t["nodes"], t["outcome"], t["attempt"],
+                      ",".join(t["assigned"]) or "-",
+                      _ago(now - (t["started_at"] or t["submitted_at"])) if t["state"] != FINISHED
+                      else _when(t["finished_at"])) for t in rows],
+                    ["ID", "NAME", "USER", "PRIORITY", "NODES", "STATE", "ATTEMPT", "ON", "TIME"])
+        more = page["total"] - page["offset"] - len(rows)
+        return out + (f"\n({more} more: --offset {page['offset'] + len(rows)})" if more > 0 else "")
 
-    return _emit(args, [task_json(t) for t in rows], render)
+    return _emit(args, rows, render)
 
 
 def _describe(argv: list[str]) -> int:
     p = ArgumentParser(prog="fireflyer describe", description="A task, its chain of attempts and its history.")
     p.add_argument("id", help="the task's id")
-    _home_arg(p)
-    _json_arg(p)
+    _target_args(p)
     args = p.parse_args(argv)
-    home, store = _open(args)
-    try:
-        t = _latest(store, _task_id(args.id))
-        chain = store.chain(t.chain_first_id)
-        events = store.chain_events(t.chain_first_id)
-    finally:
-        store.close()
-    data = {**task_json(t), "attempts": [task_json(a) for a in chain],
-            "events": [{"task_id": i, "at": at, "kind": k, "detail": d} for i, at, k, d in events],
-            "logs": str(home.attempt(t.id).logs)}
+    with _Api(args) as api:
+        d = api.describe(_task_id(args.id))
 
     def render() -> str:
-        head = [f"task {t.chain_first_id} ({t.name}): {_outcome(t)}",
-                f"  user {t.user}, group {t.group}, priority {t.priority.name}, {t.nodes} node(s) x "
-                f"{t.ranks_per_node} rank(s), whole-life state {t.whole_life_state}",
-                f"  command: {' '.join(t.command)}", f"  logs: {home.attempt(t.id).logs}", "", "attempts:"]
-        attempts = table([(a.id, a.attempt, _outcome(a), ",".join(a.assigned) or "-", _when(a.started_at),
-                           _when(a.finished_at), stop_text(a.stop_code) if a.state == FINISHED else "-",
-                           a.detail or "") for a in chain],
+        head = [f"task {d['id']} ({d['name']}): {d['outcome']}",
+                f"  user {d['user']}, group {d['group']}, priority {d['priority']}, {d['nodes']} node(s) x "
+                f"{d['ranks_per_node']} rank(s), whole-life state {d['whole_life_state']}",
+                f"  command: {' '.join(d['command'])}"]
+        if d.get("logs"):
+            head.append(f"  logs: {d['logs']}")
+        head += ["", "attempts:"]
+        attempts = table([(a["task_id"], a["attempt"], a["outcome"], ",".join(a["assigned"]) or "-",
+                           _when(a["started_at"]), _when(a["finished_at"]), a["stop"] or "-", a["detail"] or "")
+                          for a in d["attempts"]],
                          ["TASK", "ATTEMPT", "STATE", "NODES", "STARTED", "ENDED", "STOP", "DETAIL"])
-        history = table([(_when(at), i, k, d) for i, at, k, d in events], ["AT", "TASK", "EVENT", "DETAIL"])
+        history = table([(_when(e["at"]), e["task_id"], e["kind"], e["detail"]) for e in d["events"]],
+                        ["AT", "TASK", "EVENT", "DETAIL"])
         return "\n".join(head) + "\n" + attempts + "\n\nhistory:\n" + history
 
-    return _emit(args, data, render)
+    return _emit(args, d, render)
 
 
 def _logs(argv: list[str]) -> int:
@@ -458,107 +434,41 @@ def _logs(argv: list[str]) -> int:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the task finishes")
     p.add_argument("-r", "--rank", type=int, default=0, help="which rank (default 0)")
     p.add_argument("--attempt", type=int, default=None, help="which attempt of the chain (default: the latest run)")
+    p.add_argument("--tail", type=int, default=None, help="only the last N lines")
     _home_arg(p)
+    p.add_argument("--server", default=os.environ.get(SERVER_ENV) or None,
+                   help=f"a platform server's URL (default ${SERVER_ENV}); the token comes from ${TOKEN_ENV}")
     args = p.parse_args(argv)
-    home, store = _open(args)
-    try:
-        t = _latest(store, _task_id(args.id))
-        chain = store.chain(t.chain_first_id)
-        if args.attempt is not None:
-            picked = [a for a in chain if a.attempt == args.attempt]
-            if not picked:
-                raise UserError(f"task {args.id} has attempts 0..{chain[-1].attempt}, not {args.attempt}")
-            target = picked[0]
-        else:
-            ran = [a for a in chain if a.started_at is not None]
-            target = ran[-1] if ran else chain[-1]
-        if args.rank < 0 or args.rank >= target.nodes * target.ranks_per_node:
-            raise UserError(f"task {args.id} has ranks 0..{target.nodes * target.ranks_per_node - 1}, "
-                            f"not {args.rank}")
-        path = home.attempt(target.id).rank_log(args.rank)
+    task_id = _task_id(args.id)
+    with _Api(args) as api:
         if not args.follow:
-            if not path.exists():
-                raise UserError(f"task {args.id} has no log for rank {args.rank} yet ({target.state})")
-            sys.stdout.write(path.read_text(errors="replace"))
+            sys.stdout.write(api.logs(task_id, rank=args.rank, attempt=args.attempt, tail=args.tail)["text"])
             return 0
-        return _follow(home, store, target, args.rank)
-    finally:
-        store.close()
+        for chunk in api.follow(task_id, rank=args.rank):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    return 0
 
 
-def _follow(home: Home, store: Store, t: TaskRow, rank: int) -> int:
-    """Print the log as it grows; move on to the chain's next attempt; end when the chain finishes."""
-    current, pos = t, 0
-    while True:
-        chunk = b""
-        path = home.attempt(current.id).rank_log(rank)
-        if path.exists():
-            with open(path, "rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-            if chunk:
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
-                pos += len(chunk)
-        if not chunk and store.task(current.id).state == FINISHED:
-            latest = store.latest(current.id)
-            if latest.id == current.id or latest.state in (FINISHED, HELD):
-                if latest.id != current.id:
-                    print(f"--- task {t.chain_first_id}: attempt {latest.attempt} is {_outcome(latest)}")
-                return 0
-            if latest.started_at is not None:
-                print(f"--- task {t.chain_first_id}: attempt {latest.attempt} on {','.join(latest.assigned)}",
-                      flush=True)
-                current, pos = latest, 0
-                continue
-        time.sleep(0.2)
-
-
-def _request(name: str, act: Callable[[Store, int], TaskRow], done: str) -> Callable[[list[str]], int]:
+def _request(name: str, done: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         p = ArgumentParser(prog=f"fireflyer {name}", description=done)
         p.add_argument("id", help="the task's id")
-        _home_arg(p)
-        _json_arg(p)
+        _target_args(p)
         args = p.parse_args(argv)
-        _, store = _open(args)
-        try:
-            task_id = _task_id(args.id)
-            _latest(store, task_id)
-            try:
-                t = act(store, task_id)
-            except ValueError as exc:
-                raise UserError(str(exc)) from None
-        finally:
-            store.close()
-        return _emit(args, task_json(t), lambda: f"task {t.chain_first_id}: {name} requested ({_outcome(t)})")
+        with _Api(args) as api:
+            t = getattr(api, name)(_task_id(args.id))
+        return _emit(args, t, lambda: f"task {t['id']}: {name} requested ({t['outcome']})")
 
     return run
 
 
 def _nodes(argv: list[str]) -> int:
     p = ArgumentParser(prog="fireflyer nodes", description="The platform's nodes.")
-    _home_arg(p)
-    _json_arg(p)
+    _target_args(p)
     args = p.parse_args(argv)
-    _, store = _open(args)
-    try:
-        nodes = store.nodes()
-        reasons = store.node_reasons()
-        busy = {n: t for t in store.tasks((RUNNING, SUSPENDING)) for n in t.assigned}
-    finally:
-        store.close()
-
-    def state(n: Any) -> str:
-        if n.drained:
-            return "drained"
-        if not n.healthy:
-            return "unhealthy"
-        return "busy" if n.name in busy else "idle"
-
-    data = [{"name": n.name, "zone": n.zone, "state": state(n), "healthy": n.healthy, "drained": n.drained,
-             "reason": reasons.get(n.name, ""), "task": busy[n.name].chain_first_id if n.name in busy else None}
-            for n in nodes]
+    with _Api(args) as api:
+        data = api.nodes()
     return _emit(args, data, lambda: table([(d["name"], d["zone"], d["state"], d["task"] or "-", d["reason"])
                                             for d in data], ["NODE", "ZONE", "STATE", "TASK", "REASON"]))
 
@@ -573,24 +483,11 @@ def _drain(drained: bool) -> Callable[[list[str]], int]:
         p.add_argument("node")
         if drained:
             p.add_argument("--reason", default="drained by an admin")
-        _home_arg(p)
-        _json_arg(p)
+        _target_args(p)
         args = p.parse_args(argv)
-        home, store = _open(args)
-        try:
-            try:
-                store.set_drained(args.node, drained, reason=getattr(args, "reason", ""))
-            except ValueError as exc:
-                raise UserError(str(exc)) from None
-        finally:
-            store.close()
-        cfg = platform_config.load(home)
-        if cfg is not None and cfg.executor == "slurm":
-            from fireflyer.platform import slurm
-
-            (slurm.drain(args.node, args.reason) if drained else slurm.undrain(args.node))
-        return _emit(args, {"node": args.node, "drained": drained},
-                     lambda: f"{args.node}: {'drained' if drained else 'back in service'}")
+        with _Api(args) as api:
+            out = api.drain(args.node, args.reason) if drained else api.undrain(args.node)
+        return _emit(args, out, lambda: f"{args.node}: {'drained' if drained else 'back in service'}")
 
     return run
 
@@ -601,10 +498,9 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "queue": _queue,
     "describe": _describe,
     "logs": _logs,
-    "suspend": _request("suspend", lambda s, i: s.request_suspend(i),
-                        "Ask a running task to save and stop; it waits, held, for 'fireflyer resume'."),
-    "resume": _request("resume", lambda s, i: s.resume(i), "Queue a suspended task again, in its old place."),
-    "stop": _request("stop", lambda s, i: s.request_stop(i), "Stop a task for good (it is not requeued)."),
+    "suspend": _request("suspend", "Ask a running task to save and stop; it waits, held, for 'fireflyer resume'."),
+    "resume": _request("resume", "Queue a suspended task again, in its old place."),
+    "stop": _request("stop", "Stop a task for good (it is not requeued)."),
     "nodes": _nodes,
     "drain": _drain(True),
     "undrain": _drain(False),

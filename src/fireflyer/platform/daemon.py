@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Executor, Launch
-from fireflyer.platform.layout import AttemptDir, Home, read_json, write_json_atomic
+from fireflyer.platform.layout import Home, read_json, write_json_atomic
 from fireflyer.platform.policy import RUNNING, SUSPENDING, schedule
 from fireflyer.platform.store import Store, StopCode, TaskRow
 from fireflyer.ports import free_port
