@@ -78,10 +78,10 @@ class _Setup:
             raise
 
     def _serve(self) -> str:
-        log = open(Path(self.dir, "serve.log"), "w+")
-        self.server = subprocess.Popen([sys.executable, "-m", "fireflyer", "platform", "serve", "--home", self.home,
-                                        "--port", "0"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with open(Path(self.dir, "serve.log"), "w") as log:  # the child keeps its own copy of the descriptor
+            self.server = subprocess.Popen([sys.executable, "-m", "fireflyer", "platform", "serve", "--home",
+                                            self.home, "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             m = _URL_RE.search(Path(self.dir, "serve.log").read_text())
