@@ -1,0 +1,235 @@
+"""The platform's HTTP API and dashboard: FastAPI over :class:`~fireflyer.platform.api.PlatformApi`.
+
+Each request is authenticated by its bearer token (:mod:`.auth`), then opens a
+``PlatformApi`` for the token's user: it sees and controls only their own tasks, an
+admin everything. Routes are plain ``def`` functions, so FastAPI runs each in its
+thread pool, and each opens and closes its own SQLite connection there (SQLite's
+connections belong to one thread). :class:`ApiError` statuses become the response's
+status with ``{"detail": message}``; anything unexpected is logged and becomes a 500
+with the same shape, but the tests (schemathesis included) hold that none happens.
+
+Nothing here logs a request's headers, so tokens never reach the log; uvicorn's access
+log shows the method, path and query only, and the API takes tokens in headers only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path as FsPath
+from typing import Any
+
+from fastapi import Body, Depends, FastAPI, Path, Query, Request, Security
+from fastapi.exceptions import HTTPException
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
+
+from fireflyer.platform.api import MAX_LIMIT, ApiError, PlatformApi
+from fireflyer.platform.layout import Home
+from fireflyer.platform.server import models as m
+from fireflyer.platform.server.auth import FailedLogins, User, Users
+from fireflyer.platform.server.sse import log_events
+
+log = logging.getLogger("fireflyer.platform.server")
+
+STATIC = FsPath(__file__).with_name("static")
+STREAM_LIMIT_S = 3600.0
+"""The longest one log stream runs; a client that wants more reconnects."""
+
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    # Scripts only from our own files, never inline: an escaped-wrong task name still cannot run.
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
+                               "form-action 'self'",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    words = {400: "bad input", 401: "no valid token", 403: "not allowed for this user", 404: "no such task or node",
+             409: "the task's state does not allow it", 429: "too many failed logins from this address"}
+    return {c: {"model": m.Error, "description": words[c]} for c in codes}
+
+
+AUTH = (401, 429)
+
+
+def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
+               stream_limit: float = STREAM_LIMIT_S, poll: float = 0.2) -> FastAPI:
+    """The API over the platform in ``home`` (its database must exist: ``fireflyer platform start``)."""
+    limiter = failed_logins or FailedLogins()
+    bearer = HTTPBearer(auto_error=False, description="a token from 'fireflyer platform user add NAME'")
+    app = FastAPI(title="fireflyer platform", version="1",
+                  description="HAI-style time-shared scheduling: tasks, nodes and the cluster, per user.")
+    app.state.home = home
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc.args[0]) if exc.args else type(exc).__name__},
+                            status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse({"detail": "internal error; the server's log has the traceback"}, status_code=500)
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        for key, value in SECURITY_HEADERS.items():
+            response.headers.setdefault(key, value)
+        return response
+
+    # ------------------------------------------------------------------ who is asking
+    def caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> User:
+        header = request.headers.get("authorization")
+        user = None
+        if header is None:
+            # No credentials is not a failed login (a page opened before signing in): plain 401.
+            raise HTTPException(401, "missing Authorization header: send 'Authorization: Bearer <token>' "
+                                     "(an admin makes tokens with 'fireflyer platform user add NAME')",
+                                headers={"WWW-Authenticate": "Bearer"})
+        scheme, _sep, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            problem = "malformed Authorization header: expected 'Bearer <token>'"
+        else:
+            with Users(home.db) as users:
+                user = users.authenticate(token.strip())
+            problem = ("unknown token" if user is None else
+                       "revoked token: ask an admin for a new one ('fireflyer platform user token NAME')")
+        if user is not None and user.active:
+            return user
+        address = request.client.host if request.client else "unknown"
+        wait = limiter.retry_after(address)
+        if wait is not None:
+            raise HTTPException(429, f"too many failed logins from {address}; retry in {math.ceil(wait)} s",
+                                headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        limiter.fail(address)
+        raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/api/health", response_model=m.Health, tags=["server"])
+    def health() -> dict[str, Any]:
+        """Whether the server is up (no token needed)."""
+        return {"ok": True}
+
+    @app.get("/api/me", response_model=m.Me, responses=_errors(*AUTH), tags=["server"])
+    def me(user: User = Depends(caller)) -> dict[str, Any]:
+        """The token's user."""
+        return {"user": user.name, "admin": user.admin}
+
+    @app.get("/api/tasks", response_model=m.TaskPage, responses=_errors(400, 403, *AUTH), tags=["tasks"])
+    def tasks(user: User = Depends(caller),
+              all: bool = Query(False, description="finished chains too (default: active ones only)"),
+              owner: str | None = Query(None, alias="user", max_length=256,
+                                        description="only this user's tasks (others' need an admin)"),
+              state: m.TaskState | None = Query(None),
+              priority: str | None = Query(None, max_length=32, description="a priority name or number"),
+              limit: int = Query(100, ge=1, le=MAX_LIMIT),
+              offset: int = Query(0, ge=0, le=m.MAX_ID)) -> Any:
+        """Chains (their latest attempt): running first, then queued by priority, then held, then finished
+        (newest first). A user sees only their own."""
+        with _open(home, user) as p:
+            return p.tasks(all=all, user=owner, state=state, priority=priority, limit=limit, offset=offset)
+
+    @app.post("/api/tasks", status_code=201, response_model=m.Task, responses=_errors(400, 403, *AUTH),
+              tags=["tasks"])
+    def submit(body: m.Submit, user: User = Depends(caller)) -> Any:
+        """Queue a task of whole nodes, as the caller (an admin may name another ``user``)."""
+        with _open(home, user) as p:
+            return p.submit(**body.model_dump())
+
+    task_id_path = Path(ge=1, le=m.MAX_ID, description="the task's (chain's) id; any attempt's id works too")
+
+    @app.get("/api/tasks/{task_id}", response_model=m.TaskDetail, responses=_errors(400, 403, 404, *AUTH),
+             tags=["tasks"])
+    def describe(task_id: int = task_id_path, user: User = Depends(caller)) -> Any:
+        """A chain's latest attempt, every attempt, and its history of events."""
+        with _open(home, user) as p:
+            return p.describe(task_id)
+
+    @app.get("/api/tasks/{task_id}/logs", response_model=m.Logs, responses=_errors(400, 403, 404, *AUTH),
+             tags=["tasks"])
+    def logs(task_id: int = task_id_path, user: User = Depends(caller),
+             rank: int = Query(0, ge=0, le=m.MAX_RANKS),
+             attempt: int | None = Query(None, ge=0, le=m.MAX_ID, description="default: the latest that ran"),
+             tail: int | None = Query(200, ge=1, le=100_000, description="the last lines only")) -> Any:
+        """One rank's log of one attempt."""
+        with _open(home, user) as p:
+            return p.logs(task_id, rank=rank, attempt=attempt, tail=tail)
+
+    @app.get("/api/tasks/{task_id}/logs/stream", response_class=StreamingResponse, tags=["tasks"],
+             responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                              "description": "'data: <line>' events as the log grows, then 'event: end'"},
+                        **_errors(400, 403, 404, *AUTH)})
+    async def stream(task_id: int = task_id_path, user: User = Depends(caller),
+                     rank: int = Query(0, ge=0, le=m.MAX_RANKS)) -> StreamingResponse:
+        """Follow a rank's log across the chain's attempts, as server-sent events."""
+        from starlette.concurrency import run_in_threadpool
+
+        def check() -> None:  # refuse with a status before the stream starts, not in the middle of it
+            with _open(home, user) as p:
+                p.log_path(task_id, rank=rank)
+
+        await run_in_threadpool(check)
+        events = log_events(lambda: _open(home, user), task_id, rank=rank, limit=stream_limit, poll=poll)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _request(action: str) -> Any:
+        def act(task_id: int = task_id_path, user: User = Depends(caller)) -> Any:
+            with _open(home, user) as p:
+                return getattr(p, action)(task_id)
+
+        act.__name__ = action
+        act.__doc__ = {"suspend": "Save and hold a running task; it waits for resume.",
+                       "resume": "Queue a held task again, in its old place.",
+                       "stop": "Stop a task for good (it is not requeued)."}[action]
+        return act
+
+    for action in ("suspend", "resume", "stop"):
+        app.post(f"/api/tasks/{{task_id}}/{action}", response_model=m.Task,
+                 responses=_errors(400, 403, 404, 409, *AUTH), tags=["tasks"])(_request(action))
+
+    @app.get("/api/nodes", response_model=list[m.Node], responses=_errors(*AUTH), tags=["nodes"])
+    def nodes(user: User = Depends(caller)) -> Any:
+        """Every node, its zone and state, and the chain it runs."""
+        with _open(home, user) as p:
+            return p.nodes()
+
+    node_path = Path(min_length=1, max_length=256, description="the node's name")
+
+    @app.post("/api/nodes/{name}/drain", response_model=m.Drained, responses=_errors(400, 403, 404, *AUTH),
+              tags=["nodes"])
+    def drain(name: str = node_path, body: m.Drain | None = Body(None), user: User = Depends(caller)) -> Any:
+        """Take a node out of scheduling (admins); its task is suspended and moves elsewhere."""
+        with _open(home, user) as p:
+            return p.drain(name, (body or m.Drain()).reason)
+
+    @app.post("/api/nodes/{name}/undrain", response_model=m.Drained, responses=_errors(400, 403, 404, *AUTH),
+              tags=["nodes"])
+    def undrain(name: str = node_path, user: User = Depends(caller)) -> Any:
+        """Return a drained node to scheduling (admins)."""
+        with _open(home, user) as p:
+            return p.undrain(name)
+
+    @app.get("/api/overview", response_model=m.Overview, responses=_errors(400, *AUTH), tags=["cluster"])
+    def overview(user: User = Depends(caller),
+                 hours: float = Query(24.0, gt=0, le=24 * 30, description="the utilisation history's span"),
+                 buckets: int = Query(96, ge=1, le=1000, description="points in the history")) -> Any:
+        """Nodes by state, utilisation now and over time, the queue by priority, quota use (a user's own rows
+        unless admin)."""
+        with _open(home, user) as p:
+            return p.overview(hours=hours, buckets=buckets)
+
+    if STATIC.is_dir():
+        app.mount("/", StaticFiles(directory=STATIC, html=True), name="dashboard")
+    return app
+
+
+def _open(home: Home, user: User) -> PlatformApi:
+    return PlatformApi(home, user=user.name, admin=user.admin)

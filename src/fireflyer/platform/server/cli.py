@@ -1,0 +1,196 @@
+"""``fireflyer platform serve`` and ``fireflyer platform user add|list|revoke|token``.
+
+``platform/cli.py`` hands over ``argv`` from the sub-action on (``["serve", "--port",
+"0"]``, ``["user", "add", "alice"]``). The web stack is imported only by ``serve``.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import logging
+import socket
+import sys
+from datetime import datetime
+from typing import Any
+
+from fireflyer.cliutil import ArgumentParser
+from fireflyer.errors import UserError
+from fireflyer.platform.layout import HOME_ENV, Home
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+def _home_arg(p: ArgumentParser) -> None:
+    p.add_argument("--home", default=None, help=f"the platform's directory (default: ${HOME_ENV} or "
+                                                "~/.fireflyer/platform)")
+
+
+def _home(args: Any) -> Home:
+    home = Home(args.home)
+    if not home.db.exists():
+        raise UserError(f"no platform in {home.root}: start one with 'fireflyer platform start'"
+                        + ("" if args.home else f" (or point --home/{HOME_ENV} at one)"))
+    return home
+
+
+# ---------------------------------------------------------------------- users
+def _user(argv: list[str]) -> int:
+    from fireflyer.platform.server.auth import UserProblem, Users
+
+    p = ArgumentParser(prog="fireflyer platform user", description="The HTTP server's users and their tokens.")
+    sub = p.add_subparsers(dest="action", required=True, metavar="add|list|revoke|token")
+    add = sub.add_parser("add", help="add a user and print their token (shown only this once)")
+    add.add_argument("name")
+    add.add_argument("--admin", action="store_true", help="may see and control every task, and drain nodes")
+    lst = sub.add_parser("list", help="the users (never their tokens)")
+    lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    revoke = sub.add_parser("revoke", help="the user's token stops working at once")
+    revoke.add_argument("name")
+    token = sub.add_parser("token", help="a new token for the user (the old one stops working; re-enables "
+                                         "a revoked user)")
+    token.add_argument("name")
+    for s in (add, lst, revoke, token):
+        _home_arg(s)
+    args = p.parse_args(argv)
+    home = _home(args)
+    try:
+        with Users(home.db) as users:
+            if args.action == "add":
+                secret = users.add(args.name, admin=args.admin)
+                print(f"user {args.name} added{' (admin)' if args.admin else ''}; their token follows, shown "
+                      "only this once (clients send it as 'Authorization: Bearer TOKEN'; the CLI reads "
+                      "FIREFLYER_TOKEN)", file=sys.stderr)
+                print(secret)
+            elif args.action == "token":
+                secret = users.rotate(args.name)
+                print(f"user {args.name}: new token follows (the old one no longer works)", file=sys.stderr)
+                print(secret)
+            elif args.action == "revoke":
+                users.revoke(args.name)
+                print(f"user {args.name}: token revoked ('fireflyer platform user token {args.name}' gives a new one)")
+            else:
+                rows = users.list()
+                data = [{"name": u.name, "admin": u.admin, "created": u.created, "revoked": u.revoked}
+                        for u in rows]
+                if args.json:
+                    print(json.dumps(data, indent=1))
+                elif not rows:
+                    print("no users: add one with 'fireflyer platform user add NAME [--admin]'")
+                else:
+                    from fireflyer.platform.cli import table
+
+                    print(table([(u.name, "admin" if u.admin else "user", _when(u.created),
+                                  f"revoked {_when(u.revoked)}" if u.revoked else "active") for u in rows],
+                                ["USER", "ROLE", "CREATED", "TOKEN"]))
+    except UserProblem as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")
+
+
+# ---------------------------------------------------------------------- serve
+def _bind(host: str, port: int) -> socket.socket:
+    """A bound socket (uvicorn listens on it), so a busy port is one clear error before anything starts."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} on {host} is in use: pick another with --port (--port 0 takes a free "
+                            "one)") from None
+        if exc.errno == errno.EACCES:
+            raise UserError(f"no permission to listen on port {port} (ports below 1024 need root): "
+                            "pick another with --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise UserError(f"{host} is not an address of this machine: pick another with --host") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _serve(argv: list[str]) -> int:
+    p = ArgumentParser(prog="fireflyer platform serve",
+                       description="Serve the platform's HTTP API (OpenAPI at /docs) and its dashboard (at /).")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this "
+                                                        "machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--max-stream", type=float, default=3600.0, metavar="S",
+                   help="seconds one log stream may run before the client must reconnect (default 3600)")
+    _home_arg(p)
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be 0..65535, got {args.port}")
+    if not args.max_stream > 0:
+        raise UserError(f"--max-stream must be positive, got {args.max_stream}")
+    home = _home(args)
+    try:
+        import uvicorn
+
+        from fireflyer.platform.server.app import create_app
+    except ImportError as exc:
+        raise UserError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
+                        "pip install 'fireflyer[server]'") from None
+    from fireflyer.platform.daemon import daemon_pid
+    from fireflyer.platform.server.auth import Users
+
+    with Users(home.db) as users:
+        active = users.count()
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"fireflyer platform server for {home.root} on http://{shown}:{port} (dashboard at /, API docs at /docs)",
+          flush=True)
+    if not active:
+        print("warning: no users yet, so every API call is refused: add one with "
+              f"'fireflyer platform user add NAME --admin{'' if args.home is None else f' --home {args.home}'}' "
+              "(no restart needed)", file=sys.stderr, flush=True)
+    if daemon_pid(home) is None:
+        print(f"warning: no platform daemon runs for {home.root}: tasks stay queued until "
+              "'fireflyer platform start'", file=sys.stderr, flush=True)
+    if not _loopback(host):
+        print(f"warning: listening on {host}, beyond this machine: tokens cross the network in clear text unless "
+              "a TLS proxy sits in front", file=sys.stderr, flush=True)
+    app = create_app(home, stream_limit=args.max_stream)
+    # proxy_headers off: the client address (which failed logins are counted by) is the real peer, never
+    # a header a client could forge. A short graceful shutdown, so open log streams cannot hold it up.
+    config = uvicorn.Config(app, log_level="info", access_log=True, proxy_headers=False, server_header=False,
+                            timeout_graceful_shutdown=3)
+    ours = logging.getLogger("fireflyer.platform.server")
+    if not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+COMMANDS = {"serve": _serve, "user": _user}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        raise UserError(f"unknown server command {argv[:1]}; choose one of {', '.join(COMMANDS)}")
+    return COMMANDS[argv[0]](argv[1:])
