@@ -241,6 +241,7 @@ class PlatformApi:
                     yield f"--- task {first}: attempt {latest.attempt} on {','.join(latest.assigned)}\n"
                     current, pos = latest, 0
                     continue
+            yield ""  # nothing new: a consumer (the server's log stream) may stop here between polls
             time.sleep(poll)
 
     def suspend(self, task_id: int) -> dict[str, Any]:
