@@ -181,10 +181,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             tokens[name] = m.group(0)
         server = Server(home)
         c = Cluster(home, server.url, tokens, tasks)
+        job = tmp_path_factory.mktemp("job") / "job.py"
+        job.write_text(JOB)
 
         def submit(key: str, user: str, name: str) -> int:
             t = api(f"{c.url}/api/tasks", tokens[user], "POST",
-                    {"nodes": 1, "command": [sys.executable, "-c", JOB], "name": name, "priority": "NORMAL"})
+                    {"nodes": 1, "command": [sys.executable, str(job)], "name": name, "priority": "NORMAL"})
             tasks[key] = int(t["id"])
             return tasks[key]
 
@@ -263,10 +265,11 @@ def assert_no_alert(driver: Any) -> None:
 
 
 def save_screenshot(driver: Any, path: Path) -> None:
-    """The whole page, not just the window: the window is made as tall as the page first."""
+    """The whole page, not just the window: the viewport is made as tall as the page first."""
+    driver.execute_script("document.activeElement && document.activeElement.blur(); window.scrollTo(0, 0)")
     height = driver.execute_script("return Math.ceil(document.documentElement.scrollHeight)")
-    driver.set_window_size(1360, min(max(int(height) + 20, 800), 4000))
-    driver.execute_script("window.scrollTo(0, 0)")
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": 1360, "height": min(max(int(height), 800), 4000), "deviceScaleFactor": 1, "mobile": False})
     time.sleep(0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     assert driver.save_screenshot(str(path)), f"could not save a screenshot to {path}"
@@ -321,8 +324,8 @@ def test_sign_in_see_the_running_task_suspend_it_and_see_it_held(cluster: Cluste
     nxt = cluster.tasks["alice-next"]
     wait_for(f"alice's queued task {nxt} to run on the freed node", lambda: row_state(browser, nxt) == "running")
 
-    # the last quarter hour in the chart, then the page as it is now
-    Select(browser.find_element(By.ID, "hours")).select_by_value("0.25")
+    # the last five minutes in the chart, then the page as it is now
+    Select(browser.find_element(By.ID, "hours")).select_by_visible_text("5 min")
     wait_for("the utilisation chart", lambda: browser.find_elements(By.CSS_SELECTOR, "#chart svg path.line"), 30)
     save_screenshot(browser, tmp_path / "dashboard.png")
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000

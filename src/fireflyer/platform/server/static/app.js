@@ -4,6 +4,7 @@
 
 const POLL_MS = 2000;
 const LOG_TAIL = 200;
+const CHART_POINTS = 120;
 const TOKEN_KEY = "fireflyer.token";
 const SVG_NS = "http://www.w3.org/2000/svg";
 const FINISHED = "finished";
@@ -188,7 +189,7 @@ async function refresh(gen) {
   const jobs = [
     api(`/api/tasks?all=${all}&limit=200`).then(renderTasks),
     api("/api/nodes").then(renderNodes),
-    api(`/api/overview?hours=${encodeURIComponent($("hours").value)}`).then(renderOverview),
+    api(`/api/overview?hours=${encodeURIComponent($("hours").value)}&buckets=${CHART_POINTS}`).then(renderOverview),
   ];
   if (ui.selected !== null) jobs.push(loadDetail(ui.selected));
   const results = await Promise.allSettled(jobs);
@@ -357,7 +358,10 @@ function renderDetail(t) {
   if (!changed("detail", [t, ui.me])) return;
   fill($("detail-title"), [`Task ${t.id} `, el("span", { class: "name", text: t.name }), " ", stateBadge(t)]);
   fill($("detail-actions"), actionButtons(t, false));
-  const run = t.started_at ? fmtDuration((t.finished_at || Date.now() / 1000) - t.started_at) : "-";
+  // the chain's run time: every attempt's, up to now for one still running
+  const now = Date.now() / 1000;
+  const spans = (t.attempts && t.attempts.length ? t.attempts : [t]).filter((a) => a.started_at);
+  const run = spans.length ? fmtDuration(spans.reduce((s, a) => s + ((a.finished_at || now) - a.started_at), 0)) : "-";
   const info = [
     ["user", t.user], ["group", t.group], ["priority", t.priority],
     ["nodes", `${t.nodes} × ${t.ranks_per_node ?? "?"} rank(s)`],
@@ -365,7 +369,8 @@ function renderDetail(t) {
     ["submitted", fmtTime(t.submitted_at)], ["run time", run],
     ["whole-life state", t.whole_life_state], ["detail", t.detail || "-"],
   ];
-  fill($("detail-info"), info.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
+  fill($("detail-info"), info.flatMap(([k, v]) =>
+    [el("dt", { text: k }), el("dd", { class: k === "command" ? "command" : undefined, text: v })]));
   fill($("attempts"), (t.attempts || []).map((a) =>
     el("tr", {},
       el("td", { class: "num", text: a.task_id }),
