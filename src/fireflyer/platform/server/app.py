@@ -24,6 +24,8 @@ from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import Match, Mount
+from starlette.types import Scope
 
 from fireflyer.platform.api import MAX_LIMIT, ApiError, PlatformApi
 from fireflyer.platform.layout import Home
@@ -55,6 +57,13 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 AUTH = (401, 429)
+SSE_EVENT = {
+    "type": "object", "required": ["data"],
+    "description": "one event (Open API 3.1: the schema describes each event): a log line, or the end",
+    "properties": {"event": {"type": "string", "enum": ["end"],
+                             "description": "'end' once: the chain finished or is held (data: its outcome), or the "
+                                            "stream ran its limit (data: 'timeout'; reconnect to go on)"},
+                   "data": {"type": "string", "description": "a log line (without its line break)"}}}
 
 
 def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
@@ -163,7 +172,7 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
             return p.logs(task_id, rank=rank, attempt=attempt, tail=tail)
 
     @app.get("/api/tasks/{task_id}/logs/stream", response_class=StreamingResponse, tags=["tasks"],
-             responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+             responses={200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
                               "description": "'data: <line>' events as the log grows, then 'event: end'"},
                         **_errors(400, 403, 404, *AUTH)})
     async def stream(task_id: int = task_id_path, user: User = Depends(caller),
@@ -227,8 +236,18 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
             return p.overview(hours=hours, buckets=buckets)
 
     if STATIC.is_dir():
-        app.mount("/", StaticFiles(directory=STATIC, html=True), name="dashboard")
+        app.router.routes.append(_Dashboard("/", app=StaticFiles(directory=STATIC, html=True), name="dashboard"))
     return app
+
+
+class _Dashboard(Mount):
+    """The static dashboard at ``/``, but never under ``/api/``: a wrong method or path there gets the API's
+    own answer (405 with the route's ``Allow``, or a JSON 404), not the file server's."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and (scope["path"] + "/").startswith("/api/"):
+            return Match.NONE, {}
+        return super().matches(scope)
 
 
 def _open(home: Home, user: User) -> PlatformApi:
