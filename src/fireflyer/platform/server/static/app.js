@@ -474,9 +474,14 @@ function renderChart(history) {
     root.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid" }));
     root.append(svg("text", { x: L - 6, y: y(v) + 4, class: "axis", "text-anchor": "end" }, Number.isInteger(v) ? v : v.toFixed(1)));
   }
-  for (let i = 0; i <= 4; i++) {
-    const t = t0 + ((t1 - t0) * i) / 4;
-    root.append(svg("text", { x: x(t), y: H - 6, class: "axis", "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle" }, fmtClock(t)));
+  // time ticks on whole minutes or hours (local time), at most six of them
+  const step = [60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400]
+    .find((s) => (t1 - t0) / s <= 6) || 86400;
+  const offset = new Date(t0 * 1000).getTimezoneOffset() * 60;
+  for (let t = Math.ceil((t0 - offset) / step) * step + offset; t <= t1; t += step) {
+    root.append(svg("line", { x1: x(t), x2: x(t), y1: y(0), y2: y(0) + 4, class: "grid" }));
+    const anchor = x(t) > W - R - 16 ? "end" : x(t) < L + 16 ? "start" : "middle";
+    root.append(svg("text", { x: x(t), y: H - 6, class: "axis", "text-anchor": anchor }, fmtClock(t)));
   }
   const pts = history.map((h) => `${x(h.at).toFixed(1)},${y(h.busy || 0).toFixed(1)}`);
   root.append(svg("path", { d: `M${x(t0)},${y(0)} L${pts.join(" L")} L${x(t1)},${y(0)} Z`, class: "area" }));
