@@ -3,8 +3,8 @@ real tasks, and Debian's chromium driven by Selenium (``.ci/setup-browser`` inst
 
 A user signs in with the token ``fireflyer platform user add`` printed, sees their running task (named
 ``<script>alert(1)</script>``, which must show as text and run nothing), opens it, suspends it, and sees it go
-to suspending and then held. A wrong token gets the login error; a user never sees another user's task while
-an admin sees both. The page is saved as a screenshot (to the test's tmp dir, and to ``$FIREFLYER_SCREENSHOT``
+to suspending and then held. A wrong token gets the login error; a token revoked while its page is open sends
+the page back to the login form; a user never sees another user's task while an admin sees both. The page is saved as a screenshot (to the test's tmp dir, and to ``$FIREFLYER_SCREENSHOT``
 when that is set: ``docs/dashboard.png`` is made that way).
 """
 
@@ -174,7 +174,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tasks: dict[str, int] = {}
     fireflyer("platform", "start", "--home", str(home), "--nodes", "2", "--tick", "0.1", home=home)
     try:
-        for name, flags in (("alice", ()), ("bob", ()), ("ops", ("--admin",))):
+        for name, flags in (("alice", ()), ("bob", ()), ("carol", ()), ("ops", ("--admin",))):
             out = fireflyer("platform", "user", "add", name, *flags, "--home", str(home), home=home).stdout
             m = TOKEN_RE.search(out)
             assert m, f"'fireflyer platform user add {name}' printed no token: {out!r}"
@@ -364,3 +364,19 @@ def test_a_user_sees_only_their_own_tasks_and_an_admin_sees_all(cluster: Cluster
     assert any(t.get_attribute("data-state") == "busy" for t in tiles)
     assert all(t.get_attribute("title") for t in tiles)
     assert_no_alert(browser)
+
+
+def test_a_token_revoked_while_signed_in_sends_the_page_back_to_the_login_form(cluster: Cluster,
+                                                                               browser: Any) -> None:
+    sign_in(browser, cluster.url, cluster.tokens["carol"])
+    wait_for("carol's page", lambda: browser.find_element(By.ID, "me-name").text == "carol", 30)
+    # carol has no tasks, and sees no one else's
+    wait_for("the empty task table", lambda: browser.find_element(By.ID, "no-tasks").is_displayed(), 30)
+    assert browser.find_elements(By.CSS_SELECTOR, "#task-rows tr") == []
+    fireflyer("platform", "user", "revoke", "carol", "--home", str(cluster.home), home=cluster.home)
+    error = wait_for("the login form with the server's reason",
+                     lambda: browser.find_element(By.ID, "login").is_displayed()
+                     and browser.find_element(By.ID, "login-error").text, 30)
+    assert error.startswith("Signed out:")
+    assert not browser.find_element(By.ID, "app").is_displayed()
+    assert browser.execute_script("return sessionStorage.getItem('fireflyer.token')") is None
