@@ -14,16 +14,21 @@ log shows the method, path and query only, and the API takes tokens in headers o
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path as FsPath
 from typing import Any
 
 from fastapi import Body, Depends, FastAPI, Path, Query, Request, Security
-from fastapi.exceptions import HTTPException
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.routing import APIRoute
+from fastapi.exceptions import HTTPException, RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount
 from starlette.types import Scope
 
@@ -60,8 +65,8 @@ AUTH = (401, 429)
 SSE_EVENT = {
     "type": "object", "required": ["data"],
     "description": "one event (Open API 3.1: the schema describes each event): a log line, or the end",
-    "properties": {"event": {"type": "string", "enum": ["end"],
-                             "description": "'end' once: the chain finished or is held (data: its outcome), or the "
+    "properties": {"event": {"type": "string", "enum": ["message", "end"],
+                             "description": "absent (a log line: 'message'), or 'end' once: the chain finished or is held (data: its outcome), or the "
                                             "stream ran its limit (data: 'timeout'; reconnect to go on)"},
                    "data": {"type": "string", "description": "a log line (without its line break)"}}}
 
@@ -80,6 +85,23 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse({"detail": str(exc.args[0]) if exc.args else type(exc).__name__},
                             status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code != 405:
+            return await http_exception_handler(request, exc)
+        # Starlette names only the first route that matched the path; a path such as /api/tasks has two
+        # (GET, POST), and Allow must list every method it takes.
+        allowed = sorted({method for route in app.routes if isinstance(route, APIRoute)
+                          and route.path_regex.match(request.url.path) for method in route.methods})
+        return JSONResponse({"detail": exc.detail}, status_code=405, headers={"Allow": ", ".join(allowed)})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own body, but ASCII-escaped: the errors echo the input, which may hold a lone surrogate
+        # that UTF-8 cannot encode (and the default response would fail with a 500).
+        body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True)
+        return Response(body, status_code=422, media_type="application/json")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
