@@ -474,6 +474,43 @@ def test_log_stream_refuses_bad_ranks_before_it_starts(home, srv, tok):
     assert call(srv, "GET", f"/api/tasks/{task['id']}/logs/stream?rank=-5", token=tok["alice"]).status == 422
 
 
+def test_log_stream_stops_following_when_its_client_goes_away(tmp_path):
+    """In this process, so the follow thread can be watched: it ends soon after the client hangs up."""
+    import uvicorn
+
+    from fireflyer.platform.server.app import create_app
+
+    home = make_home(tmp_path / "home")
+    tokens = add_users(home)
+    store = Store(home.db)
+    try:
+        task_id = store.submit(user="alice", nodes=1, command=["true"])
+    finally:
+        store.close()
+    write_log(home, {"task_id": task_id}, "waiting\n")
+    server = uvicorn.Server(uvicorn.Config(create_app(home), host="127.0.0.1", port=0, log_level="warning"))
+    runner = threading.Thread(target=server.run, daemon=True)
+    runner.start()
+    try:
+        _wait("the in-process server", lambda: server.started, timeout=30)
+        port = server.servers[0].sockets[0].getsockname()[1]
+
+        def following() -> bool:
+            return any(t.name == f"follow-{task_id}" for t in threading.enumerate())
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+        conn.request("GET", f"/api/tasks/{task_id}/logs/stream", headers={"Authorization": f"Bearer {tokens['alice']}"})
+        resp = conn.getresponse()
+        assert resp.readline() == b"data: waiting\n" and following()
+        conn.close()
+        resp.close()
+        _wait("the follow thread to end", lambda: not following(), timeout=10)
+    finally:
+        server.should_exit = True
+        runner.join(15)
+    assert not runner.is_alive()
+
+
 # ---------------------------------------------------------------------- nodes and the cluster
 def test_nodes_are_visible_to_everyone(srv, tok):
     nodes = ok(call(srv, "GET", "/api/nodes", token=tok["alice"]))
@@ -562,6 +599,49 @@ def test_serve_warns_about_no_users_and_no_daemon(tmp_path):
     text = (tmp_path / "server.log").read_text()
     assert "no users yet" in text and "fireflyer platform user add NAME --admin" in text
     assert "no platform daemon runs" in text
+
+
+def _fireflyer(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fireflyer", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_cli_serves_and_talks_to_the_server_with_the_same_output_as_locally(tmp_path):
+    home = make_home(tmp_path / "home")
+    h = ("--home", str(home.root))
+    added = _fireflyer("platform", "user", "add", "alice", *h)
+    assert added.returncode == 0, added.stderr
+    alice = added.stdout.strip()
+    root = _fireflyer("platform", "user", "add", "root", "--admin", *h).stdout.strip()
+    SEEN_TOKENS.update((alice, root))
+    listed = _fireflyer("platform", "user", "list", *h)
+    assert "alice" in listed.stdout and alice not in listed.stdout
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "fireflyer", "platform", "serve", *h, "--port", "0"],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = _wait("the server's URL", lambda: (m := re.search(r"on (http://[\d.]+:\d+) ", log.read_text()))
+                    and "startup complete" in log.read_text() and m.group(1), timeout=START_TIMEOUT_S)
+        as_alice = {"FIREFLYER_TOKEN": alice}
+        done = _fireflyer("submit", "--server", url, "-n", "1", "--name", "remote", "--", "true", env=as_alice)
+        assert done.returncode == 0 and "submitted task 1 (remote)" in done.stdout, done.stderr
+        for command in (["queue", "--all", "--json"], ["describe", "1"], ["nodes"]):  # no "ago" columns
+            remote = _fireflyer(*command, "--server", url, env={"FIREFLYER_TOKEN": root})
+            local = _fireflyer(*command, *h)
+            assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
+            assert remote.stdout == local.stdout, command
+        refused = _fireflyer("drain", "node0", "--server", url, env=as_alice)
+        assert refused.returncode == 2 and "only an admin" in refused.stderr
+        unknown = _fireflyer("queue", "--server", url, env={"FIREFLYER_TOKEN": UNKNOWN})
+        assert unknown.returncode == 2 and "unknown token" in unknown.stderr
+        stopped = _fireflyer("stop", "1", "--server", url, env=as_alice)
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    text = log.read_text()
+    assert alice not in text and root not in text
 
 
 def test_no_token_ever_reaches_the_log(env, tok):
