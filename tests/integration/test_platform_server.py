@@ -475,7 +475,8 @@ def test_log_stream_refuses_bad_ranks_before_it_starts(home, srv, tok):
 
 
 def test_log_stream_stops_following_when_its_client_goes_away(tmp_path):
-    """In this process, so the follow thread can be watched: it ends soon after the client hangs up."""
+    """In this process, so the follow thread can be watched: it ends soon after the client hangs up, and a
+    user's open streams are limited (here to one)."""
     import uvicorn
 
     from fireflyer.platform.server.app import create_app
@@ -488,7 +489,8 @@ def test_log_stream_stops_following_when_its_client_goes_away(tmp_path):
     finally:
         store.close()
     write_log(home, {"task_id": task_id}, "waiting\n")
-    server = uvicorn.Server(uvicorn.Config(create_app(home), host="127.0.0.1", port=0, log_level="warning"))
+    app = create_app(home, streams_per_user=1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     runner = threading.Thread(target=server.run, daemon=True)
     runner.start()
     try:
@@ -502,9 +504,20 @@ def test_log_stream_stops_following_when_its_client_goes_away(tmp_path):
         conn.request("GET", f"/api/tasks/{task_id}/logs/stream", headers={"Authorization": f"Bearer {tokens['alice']}"})
         resp = conn.getresponse()
         assert resp.readline() == b"data: waiting\n" and following()
+        second = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+        path = f"/api/tasks/{task_id}/logs/stream"
+        second.request("GET", path, headers={"Authorization": f"Bearer {tokens['alice']}"})
+        refused = second.getresponse()
+        assert refused.status == 429 and "log streams open" in json.loads(refused.read())["detail"]
+        second.close()
         conn.close()
         resp.close()
         _wait("the follow thread to end", lambda: not following(), timeout=10)
+        third = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+        third.request("GET", path, headers={"Authorization": f"Bearer {tokens['alice']}"})
+        assert third.getresponse().status == 200  # the closed stream no longer counts
+        third.close()
+        _wait("the third follow thread to end", lambda: not following(), timeout=10)
     finally:
         server.should_exit = True
         runner.join(15)
@@ -568,6 +581,7 @@ def test_the_dashboard_is_served_at_the_root_with_a_strict_policy(srv):
     assert page.status == 200 and page.headers["content-type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert page.headers["x-content-type-options"] == "nosniff"
+    assert "content-security-policy" not in call(srv, "GET", "/docs").headers  # Swagger UI's inline script
 
 
 def test_wrong_methods_and_paths_under_api_are_the_apis_answers(srv, tok):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -44,6 +45,8 @@ log = logging.getLogger("fireflyer.platform.server")
 STATIC = FsPath(__file__).with_name("static")
 STREAM_LIMIT_S = 3600.0
 """The longest one log stream runs; a client that wants more reconnects."""
+STREAMS_PER_USER = 16
+"""Log streams one user may have open at once (each holds a thread while it runs)."""
 
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
@@ -58,7 +61,8 @@ SECURITY_HEADERS = {
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     words = {400: "bad input", 401: "no valid token", 403: "not allowed for this user", 404: "no such task or node",
-             409: "the task's state does not allow it", 429: "too many failed logins from this address"}
+             409: "the task's state does not allow it",
+             429: "too many failed logins from this address, or too many open log streams for this user"}
     return {c: {"model": m.Error, "description": words[c]} for c in codes}
 
 
@@ -72,10 +76,11 @@ SSE_EVENT = {
                    "data": {"type": "string", "description": "a log line (without its line break)"}}}
 
 
-def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
-               stream_limit: float = STREAM_LIMIT_S, poll: float = 0.2) -> FastAPI:
+def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_limit: float = STREAM_LIMIT_S,
+               streams_per_user: int = STREAMS_PER_USER, poll: float = 0.2) -> FastAPI:
     """The API over the platform in ``home`` (its database must exist: ``fireflyer platform start``)."""
     limiter = failed_logins or FailedLogins()
+    followers: dict[str, set[threading.Thread]] = {}  # each user's open log streams, by their threads
     bearer = HTTPBearer(auto_error=False, description="a token from 'fireflyer platform user add NAME'")
     app = FastAPI(title="fireflyer platform", version="1",
                   description="HAI-style time-shared scheduling: tasks, nodes and the cluster, per user.")
@@ -112,8 +117,10 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
     @app.middleware("http")
     async def security_headers(request: Request, call_next: Any) -> Any:
         response = await call_next(request)
+        docs = request.url.path in (app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
         for key, value in SECURITY_HEADERS.items():
-            response.headers.setdefault(key, value)
+            if not (docs and key == "Content-Security-Policy"):  # the API docs page runs inline scripts
+                response.headers.setdefault(key, value)
         return response
 
     # ------------------------------------------------------------------ who is asking
@@ -212,7 +219,12 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None,
                 p.log_path(task_id, rank=rank)
 
         await run_in_threadpool(check)
-        events = log_events(lambda: _open(home, user), task_id, rank=rank, limit=stream_limit, poll=poll)
+        mine = followers.setdefault(user.name, set())
+        if len(mine) >= streams_per_user:
+            raise HTTPException(429, f"{user.name} has {len(mine)} log streams open already; close one first",
+                                headers={"Retry-After": "5"})
+        events = log_events(lambda: _open(home, user), task_id, rank=rank, limit=stream_limit, poll=poll,
+                            followers=mine)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -37,7 +37,8 @@ def _lines(text: str) -> list[str]:
 
 
 async def log_events(open_api: Callable[[], PlatformApi], task_id: int, *, rank: int, limit: float,
-                     poll: float = 0.2) -> AsyncIterator[str]:
+                     poll: float = 0.2, followers: set[threading.Thread] | None = None) -> AsyncIterator[str]:
+    """The events; ``followers`` holds this stream's thread for as long as it runs (to count open streams)."""
     chunks: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=_QUEUE_CHUNKS)
     stop = threading.Event()
 
@@ -53,12 +54,21 @@ async def log_events(open_api: Callable[[], PlatformApi], task_id: int, *, rank:
     def pump() -> None:
         final = ("end", "timeout")
         try:
+            final = follow()
+        finally:
+            if followers is not None:
+                followers.discard(threading.current_thread())
+        put(final)
+
+    def follow() -> tuple[str, str]:
+        final = ("end", "timeout")
+        try:
             with open_api() as api:
                 for chunk in api.follow(task_id, rank=rank, poll=poll, timeout=limit):
                     if stop.is_set():
-                        return
+                        return final
                     if chunk and not put(("data", chunk)):
-                        return
+                        return final
                 if not stop.is_set():
                     latest = api.describe(task_id)
                     if latest["state"] in ("finished", "held"):
@@ -68,9 +78,11 @@ async def log_events(open_api: Callable[[], PlatformApi], task_id: int, *, rank:
         except Exception:  # the stream is already under way: end it, and leave the traceback in the log
             log.exception("following the log of task %s failed", task_id)
             final = ("end", "error: the server could not read the log (see its log)")
-        put(final)
+        return final
 
     thread = threading.Thread(target=pump, name=f"follow-{task_id}", daemon=True)
+    if followers is not None:
+        followers.add(thread)
     thread.start()
     deadline = time.monotonic() + limit
     partial = ""
