@@ -32,7 +32,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic_core import to_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount
-from starlette.types import Scope
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fireflyer.platform.api import MAX_LIMIT, ApiError, PlatformApi
 from fireflyer.platform.layout import Home
@@ -114,14 +115,7 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return JSONResponse({"detail": "internal error; the server's log has the traceback"}, status_code=500)
 
-    @app.middleware("http")
-    async def security_headers(request: Request, call_next: Any) -> Any:
-        response = await call_next(request)
-        docs = request.url.path in (app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
-        for key, value in SECURITY_HEADERS.items():
-            if not (docs and key == "Content-Security-Policy"):  # the API docs page runs inline scripts
-                response.headers.setdefault(key, value)
-        return response
+    app.add_middleware(_SecurityHeaders, docs=(app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url))
 
     # ------------------------------------------------------------------ who is asking
     def caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> User:
@@ -277,6 +271,28 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
     if STATIC.is_dir():
         app.router.routes.append(_Dashboard("/", app=StaticFiles(directory=STATIC, html=True), name="dashboard"))
     return app
+
+
+class _SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every response (plain ASGI: a 4 MB task list passes straight through)."""
+
+    def __init__(self, app: ASGIApp, docs: tuple[str | None, ...]) -> None:
+        self.app, self.docs = app, docs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        docs = scope["path"] in self.docs
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for key, value in SECURITY_HEADERS.items():
+                    if key not in headers and not (docs and key == "Content-Security-Policy"):
+                        headers.append(key, value)  # (the API docs page, Swagger UI, runs an inline script)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 class _Dashboard(Mount):
