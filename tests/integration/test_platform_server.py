@@ -398,7 +398,9 @@ def test_logs_tail_ranks_and_attempts(home, srv, tok):
     write_log(home, task, "".join(f"line {i}\n" for i in range(500)))
     write_log(home, task, "rank one\n", rank=1)
     logs = ok(call(srv, "GET", f"/api/tasks/{task['id']}/logs", token=tok["alice"]))
-    assert logs["text"].splitlines() == [f"line {i}" for i in range(300, 500)]  # the default tail: 200
+    assert logs["text"].splitlines() == [f"line {i}" for i in range(500)]  # no tail: all of it, as the CLI prints
+    tailed = ok(call(srv, "GET", f"/api/tasks/{task['id']}/logs?tail=200", token=tok["alice"]))
+    assert tailed["text"].splitlines() == [f"line {i}" for i in range(300, 500)]
     assert (logs["task_id"], logs["attempt"], logs["rank"], logs["state"]) == (task["id"], 0, 0, "queued")
     assert ok(call(srv, "GET", f"/api/tasks/{task['id']}/logs?tail=3", token=tok["alice"]))["text"] == \
         "line 497\nline 498\nline 499\n"

@@ -194,7 +194,8 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
     def logs(task_id: int = task_id_path, user: User = Depends(caller),
              rank: int = Query(0, ge=0, le=m.MAX_RANKS),
              attempt: int | None = Query(None, ge=0, le=m.MAX_ID, description="default: the latest that ran"),
-             tail: int | None = Query(200, ge=1, le=100_000, description="the last lines only")) -> Any:
+             tail: int | None = Query(None, ge=1, le=100_000,
+                                      description="only the last lines (default: the whole log, as the CLI prints)")) -> Any:
         """One rank's log of one attempt."""
         with _open(home, user) as p:
             return p.logs(task_id, rank=rank, attempt=attempt, tail=tail)
