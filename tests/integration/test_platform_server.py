@@ -653,6 +653,12 @@ def test_the_cli_serves_and_talks_to_the_server_with_the_same_output_as_locally(
         assert unknown.returncode == 2 and "unknown token" in unknown.stderr
         stopped = _fireflyer("stop", "1", "--server", url, env=as_alice)
         assert stopped.returncode == 0 and "stopped" in stopped.stdout
+        write_log(home, {"task_id": 1}, "".join(f"line {i} <x>\n" for i in range(300)))
+        for command in (["logs", "1"], ["logs", "1", "--tail", "5"], ["logs", "1", "-f"]):
+            remote = _fireflyer(*command, "--server", url, env=as_alice)
+            local = _fireflyer(*command, *h)
+            assert remote.returncode == 0 and remote.stdout == local.stdout, command
+        assert remote.stdout.count("\n") == 300
     finally:
         proc.terminate()
         proc.wait(15)
