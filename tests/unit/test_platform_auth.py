@@ -49,6 +49,11 @@ def test_authenticate_finds_the_user_and_nothing_else(users):
     assert users.authenticate("") is None
 
 
+def test_a_database_without_users_knows_no_token(home):
+    with Users(home.db, create=False) as users:
+        assert users.authenticate(TOKEN_PREFIX + "x" * 43) is None
+
+
 def test_revoke_and_rotate(users):
     first = users.add("alice")
     users.revoke("alice")

@@ -81,6 +81,8 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
                streams_per_user: int = STREAMS_PER_USER, poll: float = 0.2) -> FastAPI:
     """The API over the platform in ``home`` (its database must exist: ``fireflyer platform start``)."""
     limiter = failed_logins or FailedLogins()
+    if home.db.exists():
+        Users(home.db).close()  # the users table, made once here; requests only read it
     followers: dict[str, set[threading.Thread]] = {}  # each user's open log streams, by their threads
     bearer = HTTPBearer(auto_error=False, description="a token from 'fireflyer platform user add NAME'")
     app = FastAPI(title="fireflyer platform", version="1",
@@ -130,7 +132,7 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
         if scheme.lower() != "bearer" or not token.strip():
             problem = "malformed Authorization header: expected 'Bearer <token>'"
         else:
-            with Users(home.db) as users:
+            with Users(home.db, create=False) as users:
                 user = users.authenticate(token.strip())
             problem = ("unknown token" if user is None else
                        "revoked token: ask an admin for a new one ('fireflyer platform user token NAME')")

@@ -79,11 +79,14 @@ def token_hash(token: str) -> str:
 class Users:
     """The ``users`` table of one platform database. One instance per thread (SQLite's rule)."""
 
-    def __init__(self, db: str | Path, *, timeout: float = 10.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, db: str | Path, *, timeout: float = 10.0, clock: Callable[[], float] = time.time,
+                 create: bool = True) -> None:
+        """``create=False`` skips making the table (the server made it at start; a request only reads)."""
         self._clock = clock
         self._db = sqlite3.connect(str(db), timeout=timeout, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        if create:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
         self._db.close()
@@ -137,8 +140,13 @@ class Users:
             return None
         wanted = token_hash(token).encode()
         found = None
-        for name, admin, created, revoked, stored in self._db.execute(
-                "SELECT name, admin, created, revoked, token_hash FROM users"):
+        try:
+            rows = self._db.execute("SELECT name, admin, created, revoked, token_hash FROM users").fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):  # no user was ever added
+                return None
+            raise
+        for name, admin, created, revoked, stored in rows:
             if hmac.compare_digest(wanted, stored.encode()):
                 found = User(name, bool(admin), created, revoked)
         return found
