@@ -11,9 +11,11 @@ or a request the task's state does not allow.
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import shutil
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,17 +50,20 @@ class Conflict(ApiError):
 
 def outcome(t: TaskRow) -> str:
     """One word for where an attempt stands or how it ended."""
-    if t.state != FINISHED:
-        return t.state
-    if t.stop_code & StopCode.MANUAL_STOP:
+    return t.state if t.state != FINISHED else _ended(t.stop_code)
+
+
+@lru_cache(maxsize=256)
+def _ended(code: int) -> str:
+    if code & StopCode.MANUAL_STOP:
         return "stopped"
-    if t.stop_code & (StopCode.FAILED | StopCode.INIT_FAILED | StopCode.TIMEOUT):
+    if code & (StopCode.FAILED | StopCode.INIT_FAILED | StopCode.TIMEOUT):
         return "failed"
     for flag, word in ((StopCode.INTERRUPT, "suspended"), (StopCode.UNSCHEDULABLE, "unschedulable"),
                        (StopCode.HOOK_RESTART, "restarted")):
-        if t.stop_code & flag:
+        if code & flag:
             return word
-    return "succeeded" if t.stop_code == StopCode.STOP else stop_text(t.stop_code).lower()
+    return "succeeded" if code == StopCode.STOP else stop_text(code).lower()
 
 
 def task_json(t: TaskRow) -> dict[str, Any]:
@@ -68,6 +73,23 @@ def task_json(t: TaskRow) -> dict[str, Any]:
             "submitted_at": t.submitted_at, "started_at": t.started_at, "finished_at": t.finished_at,
             "stop_code": t.stop_code, "stop": stop_text(t.stop_code) if t.state == FINISHED else None,
             "detail": t.detail, "whole_life_state": t.whole_life_state, "handle": t.handle}
+
+
+_NAMES = {int(p): p.name for p in Priority}
+
+
+def _listed(r: tuple) -> dict[str, Any]:
+    """:func:`task_json` of a :meth:`Store.listing` row (the same keys, built without a TaskRow)."""
+    (chain, tid, attempt, name, user, group, prio, nodes, rpn, command, state, assigned, submitted, started,
+     finished, code, detail, life, handle) = r
+    done = state == FINISHED
+    return {"id": chain, "task_id": tid, "attempt": attempt, "name": name, "user": user, "group": group,
+            "priority": _NAMES[prio], "nodes": nodes, "ranks_per_node": rpn, "command": json.loads(command),
+            "state": state, "outcome": _ended(code) if done else state,
+            "assigned": json.loads(assigned) if assigned != "[]" else [], "submitted_at": submitted,
+            "started_at": started, "finished_at": finished, "stop_code": code,
+            "stop": stop_text(code) if done else None, "detail": detail, "whole_life_state": life,
+            "handle": handle}
 
 
 def check_command(command: list[str], cwd: str) -> None:
@@ -168,14 +190,9 @@ class PlatformApi:
             if user is not None and user != self.user:
                 raise Forbidden("only an admin may list another user's tasks")
             user = self.user
-        rows = self.store.latest_attempts(active_only=not all and state is None)
-        picked = [t for t in rows if (user is None or t.user == user) and (state is None or t.state == state)
-                  and (prio is None or t.priority == prio)]
-        order = {RUNNING: 0, SUSPENDING: 0, QUEUED: 1, HELD: 2, FINISHED: 3}
-        picked.sort(key=lambda t: (order.get(t.state, 4), -t.priority if t.state != FINISHED else 0,
-                                   t.chain_first_id if t.state != FINISHED else -t.chain_first_id))
-        page = picked[offset:offset + limit]
-        return {"tasks": [task_json(t) for t in page], "total": len(picked), "limit": limit, "offset": offset}
+        total, rows = self.store.listing(active_only=not all and state is None, user=user, state=state,
+                                         priority=None if prio is None else int(prio), limit=limit, offset=offset)
+        return {"tasks": [_listed(r) for r in rows], "total": total, "limit": limit, "offset": offset}
 
     def describe(self, task_id: int) -> dict[str, Any]:
         t = self._chain(task_id)

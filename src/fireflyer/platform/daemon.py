@@ -156,7 +156,7 @@ class Daemon:
         adir.create()
         launch = Launch(task_id=t.id, chain_id=t.chain_first_id, attempt=t.attempt, name=t.name, user=t.user,
                         command=tuple(t.command), nodes=t.assigned, ranks_per_node=t.ranks_per_node,
-                        master_port=free_port(), cwd=t.cwd or os.getcwd(), env=t.env or {},
+                        master_port=free_port(), cwd=t.cwd or os.getcwd(), env=t.env,
                         whole_life_state=t.whole_life_state, timeouts=self.cfg.timeouts, prolog=self.cfg.prolog)
         write_json_atomic(adir.spec, launch.to_json())
         try:

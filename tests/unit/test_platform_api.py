@@ -1,0 +1,95 @@
+"""The platform's API core: listing (fast path equals the full record), paging, filters, access rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from fireflyer.platform import config as platform_config
+from fireflyer.platform.api import Conflict, Forbidden, NotFound, PlatformApi, ApiError, task_json
+from fireflyer.platform.config import PlatformConfig
+from fireflyer.platform.layout import Home
+from fireflyer.platform.policy import Decisions, Start
+from fireflyer.platform.store import StopCode, Store
+
+
+@pytest.fixture
+def home(tmp_path):
+    h = Home(tmp_path)
+    store = Store(h.db)
+    store.add_nodes(PlatformConfig(nodes=3).emulated_nodes())
+    platform_config.save(h, PlatformConfig(nodes=3))
+    # alice: a finished chain, a suspended-then-queued chain, a running task; bob: a queued HIGH task
+    a1 = store.submit(user="alice", nodes=1, command=["true"], cwd="/tmp")
+    a2 = store.submit(user="alice", nodes=1, command=["sleep", "9"], cwd="/tmp", name="<b>x</b>")
+    a3 = store.submit(user="alice", nodes=1, command=["true"], cwd="/tmp", env={"K": "V"})
+    b1 = store.submit(user="bob", nodes=3, command=["true"], priority="HIGH", cwd="/tmp")
+    store.apply(Decisions(starts=[Start(a1, ("node0",)), Start(a2, ("node1",)), Start(a3, ("node2",))]))
+    store.finish(a1, StopCode.STOP, detail="all ranks exited 0")
+    store.finish(a2, StopCode.INTERRUPT, detail="preempted")
+    store.close()
+    return h, {"a1": a1, "a2": a2, "a3": a3, "b1": b1}
+
+
+def test_the_listing_is_the_full_record_of_each_chains_newest_attempt(home):
+    h, ids = home
+    with PlatformApi(h) as api:
+        page = api.tasks(all=True, limit=100)
+        assert page["total"] == 4
+        full = {t.chain_first_id: task_json(api.store.latest(t.chain_first_id)) for t in api.store.recent(10)}
+    assert {t["id"]: t for t in page["tasks"]} == full
+    # running first, then queued by priority, then finished (newest first)
+    assert [t["id"] for t in page["tasks"]] == [ids["a3"], ids["b1"], ids["a2"], ids["a1"]]
+    assert page["tasks"][2]["attempt"] == 1 and page["tasks"][2]["state"] == "queued"
+
+
+def test_paging_and_filters(home):
+    h, ids = home
+    with PlatformApi(h) as api:
+        active = api.tasks()
+        assert active["total"] == 3 and ids["a1"] not in [t["id"] for t in active["tasks"]]
+        two = api.tasks(all=True, limit=2, offset=2)
+        assert [t["id"] for t in two["tasks"]] == [ids["a2"], ids["a1"]] and two["total"] == 4
+        assert [t["id"] for t in api.tasks(all=True, user="bob")["tasks"]] == [ids["b1"]]
+        assert [t["id"] for t in api.tasks(state="finished")["tasks"]] == [ids["a1"]]
+        assert [t["id"] for t in api.tasks(priority="HIGH")["tasks"]] == [ids["b1"]]
+        for bad in ({"limit": 0}, {"offset": -1}, {"state": "asleep"}, {"priority": "urgent"}):
+            with pytest.raises(ApiError):
+                api.tasks(**bad)
+
+
+def test_a_user_sees_and_controls_only_their_own_tasks(home):
+    h, ids = home
+    with PlatformApi(h, user="bob", admin=False) as bob:
+        assert [t["id"] for t in bob.tasks(all=True)["tasks"]] == [ids["b1"]]
+        with pytest.raises(Forbidden):
+            bob.tasks(user="alice")
+        for act in (bob.describe, bob.suspend, bob.resume, bob.stop, bob.logs):
+            with pytest.raises(Forbidden):
+                act(ids["a3"])
+        with pytest.raises(Forbidden):
+            bob.drain("node0")
+        with pytest.raises(Forbidden):
+            bob.submit(nodes=1, command=["true"], user="alice", cwd="/tmp")
+        assert bob.submit(nodes=1, command=["true"], cwd="/tmp")["user"] == "bob"
+        assert bob.overview()["quota_use"] == []  # nothing running of bob's; alice's use is not his to see
+        with pytest.raises(NotFound):
+            bob.describe(999)
+        with pytest.raises(Conflict):
+            bob.suspend(ids["b1"])  # queued: nothing to suspend
+    with PlatformApi(h, user="alice", admin=False) as alice:
+        assert [q["user"] for q in alice.overview()["quota_use"]] == ["alice"]
+    with PlatformApi(h, user="root", admin=True) as admin:
+        assert admin.tasks(all=True)["total"] == 5
+        assert admin.drain("node0", "fan")["drained"] and admin.nodes()[0]["reason"] == "fan"
+        with pytest.raises(NotFound):
+            admin.drain("node9")
+
+
+def test_overview_counts_and_history(home):
+    h, _ = home
+    with PlatformApi(h) as api:
+        o = api.overview(hours=1, buckets=4)
+    assert o["nodes"] == {"total": 3, "busy": 1, "idle": 2, "drained": 0, "unhealthy": 0}
+    assert o["queue_by_priority"]["HIGH"] == 1 and o["queue_by_priority"]["NORMAL"] == 1
+    assert o["running_by_priority"]["NORMAL"] == 1 and len(o["history"]) == 4
+    assert 0 < o["history"][-1]["busy"] <= 3
