@@ -770,7 +770,8 @@ def test_a_running_task_is_suspended_resumed_and_stopped_through_the_api(tmp_pat
 # ---------------------------------------------------------------------- fuzzing the spec
 @pytest.mark.skipif(shutil.which("st", path=os.path.dirname(sys.executable)) is None
                     and shutil.which("st") is None, reason="schemathesis is not installed")
-def test_schemathesis_finds_no_server_errors_and_no_schema_violations(tmp_path):
+@pytest.mark.parametrize("user", ["root", "alice"])  # an admin, and a user who meets 403s
+def test_schemathesis_finds_no_server_errors_and_no_schema_violations(tmp_path, user):
     home = make_home(tmp_path / "home", nodes=2)
     tokens = add_users(home)
     store = Store(home.db)
@@ -788,7 +789,7 @@ def test_schemathesis_finds_no_server_errors_and_no_schema_violations(tmp_path):
         # a schema cannot state (the program must exist on the server, a task fits the platform's nodes).
         done = subprocess.run(
             [st, "run", f"http://{server.host}:{server.port}/openapi.json", "-H",
-             f"Authorization: Bearer {tokens['root']}", "--checks", "all", "--exclude-checks",
+             f"Authorization: Bearer {tokens[user]}", "--checks", "all", "--exclude-checks",
              "positive_data_acceptance", "--max-examples", os.environ.get("FIREFLYER_FUZZ_EXAMPLES", "25"),
              "--seed", os.environ.get("FIREFLYER_FUZZ_SEED", "8"), "--generation-database", "none",
              "--request-timeout", "20", "--no-color", "--workers", "1"],
