@@ -24,15 +24,15 @@ from typing import Any
 from fastapi import Body, Depends, FastAPI, Path, Query, Request, Security
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.routing import APIRoute
 from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic_core import to_json
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount
-from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fireflyer.platform.api import MAX_LIMIT, ApiError, PlatformApi
@@ -72,8 +72,9 @@ SSE_EVENT = {
     "type": "object", "required": ["data"],
     "description": "one event (Open API 3.1: the schema describes each event): a log line, or the end",
     "properties": {"event": {"type": "string", "enum": ["message", "end"],
-                             "description": "absent (a log line: 'message'), or 'end' once: the chain finished or is held (data: its outcome), or the "
-                                            "stream ran its limit (data: 'timeout'; reconnect to go on)"},
+                             "description": "absent (a log line: 'message'), or 'end' once: the chain finished or "
+                                            "is held (data: its outcome), or the stream ran its limit (data: "
+                                            "'timeout'; reconnect to go on)"},
                    "data": {"type": "string", "description": "a log line (without its line break)"}}}
 
 
@@ -87,7 +88,6 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
     bearer = HTTPBearer(auto_error=False, description="a token from 'fireflyer platform user add NAME'")
     app = FastAPI(title="fireflyer platform", version="1",
                   description="HAI-style time-shared scheduling: tasks, nodes and the cluster, per user.")
-    app.state.home = home
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
@@ -197,7 +197,7 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
              rank: int = Query(0, ge=0, le=m.MAX_RANKS),
              attempt: int | None = Query(None, ge=0, le=m.MAX_ID, description="default: the latest that ran"),
              tail: int | None = Query(None, ge=1, le=100_000,
-                                      description="only the last lines (default: the whole log, as the CLI prints)")) -> Any:
+                                      description="only the last lines (default: the whole log)")) -> Any:
         """One rank's log of one attempt."""
         with _open(home, user) as p:
             return p.logs(task_id, rank=rank, attempt=attempt, tail=tail)
