@@ -93,3 +93,19 @@ def test_overview_counts_and_history(home):
     assert o["queue_by_priority"]["HIGH"] == 1 and o["queue_by_priority"]["NORMAL"] == 1
     assert o["running_by_priority"]["NORMAL"] == 1 and len(o["history"]) == 4
     assert 0 < o["history"][-1]["busy"] <= 3
+
+
+def test_follow_decodes_a_character_split_across_reads(home):
+    h, ids = home
+    with PlatformApi(h) as api:
+        log = h.attempt(ids["a3"]).rank_log(0)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        word = "naïve ✓\n".encode()
+        log.write_bytes(word[:3])  # ends inside 'ï'
+        stream = api.follow(ids["a3"], poll=0.01, timeout=5)
+        got = next(stream)
+        with open(log, "ab") as f:
+            f.write(word[3:])
+        while "✓" not in got:
+            got += next(stream)
+    assert got == "naïve ✓\n"

@@ -10,6 +10,7 @@ or a request the task's state does not allow.
 
 from __future__ import annotations
 
+import codecs
 import getpass
 import json
 import os
@@ -237,6 +238,7 @@ class PlatformApi:
         path, current = self.log_path(task_id, rank=rank)
         first = current.chain_first_id
         pos = 0
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             chunk = b""
@@ -247,7 +249,7 @@ class PlatformApi:
                     chunk = f.read()
                 if chunk:
                     pos += len(chunk)
-                    yield chunk.decode(errors="replace")
+                    yield decoder.decode(chunk)
             if not chunk and self.store.task(current.id).state == FINISHED:
                 latest = self.store.latest(current.id)
                 if latest.id == current.id or latest.state in (FINISHED, HELD):
@@ -257,6 +259,7 @@ class PlatformApi:
                 if latest.started_at is not None:
                     yield f"--- task {first}: attempt {latest.attempt} on {','.join(latest.assigned)}\n"
                     current, pos = latest, 0
+                    decoder.reset()
                     continue
             yield ""  # nothing new: a consumer (the server's log stream) may stop here between polls
             time.sleep(poll)
