@@ -135,6 +135,11 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
+_PEER_SYMPTOMS = ("PeerFailure", "ConnectionLost", "ChildFailedError", "BrokenPipeError", "ConnectionResetError",
+                  "ConnectionAbortedError", "Broken pipe", "Connection reset by peer")
+"""What a rank's error says when it only lost a peer that failed first."""
+
+
 def _first_error(log_dir: Path) -> str:
     """The most telling error line any rank wrote: its exception, else the agent's summary."""
     candidates: list[str] = []
@@ -151,8 +156,8 @@ def _first_error(log_dir: Path) -> str:
                     and not text.startswith(("torch.distributed.elastic", "raise ")):
                 candidates.append(text)
                 break
-    # Ranks that died of a peer's failure say so; prefer the root cause.
+    # Ranks that died of a peer's failure say so (or lose their sockets to it); prefer the root cause.
     for text in candidates:
-        if "PeerFailure" not in text and "ConnectionLost" not in text and "ChildFailedError" not in text:
+        if not any(symptom in text for symptom in _PEER_SYMPTOMS):
             return text
     return candidates[0] if candidates else "no error message; see the logs"
