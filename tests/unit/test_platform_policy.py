@@ -136,6 +136,19 @@ def test_free_nodes_are_taken_before_anyone_is_preempted_and_then_the_latest_in_
     assert [s.task_id for s in dec.suspends] == [1] and 3 in dec.waiting  # LOW goes, NORMAL stays
 
 
+def test_above_normal_counts_as_normal_after_half_an_hour():
+    ns = nodes(2)
+    young = Task(1, "a", 2, P.ABOVE_NORMAL, state=RUNNING, assigned=("n000", "n001"), run_seconds=60)
+    old = Task(1, "a", 2, P.ABOVE_NORMAL, state=RUNNING, assigned=("n000", "n001"), run_seconds=31 * 60)
+    newcomer = Task(2, "b", 2, P.ABOVE_NORMAL)
+    assert not schedule(ns, [young, newcomer]).suspends  # protected among its equals
+    assert [s.task_id for s in schedule(ns, [old, newcomer]).suspends] == [1]  # demoted: the newcomer goes first
+    assert not schedule(ns, [old, Task(3, "c", 2, P.NORMAL)]).suspends  # still protected among NORMAL tasks
+    assert not schedule(ns, [old, newcomer], cfg=PolicyConfig(demote_after=None)).suspends
+    with pytest.raises(ValueError, match="demote_after"):
+        PolicyConfig(demote_after=-1)
+
+
 def test_priority_names_and_bad_values():
     assert P.parse("high") is P.HIGH and P.parse(40) is P.VERY_HIGH and P.parse("10") is P.NORMAL
     with pytest.raises(ValueError, match="EXTREME_HIGH"):

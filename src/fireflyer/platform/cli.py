@@ -150,6 +150,8 @@ def _platform(argv: list[str]) -> int:
     start.add_argument("--tick", type=float, help="seconds between scheduling cycles (default 1)")
     start.add_argument("--max-restarts", type=int, help="restarts of a failed task per chain (default 3)")
     start.add_argument("--time-share-after", type=float, help="seconds before same-priority turn-taking (14400)")
+    start.add_argument("--demote-after", type=float,
+                       help="seconds after which a running ABOVE_NORMAL task counts as NORMAL (1800)")
     start.add_argument("--suspend-ack", type=float, help="seconds a task has to acknowledge a suspend (5)")
     start.add_argument("--suspend-grace", type=float, help="seconds to save after acknowledging (60)")
     start.add_argument("--watchdog", type=float, help="seconds of log silence that count as a hang (1800)")
@@ -209,7 +211,8 @@ def _configure(home: Home, args: Any) -> PlatformConfig:
         changes = {k: v for k, v in {
             "executor": args.executor, "nodes": args.nodes, "zones": args.zones,
             "ranks_per_node": args.ranks_per_node, "tick": args.tick, "max_restarts": args.max_restarts,
-            "time_share_after": args.time_share_after, "partition": args.partition,
+            "time_share_after": args.time_share_after, "demote_after": args.demote_after,
+            "partition": args.partition,
             "prolog": tuple(shlex.split(args.prolog)) if args.prolog else None}.items() if v is not None}
         cfg = cfg.replace(timeouts=timeouts, **changes)
     except (TypeError, ValueError) as exc:

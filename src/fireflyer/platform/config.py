@@ -30,6 +30,8 @@ class PlatformConfig:
     time_share_after: float = 240 * 60.0
     """Seconds a running task is safe from other users' tasks of its priority (HAI: 240 minutes)."""
     max_cross_zone: int = 1
+    demote_after: float | None = 30 * 60.0
+    """Seconds after which a running ABOVE_NORMAL task counts as NORMAL (HAI: 30 minutes); None: never."""
     prolog: tuple[str, ...] = ()
     """A health check run for each node before a task's ranks start there; a node that fails it is drained."""
     partition: str | None = None
@@ -52,7 +54,8 @@ class PlatformConfig:
         self.policy()  # checks its own fields
 
     def policy(self) -> PolicyConfig:
-        return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone)
+        return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone,
+                            demote_after=self.demote_after)
 
     def emulated_nodes(self) -> list[Node]:
         width = len(str(self.nodes - 1))

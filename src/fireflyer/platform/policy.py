@@ -10,6 +10,8 @@ wait. The rules follow HAI Platform's:
   chain, ordered by the chain's first submission, so preemption never sends it to the back.
 * **Quotas** cap the nodes a user may hold at once per (group, priority); a user's own
   row overrides the ``public`` row.
+* **Demotion**: a running ABOVE_NORMAL attempt counts as NORMAL after ``demote_after``
+  (HAI: 30 minutes), so a new ABOVE_NORMAL task may take its nodes.
 * **Turn-taking** among users at the same priority: a running task is safe from
   other tasks of its priority until it has run ``time_share_after`` seconds; after
   that, a user holding fewer nodes at that priority goes ahead of it. A task is never
@@ -106,12 +108,16 @@ class PolicyConfig:
     """Tasks that may span zones at once."""
     default_quota: int | None = None
     """Nodes a user may hold per (group, priority) without a quota row; None: no limit."""
+    demote_after: float | None = 30 * 60.0
+    """Seconds after which a running ABOVE_NORMAL attempt counts as NORMAL (HAI's rule); None: never."""
 
     def __post_init__(self) -> None:
         if self.time_share_after < 0:
             raise ValueError(f"time_share_after must be non-negative seconds, got {self.time_share_after}")
         if self.max_cross_zone < 0:
             raise ValueError(f"max_cross_zone must be non-negative, got {self.max_cross_zone}")
+        if self.demote_after is not None and self.demote_after < 0:
+            raise ValueError(f"demote_after must be non-negative seconds or None, got {self.demote_after}")
         if self.default_quota is not None and self.default_quota < 0:
             raise ValueError(f"default_quota must be non-negative or None, got {self.default_quota}")
 
@@ -148,6 +154,14 @@ def _quota(quotas: Quotas, user: str, group: str, priority: Priority, default: i
     return default
 
 
+def effective_priority(task: Task, cfg: PolicyConfig) -> Priority:
+    """The priority a task claims nodes at: ABOVE_NORMAL drops to NORMAL once it has run ``demote_after``."""
+    if (task.priority == Priority.ABOVE_NORMAL and task.state != QUEUED and cfg.demote_after is not None
+            and task.run_seconds >= cfg.demote_after):
+        return Priority.NORMAL
+    return task.priority
+
+
 def _protected(task: Task, cfg: PolicyConfig) -> bool:
     return task.state != QUEUED and task.run_seconds < cfg.time_share_after
 
@@ -160,14 +174,15 @@ def order_tasks(tasks: Sequence[Task], cfg: PolicyConfig) -> list[Task]:
     turns), each user's tasks in queue order, and a user's running tasks before that
     user's queued ones (never interrupted for the same user at the same priority).
     """
+    prio = {t.id: effective_priority(t, cfg) for t in tasks}
     held: dict[tuple[str, Priority], int] = defaultdict(int)
     for t in tasks:
         if t.state != QUEUED:
-            held[(t.user, t.priority)] += t.nodes
+            held[(t.user, prio[t.id])] += t.nodes
     return sorted(tasks, key=lambda t: (
-        -int(t.priority),
+        -int(prio[t.id]),
         0 if _protected(t, cfg) else 1,
-        held[(t.user, t.priority)] if not _protected(t, cfg) else 0,
+        held[(t.user, prio[t.id])] if not _protected(t, cfg) else 0,
         t.user if not _protected(t, cfg) else "",
         0 if t.state != QUEUED else 1,
         t.order,

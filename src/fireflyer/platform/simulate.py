@@ -43,6 +43,7 @@ from fireflyer.platform.policy import (
     Priority,
     Quotas,
     Task,
+    effective_priority,
     schedule,
 )
 
@@ -181,6 +182,8 @@ class SimConfig:
     """Seconds a running task is safe from other users' tasks of its priority (HAI: 240 minutes)."""
     max_cross_zone: int = 1
     """Tasks that may span zones at once."""
+    demote_after: float | None = 30 * 60.0
+    """Seconds after which a running ABOVE_NORMAL task counts as NORMAL (HAI: 30 minutes); None: never."""
     record_assignments: bool = False
     """Keep every cycle's node assignment in the result (for tests; memory grows with steps)."""
 
@@ -196,7 +199,11 @@ class SimConfig:
         for name in ("restart_cost_s", "suspend_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative seconds, got {getattr(self, name)}")
-        PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone)
+        self.policy()
+
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone,
+                            demote_after=self.demote_after)
 
     def cluster(self) -> list[Node]:
         width = len(str(self.nodes - 1))
@@ -221,6 +228,7 @@ class Preemption:
     t: float
     job: int
     priority: Priority
+    """The job's priority in that cycle (a long-running ABOVE_NORMAL job's is NORMAL: HAI's demotion)."""
     user: str
     reason: str
     top_queued: Priority | None
@@ -360,8 +368,8 @@ def simulate(jobs: Sequence[Job], cfg: SimConfig = SimConfig(), policy: str = "h
     if ids != sorted(ids) or len(set(ids)) != len(ids):
         raise ValueError("jobs must have unique ids in submission order")
     nodes = cfg.cluster()
-    hai_cfg = PolicyConfig(time_share_after=cfg.time_share_after, max_cross_zone=cfg.max_cross_zone)
-    fifo_cfg = PolicyConfig(time_share_after=math.inf, max_cross_zone=cfg.max_cross_zone)
+    hai_cfg = cfg.policy()
+    fifo_cfg = PolicyConfig(time_share_after=math.inf, max_cross_zone=cfg.max_cross_zone, demote_after=None)
     horizon = cfg.hours * 3600.0
     pending = sorted(jobs, key=lambda j: (j.submit_s, j.id))
     next_arrival = 0
@@ -399,7 +407,8 @@ def simulate(jobs: Sequence[Job], cfg: SimConfig = SimConfig(), policy: str = "h
                 if c.state != RUNNING:
                     continue
                 thrown = c.work - c.saved
-                events.append(Preemption(t, c.job.id, c.job.priority, c.job.user, s.reason, top, thrown))
+                events.append(Preemption(t, c.job.id, effective_priority(c.policy_task(t), hai_cfg), c.job.user,
+                                         s.reason, top, thrown))
                 lost += thrown * c.job.nodes
                 c.work = c.saved
                 c.state, c.suspend_until = SUSPENDING, t + cfg.suspend_s

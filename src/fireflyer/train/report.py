@@ -85,7 +85,7 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
     lines += [
         (f"  time       {wall_s:.1f} s wall: {t['train_s']:.1f} s training, {t['eval_s']:.1f} s eval, "
          f"{t['save_s']:.1f} s saving{resumed}"),
-        f"  files      {Path(out) / 'run.json'}" + (f", {png}" if png else "") + f", {Path(out) / 'state'}/",
+        f"  files      {Path(out) / 'run.json'}" + (f", {png}" if png else "") + f", {Path(out) / 'ckpt'}/",
     ]
     text = run["sample"]["text"]
     if text:
