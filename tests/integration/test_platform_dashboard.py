@@ -213,16 +213,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def _kill_leftover_tasks(home: Path) -> None:
     """Whatever the platform still runs once the daemon is stopped (normally nothing: every task was stopped)."""
     from fireflyer.platform.layout import Home
-    from fireflyer.platform.local import LocalExecutor
-    from fireflyer.platform.store import ACTIVE, Store
+    from fireflyer.platform.local import kill_active
 
-    store = Store(Home(home).db)
-    try:
-        for t in store.tasks(ACTIVE):
-            if t.handle:
-                LocalExecutor().kill(t.handle)
-    finally:
-        store.close()
+    kill_active(Home(home))
 
 
 @pytest.fixture

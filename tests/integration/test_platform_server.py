@@ -29,9 +29,9 @@ pytest.importorskip("uvicorn")
 from fireflyer.platform import config as platform_config  # noqa: E402
 from fireflyer.platform.config import PlatformConfig  # noqa: E402
 from fireflyer.platform.layout import Home  # noqa: E402
-from fireflyer.platform.local import LocalExecutor  # noqa: E402
+from fireflyer.platform.local import kill_active  # noqa: E402
 from fireflyer.platform.server.auth import Users  # noqa: E402
-from fireflyer.platform.store import ACTIVE, Store  # noqa: E402
+from fireflyer.platform.store import Store  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 20.0
@@ -758,13 +758,7 @@ def test_a_running_task_is_suspended_resumed_and_stopped_through_the_api(tmp_pat
         if server is not None:
             server.close()
         subprocess.run([*run, "stop", "--home", str(home.root)], capture_output=True, timeout=60)
-        store = Store(home.db)
-        try:
-            for t in store.tasks(ACTIVE):
-                if t.handle:
-                    LocalExecutor().kill(t.handle)
-        finally:
-            store.close()
+        kill_active(home)
 
 
 # ---------------------------------------------------------------------- fuzzing the spec

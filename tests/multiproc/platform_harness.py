@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fireflyer.platform.layout import Home
-from fireflyer.platform.local import LocalExecutor
-from fireflyer.platform.store import ACTIVE, Store
+from fireflyer.platform.local import kill_active
 
 JOB = str(Path(__file__).with_name("platform_job.py"))
 
@@ -74,11 +73,4 @@ class Platform:
 
     def close(self) -> None:
         self.cli("platform", "stop", check=False)
-        store = Store(Home(self.home).db)
-        try:
-            executor = LocalExecutor()
-            for t in store.tasks(ACTIVE):
-                if t.handle:
-                    executor.kill(t.handle)
-        finally:
-            store.close()
+        kill_active(Home(self.home))

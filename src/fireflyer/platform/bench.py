@@ -375,22 +375,15 @@ class _LivePlatform:
 
     def close(self) -> None:
         from fireflyer.platform.layout import Home
-        from fireflyer.platform.local import LocalExecutor
-        from fireflyer.platform.store import ACTIVE, Store
+        from fireflyer.platform.local import kill_active
 
         try:
             subprocess.run([sys.executable, "-m", "fireflyer", "platform", "stop", "--home", str(self.home)],
                            check=False, capture_output=True, timeout=WAIT_S)
         finally:
-            store = self.store or (Store(Home(self.home).db) if Home(self.home).db.exists() else None)
-            if store is not None:
-                try:
-                    executor = LocalExecutor()
-                    for t in store.tasks(ACTIVE):
-                        if t.handle:
-                            executor.kill(t.handle)
-                finally:
-                    store.close()
+            if self.store is not None:
+                self.store.close()
+            kill_active(Home(self.home))
 
 
 def _roundtrip_once(p: _LivePlatform) -> dict[str, float]:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from fireflyer.platform.executor import Launch
-from fireflyer.platform.layout import AttemptDir
+from fireflyer.platform.layout import AttemptDir, Home
 
 
 def _start_time(pid: int) -> str | None:
@@ -111,3 +111,20 @@ class LocalExecutor:
             return None
         started = _start_time(int(info["pid"]))
         return None if started is None else f"{info['pid']}:{started}:{attempt_dir}"
+
+
+def kill_active(home: Home) -> int:
+    """Kill every attempt the home's store still counts as active (after ``platform stop``: a full teardown)."""
+    if not home.db.exists():
+        return 0
+    from fireflyer.platform.store import ACTIVE, Store
+
+    store = Store(home.db)
+    try:
+        handles = [t.handle for t in store.tasks(ACTIVE) if t.handle]
+    finally:
+        store.close()
+    executor = LocalExecutor()
+    for handle in handles:
+        executor.kill(handle)
+    return len(handles)
