@@ -16,7 +16,7 @@ while True:
                  priority=rng.choice(["LOW", "NORMAL", "HIGH"]), request_id=f"r{i}")
     print(i, flush=True)  # only after the submit committed
     now = float(i)
-    store.apply(schedule(store.nodes(), [t.policy_task(now) for t in store.tasks()]), now=now)
+    store.apply(schedule(store.nodes(), store.policy_tasks(now)), now=now)
     for t in store.tasks():
         if t.state in ("running", "suspending") and rng.random() < 0.3:
             store.finish(t.id, rng.choice([StopCode.STOP, StopCode.INTERRUPT, StopCode.FAILED]), now=now)

@@ -29,15 +29,15 @@ def test_submit_is_idempotent_per_request_id(store):
 
 def test_a_cycle_through_the_store(store):
     low = store.submit(user="u", nodes=3, command=["train"], priority="LOW", now=1)
-    store.apply(schedule(store.nodes(), [t.policy_task(2) for t in store.tasks()]), now=2)
+    store.apply(schedule(store.nodes(), store.policy_tasks(2)), now=2)
     assert store.task(low).state == RUNNING and len(store.task(low).assigned) == 3
     high = store.submit(user="v", nodes=2, command=["eval"], priority="HIGH", now=3)
-    dec = schedule(store.nodes(), [t.policy_task(4) for t in store.tasks()])
+    dec = schedule(store.nodes(), store.policy_tasks(4))
     assert [s.task_id for s in dec.suspends] == [low]
     store.apply(dec, now=4)
     assert store.task(low).state == SUSPENDING
     again = store.finish(low, StopCode.INTERRUPT, whole_life_state=7, now=5)
-    store.apply(schedule(store.nodes(), [t.policy_task(6) for t in store.tasks()]), now=6)
+    store.apply(schedule(store.nodes(), store.policy_tasks(6)), now=6)
     assert store.task(high).state == RUNNING
     resumed = store.task(again)
     assert (resumed.state, resumed.chain_first_id, resumed.attempt, resumed.whole_life_state) == (QUEUED, low, 1, 7)

@@ -102,10 +102,6 @@ class TaskRow:
         """The variables the task was submitted with (decoded on use: listings never need them)."""
         return json.loads(self.env_json)
 
-    def policy_task(self, now: float) -> Task:
-        run = now - self.started_at if self.started_at is not None and self.state != QUEUED else 0.0
-        return Task(self.id, self.user, self.nodes, self.priority, self.group, self.chain_first_id, self.state,
-                    self.assigned, max(0.0, run))
 
 
 class UnknownTask(LookupError):
@@ -256,23 +252,6 @@ class Store:
         row = self._db.execute(f"SELECT {_COLS} FROM tasks WHERE chain_first_id=? ORDER BY attempt DESC LIMIT 1",
                                (t.chain_first_id,)).fetchone()
         return _row(row)
-
-    def recent(self, limit: int = 50) -> list[TaskRow]:
-        """The newest attempt of the ``limit`` most recent chains, newest chain first."""
-        rows = self._db.execute(f"SELECT {_COLS} FROM tasks t WHERE attempt = (SELECT MAX(attempt) FROM tasks u "
-                                "WHERE u.chain_first_id = t.chain_first_id) ORDER BY chain_first_id DESC LIMIT ?",
-                                (limit,)).fetchall()
-        return [_row(r) for r in rows]
-
-    def latest_attempts(self, *, active_only: bool = False) -> list[TaskRow]:
-        """The newest attempt of every chain (only the unfinished ones with ``active_only``)."""
-        if active_only:
-            marks = ",".join("?" * len(ACTIVE))
-            return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE state IN ({marks})", ACTIVE)]
-        cols = ", ".join(f"t.{c.strip()}" for c in _COLS.split(","))
-        return [_row(r) for r in self._db.execute(
-            f"SELECT {cols} FROM tasks t JOIN (SELECT chain_first_id AS c, MAX(attempt) AS a FROM tasks "
-            "GROUP BY chain_first_id) m ON t.chain_first_id = m.c AND t.attempt = m.a")]
 
     def listing(self, *, active_only: bool, user: str | None = None, state: str | None = None,
                 priority: int | None = None, limit: int = 100, offset: int = 0) -> tuple[int, list[tuple]]:
