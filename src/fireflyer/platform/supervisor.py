@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from fireflyer.launch import threads_per_rank
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
 from fireflyer.platform.store import StopCode, stop_text
@@ -38,6 +39,8 @@ from fireflyer.platform.store import StopCode, stop_text
 COLLECT_S = 2.0
 """After a first rank failure, how long to wait for others (their exit codes tell more)."""
 POLL_S = 0.05
+WATCHDOG_EVERY_S = 1.0
+"""How often the log-silence watchdog looks at the ranks' logs."""
 
 Procs = list[tuple[str, subprocess.Popen]]
 Starter = Callable[[Launch, AttemptDir], Procs]
@@ -69,7 +72,7 @@ def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
     """Start every rank on this machine, each emulated node telling its ranks apart by name."""
     base = {**os.environ, **task_env(launch, adir, master_addr="127.0.0.1")}
     if "OMP_NUM_THREADS" not in launch.env:  # every emulated node shares this machine's cores
-        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // launch.world_size))
+        base["OMP_NUM_THREADS"] = str(threads_per_rank(launch.world_size))
     procs: Procs = []
     for node_rank, node in enumerate(launch.nodes):
         for local_rank in range(launch.ranks_per_node):
@@ -149,6 +152,8 @@ class Supervisor:
         t0_wall, t0 = time.time(), time.monotonic()
         suspend_at: float | None = None
         first_failure: float | None = None
+        all_started = False
+        next_watchdog = t0
         while True:
             now = time.monotonic()
             for label, p in self.procs:
@@ -181,13 +186,18 @@ class Supervisor:
                 if suspend_at is not None and received:
                     return StopCode.INTERRUPT, "suspended: the job acknowledged and exited"
                 return StopCode.STOP, "all ranks exited 0"
-            if not self._all_started() and now - t0 > self.t.unschedulable:
-                missing = [r for r in range(self.launch.world_size) if not self.adir.started_marker(r).exists()]
-                return StopCode.UNSCHEDULABLE, (f"ranks {_span(missing)} did not start within "
-                                                f"{self.t.unschedulable:g} s")
-            silent = time.time() - self._last_output(t0_wall)
-            if silent > self.t.watchdog:
-                return StopCode.FAILED | StopCode.TIMEOUT, f"no output from any rank for {silent:.0f} s (watchdog)"
+            if not all_started and now - t0 > self.t.unschedulable:
+                all_started = self._all_started()
+                if not all_started:
+                    missing = [r for r in range(self.launch.world_size)
+                               if not self.adir.started_marker(r).exists()]
+                    return StopCode.UNSCHEDULABLE, (f"ranks {_span(missing)} did not start within "
+                                                    f"{self.t.unschedulable:g} s")
+            if now >= next_watchdog:  # log mtimes: a stat per rank, so once a second is plenty
+                next_watchdog = now + WATCHDOG_EVERY_S
+                silent = time.time() - self._last_output(t0_wall)
+                if silent > self.t.watchdog:
+                    return StopCode.FAILED | StopCode.TIMEOUT, f"no output from any rank for {silent:.0f} s (watchdog)"
             time.sleep(POLL_S)
 
     def run(self) -> dict:
