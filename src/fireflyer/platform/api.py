@@ -281,9 +281,12 @@ class PlatformApi:
             raise Conflict(str(exc)) from None
 
     # ------------------------------------------------------------------ nodes and the cluster
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self, running: list[TaskRow] | None = None) -> list[dict[str, Any]]:
+        """Every node with its state; ``running``: the attempts holding nodes, when the caller has them."""
         reasons = self.store.node_reasons()
-        busy = {n: t for t in self.store.tasks((RUNNING, SUSPENDING)) for n in t.assigned}
+        if running is None:
+            running = self.store.tasks((RUNNING, SUSPENDING))
+        busy = {n: t for t in running for n in t.assigned}
         out = []
         for n in self.store.nodes():
             state = "drained" if n.drained else "unhealthy" if not n.healthy else "busy" if n.name in busy else "idle"
@@ -317,10 +320,10 @@ class PlatformApi:
     def overview(self, *, hours: float = 24.0, buckets: int = 96) -> dict[str, Any]:
         if not 0 < hours <= 24 * 30 or not 1 <= buckets <= 1000:
             raise ApiError("hours must be in (0, 720] and buckets in 1..1000")
-        nodes = self.nodes()
+        active = self.store.tasks(ACTIVE)
+        nodes = self.nodes([t for t in active if t.state in (RUNNING, SUSPENDING)])
         counts = {k: sum(1 for n in nodes if n["state"] == k) for k in ("busy", "idle", "drained", "unhealthy")}
         usable = counts["busy"] + counts["idle"]
-        active = self.store.tasks(ACTIVE)
         queue = {p.name: 0 for p in sorted(Priority, reverse=True)}
         running = dict(queue)
         for t in active:
