@@ -20,6 +20,10 @@ class Op(IntEnum):
     MIN = 2
     MAX = 3
     COPY = 4  # internal: every element has exactly one contributor (allgather, broadcast)
+    PRODUCT = 5
+    BAND = 6  # bitwise and/or/xor: integer dtypes only
+    BOR = 7
+    BXOR = 8
 
 
 class Kind(IntEnum):
@@ -117,6 +121,7 @@ class Plan:
     world_size: int = 1
     on_done: list = field(default_factory=list)
     result: object = None
+    timeout: float | None = None  # seconds this collective may take; None: the communicator's timeout
 
     @property
     def dense(self) -> bool:
