@@ -26,6 +26,10 @@ _OPS = {
     dist.ReduceOp.AVG: Op.AVG,
     dist.ReduceOp.MIN: Op.MIN,
     dist.ReduceOp.MAX: Op.MAX,
+    dist.ReduceOp.PRODUCT: Op.PRODUCT,
+    dist.ReduceOp.BAND: Op.BAND,
+    dist.ReduceOp.BOR: Op.BOR,
+    dist.ReduceOp.BXOR: Op.BXOR,
 }
 
 
