@@ -81,7 +81,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("measure a part against its baseline: fireflyer bench " + "|".join(BENCHES), _bench),
     "validate": ("check this node's health against a hardware profile (Slurm HealthCheckProgram)", _validate),
     "failures": ("analyse kernel logs: Xid and InfiniBand failures, MTBF, checkpoint interval", _failures),
-    "hfreduce": ("hfreduce tools: fireflyer hfreduce demo | fireflyer hfreduce clean", _hfreduce),
+    "hfreduce": ("hfreduce tools: fireflyer hfreduce demo | clean | trace DIR (diagnose a hang)", _hfreduce),
     "platform": ("the HAI scheduler: fireflyer platform start|stop|status", _lazy(_PLATFORM, "platform")),
     "submit": ("queue a task: fireflyer submit -n NODES [-p PRIORITY] -- CMD...", _lazy(_PLATFORM, "submit")),
     "queue": ("list the platform's tasks", _lazy(_PLATFORM, "queue")),

@@ -22,6 +22,7 @@ def fireflyer(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (["hfreduce", "demo", "--nodes", "0"], "--nodes"),
         (["hfreduce", "demo", "--mib", "x"], "--mib"),
         (["hfreduce", "explode"], "invalid choice"),
+        (["hfreduce", "trace", "/no/such/trace/dir"], "no such directory"),
         (["bench", "ddp", "--layouts", "2by2"], "NODESxRANKS"),
         (["bench", "fsdp", "--steps", "many"], "--steps"),
         (["bench", "pp", "--schedules", "zigzag"], "zigzag"),
