@@ -19,8 +19,10 @@ failure is broadcast to every rank, which then raises it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import queue
 import secrets
@@ -43,11 +45,13 @@ from fireflyer.hfreduce.errors import (
     error_from_text,
     error_to_text,
 )
+from fireflyer.hfreduce.flight import FlightRecorder
 from fireflyer.hfreduce.procs import pid_alive
 from fireflyer.hfreduce.shared import SharedBuffers
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     Descriptor,
+    Kind,
     Op,
     Plan,
     Reducer,
@@ -58,6 +62,7 @@ from fireflyer.hfreduce.topology import Layout, split, tree_links
 from fireflyer.hfreduce.transport import Link, Listener
 from fireflyer.hfreduce.trees import Trees
 
+_log = logging.getLogger("fireflyer.hfreduce")
 _SLICE = 0.05  # seconds between liveness checks while waiting
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
 _SHARED = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
@@ -99,6 +104,8 @@ class Communicator(Trees):
         *,
         config: HFReduceConfig | None = None,
         node: str | None = None,
+        group_name: str = "",
+        global_ranks: list[int] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
@@ -131,11 +138,18 @@ class Communicator(Trees):
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
         self._tree_lock = threading.Lock()
+        # What each engine thread is blocked on right now: thread id -> (seq, group ranks, what).
+        self._waits: dict[int, tuple[int, list[int], str]] = {}
+        self._running: Job | None = None  # the collective the engine is executing
+        self.flight = FlightRecorder(rank=rank, world_size=world_size, group_name=group_name or "0",
+                                     global_ranks=list(global_ranks) if global_ranks else list(range(world_size)))
         try:
             self._setup(node or node_key())
         except BaseException:
             self._teardown()
             raise
+        if not group_name:  # several direct communicators in one process must not share a name in the dump
+            self.flight.group_name = f"direct-{self.incarnation}"
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"hfreduce-{rank}", daemon=True)
         self._worker.start()
@@ -219,15 +233,21 @@ class Communicator(Trees):
                                      timeout=self.config.timeout, enabled=private)
 
     # ------------------------------------------------------------------ public API
-    def submit(self, plan: Plan) -> torch.futures.Future:
-        """Queue a collective; the future completes with None when every sink holds its result."""
+    def submit(self, plan: Plan, *, inline: bool = True) -> torch.futures.Future:
+        """Queue a collective; the future completes with None when every sink holds its result.
+
+        ``inline=False`` keeps even a small collective off the caller's thread (an
+        ``async_op=True`` caller must get its Work back at once, whatever the peers do).
+        """
         fut: torch.futures.Future = torch.futures.Future()
         if self._closed:
-            fut.set_exception(HFReduceError("hfreduce communicator is closed"))
+            fut.set_exception(HFReduceError("hfreduce communicator is closed; create a new process group"))
             return fut
         if self._error is not None:
-            fut.set_exception(self._error)
+            fut.set_exception(self._error)  # a failed group stays failed: never compute with fewer ranks
             return fut
+        if plan.timeout is not None and not plan.timeout > 0:
+            raise ValueError(f"a collective's timeout must be positive seconds, got {plan.timeout}")
         job = Job(plan=plan, future=fut)
         cuda = [t for _, t in plan.sources + plan.sinks if t.is_cuda]
         if cuda:
@@ -235,8 +255,11 @@ class Communicator(Trees):
             job.stream_event.record(torch.cuda.current_stream(cuda[0].device))
         # A small CPU collective with nothing ahead of it runs right here: handing it to the
         # engine thread and back would cost more than the collective itself.
-        small = not cuda and plan.desc.numel * plan.desc.dtype.itemsize <= INLINE_BYTES
+        small = inline and not cuda and plan.desc.numel * plan.desc.dtype.itemsize <= INLINE_BYTES
         with self._submit_lock:
+            job.seq = plan.seq = self._seq
+            self._seq += 1
+            self._record(job)
             inline = small and self._pending == 0
             self._pending += 1
             if inline:
@@ -299,6 +322,71 @@ class Communicator(Trees):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ state and diagnosis
+    @property
+    def error(self) -> HFReduceError | None:
+        """The error that failed this communicator, or None while it is healthy."""
+        return self._error
+
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (it stops only at close)."""
+        return self._worker.is_alive()
+
+    def set_timeout(self, seconds: float) -> None:
+        """Change the default timeout of collectives submitted from now on."""
+        self.config = dataclasses.replace(self.config, timeout=float(seconds))
+
+    def _record(self, job: Job) -> None:
+        plan = job.plan
+        trace = plan.trace
+        if trace is None:  # the direct API: sizes as torch's analyzer expects them, from the flat buffer
+            desc, w = plan.desc, self.world_size
+            whole, part = [[desc.numel]], [[desc.numel // w]]
+            dtype = [str(desc.dtype).replace("torch.", "")]
+            ins, outs = {Kind.ALLGATHER: (part, whole), Kind.REDUCE_SCATTER: (whole, part)}.get(desc.kind, (whole, whole))
+            trace = (ins, dtype, outs, dtype)
+        self.flight.record(job.seq, plan.desc.kind.name.lower(), input_sizes=trace[0], input_dtypes=trace[1],
+                           output_sizes=trace[2], output_dtypes=trace[3],
+                           timeout_s=plan.timeout or self.config.timeout)
+
+    def _waiting(self, job: Job, ranks: list[int], what: str) -> None:
+        """Note that this thread now blocks on ``ranks`` (for timeouts and the flight recorder)."""
+        ranks = [r for r in ranks if r != self.rank]  # a rank's own threads are never the one it waits for
+        if ranks:
+            self._waits[threading.get_ident()] = (job.seq, ranks, what)
+            self.flight.waiting(job.seq, ranks, what)
+
+    def _done_waiting(self) -> None:
+        self._waits.pop(threading.get_ident(), None)
+
+    def waited_on(self, seq: int) -> list[tuple[list[int], str]]:
+        """Whom the engine's threads are blocked on for collective ``seq`` right now, and for what."""
+        return [(ranks, what) for s, ranks, what in list(self._waits.values()) if s == seq]
+
+    def time_out(self, seq: int, desc: str, seconds: float) -> HFReduceError:
+        """Collective ``seq`` overran a caller's deadline: fail the group with a CollectiveTimeout naming whom it waited for.
+
+        Returns the error to raise (an earlier failure, if the group had already failed).
+        """
+        if self._error is not None:
+            return self._error
+        running = self._running
+        waits = self.waited_on(seq)
+        if waits:
+            ranks = sorted({r for rs, _ in waits for r in rs})
+            whom = "; ".join(f"{', '.join(self.describe(r) for r in rs)} to finish {what}" for rs, what in waits)
+            detail = f"it was waiting for {whom} (ranks {ranks})"
+        elif running is not None and running.seq < seq:
+            detail = f"it was still queued behind collective #{running.seq} ({running.plan.desc})"
+        elif running is not None and running.seq == seq:
+            detail = "it was running on this rank and waiting on no peer"
+        else:
+            detail = "it had not started on this rank"
+        return self._fail(CollectiveTimeout(
+            f"{desc} (#{seq}) did not finish within the caller's timeout of {seconds:g}s on "
+            f"{self.describe(self.rank)}: {detail}"
+        ))
+
     # ------------------------------------------------------------------ failure handling
     def _fail(self, exc: BaseException) -> HFReduceError:
         """Record this rank's first failure and pass it to every neighbour; return the error to raise."""
@@ -323,7 +411,18 @@ class Communicator(Trees):
             for cond in self._tree_signal:
                 with cond:
                     cond.notify_all()
+            self._dump_flight(exc)
         return self._error
+
+    def _dump_flight(self, exc: HFReduceError) -> None:
+        try:
+            path = self.flight.dump(f"{type(exc).__name__}: {exc}")
+        except Exception as dump_error:  # noqa: BLE001 - diagnosis must never mask the failure
+            _log.warning("hfreduce could not write its flight recorder dump: %s", dump_error)
+            return
+        if path is not None:
+            _log.warning("hfreduce %s failed; flight recorder dump: %s (read with: fireflyer hfreduce trace %s)",
+                         self.describe(self.rank), path, path.parent)
 
     def _root_cause(self, symptom: HFReduceError, patience: float = 1.0) -> HFReduceError:
         """A closed connection is a symptom: give the rank that saw the cause a moment to report it.
@@ -400,15 +499,18 @@ class Communicator(Trees):
         words = arena._words
         deadline = job.tree_deadline if late else job.deadline
         addr = arena.flag_address(stage, k)
+        self._waiting(job, [self.members[k]], f"'{stage}' of chunk {target - 1 - job.first_chunk} of {job.nchunks}")
         while True:
             value = words[i]
             if ((value - target) & 0xFFFFFFFF) < 0x80000000:
+                self._done_waiting()
                 return
             self._check()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CollectiveTimeout(
-                    f"{job.plan.desc} timed out after {self.config.timeout:g}s on {self.describe(self.rank)} "
+                    f"{job.plan.desc} (#{job.seq}) timed out after {job.plan.timeout or self.config.timeout:g}s "
+                    f"on {self.describe(self.rank)} "
                     f"waiting for {self.describe(self.members[k])} to finish '{stage}' of chunk "
                     f"{target - 1 - job.first_chunk} of {job.nchunks}"
                 )
@@ -438,8 +540,13 @@ class Communicator(Trees):
             for fn in job.plan.on_done:
                 fn()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-            job.future.set_exception(self._fail(exc))
+            error = self._fail(exc)
+            self._running = None
+            self.flight.failed(job.seq, str(error))
+            job.future.set_exception(error)
         else:
+            self._running = None
+            self.flight.completed(job.seq)
             job.future.set_result(job.plan.result)
         finally:
             # Only after the future is settled may a later collective run inline, so futures
@@ -455,11 +562,12 @@ class Communicator(Trees):
         job.first_chunk = self._chunk
         job.own = self._own_source(job.plan)
         job.shared = self._registered(job.plan)
-        job.seq = self._seq
-        job.deadline = time.monotonic() + self.config.timeout
-        job.tree_deadline = job.deadline + min(2.0, 0.25 * self.config.timeout)
-        self._seq += 1
+        timeout = job.plan.timeout or self.config.timeout
+        job.deadline = time.monotonic() + timeout
+        job.tree_deadline = job.deadline + min(2.0, 0.25 * timeout)
         self._chunk += job.nchunks
+        self._running = job
+        self.flight.started(job.seq)
         if job.stream_event is not None:
             self._cuda_prepare(job)
         if self.num_nodes > 1 and self.local_rank < self.rails:

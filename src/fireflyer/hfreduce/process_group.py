@@ -2,9 +2,15 @@
 
 After ``import fireflyer.hfreduce``, ``dist.init_process_group("hfreduce")`` under torchrun
 (or any launcher that sets the usual environment) gives a default group whose
-collectives run on the engine and return async Work objects, so ``async_op=True``
-overlaps them with compute. DDP, FSDP2 (``fully_shard`` on a DeviceMesh) and
-``dist.new_group(backend="hfreduce")`` work on it.
+collectives run on the engine and return :class:`~fireflyer.hfreduce.work.HFReduceWork`,
+so ``async_op=True`` overlaps them with compute. DDP, FSDP2 (``fully_shard`` on a
+DeviceMesh) and ``dist.new_group(backend="hfreduce")`` work on it.
+
+A failed collective raises on every rank, through every door torch offers
+(``wait()``, ``get_future()``, ``exception()``), and the group stays failed: every
+later collective raises the same error at once. ``destroy_process_group()`` then
+cleans up and a new group can be made. :data:`SUPPORTED` lists what this backend
+implements; every other collective raises ``NotImplementedError`` naming it.
 """
 
 from __future__ import annotations
@@ -13,13 +19,22 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from fireflyer.hfreduce import collectives
 from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
-from fireflyer.hfreduce.reduce import Op
+from fireflyer.hfreduce.errors import CollectiveTimeout
+from fireflyer.hfreduce.reduce import Op, Plan
+from fireflyer.hfreduce.work import HFReduceWork, seconds
 
 BACKEND = "hfreduce"
+
+#: The torch.distributed functions this backend implements (by the name users call).
+SUPPORTED = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "barrier", "monitored_barrier",
+    "_coalescing_manager (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)",
+    "all_gather_object", "broadcast_object_list",
+)
 
 _OPS = {
     dist.ReduceOp.SUM: Op.SUM,
@@ -31,6 +46,7 @@ _OPS = {
     dist.ReduceOp.BOR: Op.BOR,
     dist.ReduceOp.BXOR: Op.BXOR,
 }
+_OP_NAMES = ", ".join(op.name for op in _OPS.values())
 
 
 def _op(opts) -> Op:
@@ -38,22 +54,39 @@ def _op(opts) -> Op:
     for torch_op, op in _OPS.items():
         if red == torch_op:
             return op
-    raise ValueError(f"hfreduce does not support reduce op {red}; supported: SUM, AVG, MIN, MAX")
+    raise NotImplementedError(f"hfreduce does not support reduce op {red}; supported: {_OP_NAMES}")
 
 
 def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    if isinstance(tensors, torch.Tensor):
+        return tensors
     if len(tensors) != 1:
         raise ValueError(f"hfreduce {what} takes exactly one tensor per rank, got {len(tensors)}")
     return tensors[0]
 
 
+def _unsupported(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"hfreduce does not implement {name} yet; it supports: {', '.join(SUPPORTED)}. "
+        "Use a gloo group for it (dist.new_group(backend='gloo'))."
+    )
+
+
+def _shapes(tensors: list[torch.Tensor]) -> tuple[list[list[int]], list[str]]:
+    return [list(t.shape) for t in tensors], [str(t.dtype).replace("torch.", "") for t in tensors]
+
+
 class HFReduceProcessGroup(dist.ProcessGroup):
     """A process group whose collectives run on :class:`~fireflyer.hfreduce.engine.Communicator`."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, config: HFReduceConfig | None = None) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, config: HFReduceConfig | None = None,
+                 *, group_name: str = "", global_ranks: list[int] | None = None) -> None:
         super().__init__(rank, world_size)
         self._name = ""
-        self.comm = Communicator(store, rank, world_size, config=config)
+        self._group_store = store
+        self._monitored = 0
+        self.comm = Communicator(store, rank, world_size, config=config, group_name=group_name,
+                                 global_ranks=global_ranks)
 
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -70,46 +103,59 @@ class HFReduceProcessGroup(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._name = name
+        self.comm.flight.group_name = name
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        value = seconds(timeout)
+        if value is None:
+            raise ValueError(f"a process group's timeout must be positive, got {timeout}")
+        self.comm.set_timeout(value)
 
     # -- plumbing -----------------------------------------------------------------------
-    def _work(self, plans: list, result) -> dist.Work:
-        futures = [self.comm.submit(p) for p in plans]
-        if len(futures) == 1:
-            fut = futures[0]
-        else:
-            fut = torch.futures.collect_all(futures)
-        out: torch.futures.Future = fut.then(lambda f: _value(f, result))
-        return _create_work_from_future(out)
+    def _work(self, plans: list[Plan], result: list[torch.Tensor], opts, what: str,
+              inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> HFReduceWork:
+        timeout = seconds(getattr(opts, "timeout", None))
+        trace = (*_shapes(inputs), *_shapes(outputs)) if len(plans) == 1 else None
+        for p in plans:
+            p.timeout = timeout
+            if trace is not None:
+                p.trace = trace
+        inline = not getattr(opts, "asyncOp", False)
+        futures = [self.comm.submit(p, inline=inline) for p in plans]
+        return HFReduceWork(self.comm, futures, result, seqs=[p.seq for p in plans], what=what)
 
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = _op(opts)
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        return self._work([collectives.allreduce(_one(tensors, "allreduce"), op, self.size())], tensors)
+        t = _one(tensors, "allreduce")
+        return self._work([collectives.allreduce(t, op, self.size())], tensors, opts, "all_reduce", [t], [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _op(opts)
-        return self._work([collectives.allreduce(t, op, self.size()) for t in tensors], tensors)
+        plans = [collectives.allreduce(t, op, self.size()) for t in tensors]
+        return self._work(plans, tensors, opts, "all_reduce_coalesced", tensors, tensors)
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0)
         t = _one(tensors, "broadcast")
-        return self._work([collectives.broadcast(t, root, self.rank(), self.size())], tensors)
+        return self._work([collectives.broadcast(t, root, self.rank(), self.size())], [t], opts, "broadcast", [t], [t])
 
     def reduce(self, tensors, opts=None):
         t = _one(tensors, "reduce")
         root = getattr(opts, "rootRank", 0)
-        return self._work([collectives.reduce(t, _op(opts), root, self.rank(), self.size())], tensors)
+        plan = collectives.reduce(t, _op(opts), root, self.rank(), self.size())
+        return self._work([plan], [t], opts, "reduce", [t], [t])
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        inp = _one(input_tensors, "allgather")
-        outs = output_tensors[0]
-        if len(output_tensors) != 1 or len(outs) != self.size():
-            raise ValueError(f"hfreduce allgather needs one output list of {self.size()} tensors")
+    def _gather_into_list(self, outs: list[torch.Tensor], inp: torch.Tensor, what: str) -> Plan:
+        """An allgather into a flat buffer, copied out into ``outs`` (one tensor per rank) when done."""
+        if len(outs) != self.size():
+            raise ValueError(f"hfreduce {what} needs an output list of {self.size()} tensors, got {len(outs)}")
         for o in outs:
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise ValueError("hfreduce allgather needs every output tensor to match the input's size and dtype")
+            if not isinstance(o, torch.Tensor) or o.numel() != inp.numel() or o.dtype != inp.dtype:
+                raise ValueError(f"hfreduce {what} needs every output tensor to match the input's size and dtype "
+                                 f"({inp.numel()} x {inp.dtype})")
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
         plan = collectives.allgather(flat, inp, self.rank(), self.size())
 
@@ -118,43 +164,139 @@ class HFReduceProcessGroup(dist.ProcessGroup):
                 o.copy_(flat[i * inp.numel() : (i + 1) * inp.numel()].view(o.shape))
 
         plan.on_done.append(scatter_back)
-        return self._work([plan], output_tensors)
+        return plan
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        inp = _one(input_tensors, "allgather")
+        if len(output_tensors) != 1:
+            raise ValueError(f"hfreduce allgather needs one output list, got {len(output_tensors)}")
+        outs = output_tensors[0]
+        plan = self._gather_into_list(outs, inp, "allgather")
+        return self._work([plan], output_tensors, opts, "all_gather", [inp], list(outs))
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        if len(output_lists) != len(input_tensors):
+            raise ValueError(f"hfreduce all_gather_coalesced needs one output list per input tensor, "
+                             f"got {len(output_lists)} lists for {len(input_tensors)} inputs")
+        plans = [self._gather_into_list(list(outs), inp, "all_gather_coalesced")
+                 for outs, inp in zip(output_lists, input_tensors)]
+        flat_outs = [o for outs in output_lists for o in outs]
+        return self._work(plans, output_lists, opts, "all_gather_coalesced", list(input_tensors), flat_outs)
 
     def all_gather_single(self, output, input, opts=None):
-        return self._work([collectives.allgather(output, input, self.rank(), self.size())], [output])
+        plan = collectives.allgather(output, input, self.rank(), self.size())
+        return self._work([plan], [output], opts, "all_gather_into_tensor", [input], [output])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        plans = [collectives.allgather(o, i, self.rank(), self.size()) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(plans, outputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"hfreduce coalesced all_gather needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
+        plans = [collectives.allgather(o, i, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
+        return self._work(plans, outputs, opts, "all_gather_into_tensor_coalesced", inputs, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out = _one(output_tensors, "reduce_scatter")
-        ins = input_tensors[0]
-        if len(input_tensors) != 1 or len(ins) != self.size():
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
             raise ValueError(f"hfreduce reduce_scatter needs one input list of {self.size()} tensors")
+        ins = input_tensors[0]
+        for t in ins:
+            if not isinstance(t, torch.Tensor) or t.numel() != out.numel() or t.dtype != out.dtype:
+                raise ValueError(f"hfreduce reduce_scatter needs every input tensor to match the output's size and "
+                                 f"dtype ({out.numel()} x {out.dtype})")
         flat = torch.cat([t.reshape(-1) for t in ins])
         plan = collectives.reduce_scatter(out, flat, _op(opts), self.rank(), self.size())
-        return self._work([plan], output_tensors)
+        return self._work([plan], output_tensors, opts, "reduce_scatter", list(ins), [out])
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return self._work([collectives.reduce_scatter(output, input, _op(opts), self.rank(), self.size())], [output])
+        plan = collectives.reduce_scatter(output, input, _op(opts), self.rank(), self.size())
+        return self._work([plan], [output], opts, "reduce_scatter_tensor", [input], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise ValueError(f"hfreduce coalesced reduce_scatter needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         op = _op(opts)
-        plans = [collectives.reduce_scatter(o, i, op, self.rank(), self.size()) for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(plans, outputs)
+        plans = [collectives.reduce_scatter(o, i, op, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
+        return self._work(plans, outputs, opts, "reduce_scatter_tensor_coalesced", inputs, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def barrier(self, opts=None):
-        return self._work([collectives.barrier(self.size())], [])
+        return self._work([collectives.barrier(self.size())], [], opts, "barrier", [], [])
 
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not reach it within ``timeout`` (gloo's semantics).
+
+        Rank 0 waits for every rank's arrival on the job's store; the others wait for
+        rank 0's release. It does not go through the engine, so it works even on a
+        group whose collectives failed, and it leaves the group usable.
+        """
+        limit = seconds(timeout) or self.comm.config.timeout
+        n, self._monitored = self._monitored, self._monitored + 1
+        store = dist.PrefixStore(f"hfreduce-monitored/{self.comm.incarnation}/{n}", self._group_store)
+        store.set(f"arrived/{self.rank()}", "1")
+        if self.rank() == 0:
+            missing = []
+            for r in range(1, self.size()):
+                try:
+                    store.wait([f"arrived/{r}"], timedelta(seconds=limit) if not missing else timedelta(milliseconds=1))
+                except Exception:  # noqa: BLE001 - torch raises its own store timeout flavours
+                    missing.append(r)
+                    if not wait_all_ranks:
+                        break
+            if missing:
+                which = "Rank" if len(missing) == 1 else "Ranks"
+                message = (f"{which} {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
+                           f"{int(limit * 1000)} ms")
+                store.set("released", message)
+                raise CollectiveTimeout(message)
+            store.set("released", "")
+            return
+        try:
+            store.wait(["released"], timedelta(seconds=limit + 5.0))
+        except Exception as exc:  # noqa: BLE001
+            raise CollectiveTimeout(f"rank {self.rank()}: rank 0 did not release monitoredBarrier within "
+                                    f"{limit + 5.0:g}s") from exc
+        message = store.get("released").decode()
+        if message:
+            raise CollectiveTimeout(f"monitoredBarrier failed on rank 0: {message}")
+
+    # -- what torch offers that hfreduce does not implement ----------------------------
+    def gather(self, *args, **kwargs):
+        raise _unsupported("gather")
+
+    def scatter(self, *args, **kwargs):
+        raise _unsupported("scatter")
+
+    def alltoall(self, *args, **kwargs):
+        raise _unsupported("all_to_all")
+
+    def alltoall_base(self, *args, **kwargs):
+        raise _unsupported("all_to_all_single")
+
+    def all_to_all_single(self, *args, **kwargs):
+        raise _unsupported("all_to_all_single")
+
+    def send(self, *args, **kwargs):
+        raise _unsupported("send/isend")
+
+    def recv(self, *args, **kwargs):
+        raise _unsupported("recv/irecv")
+
+    def recv_anysource(self, *args, **kwargs):
+        raise _unsupported("recv from any source")
+
+    def _start_coalescing(self, *args, **kwargs):
+        raise _unsupported("_coalescing_manager with a device (and batch_isend_irecv)")
+
+    def _end_coalescing(self, *args, **kwargs):
+        raise _unsupported("_coalescing_manager with a device (and batch_isend_irecv)")
+
+    # -- lifetime -----------------------------------------------------------------------
     def shutdown(self) -> None:
         self.comm.close()
 
@@ -162,18 +304,12 @@ class HFReduceProcessGroup(dist.ProcessGroup):
         self.comm.close()
 
 
-def _value(fut: torch.futures.Future, result):
-    value = fut.value()  # re-raises the engine's error
-    if isinstance(value, list):
-        for f in value:
-            f.value()
-    return result
-
-
 def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
     timeout = getattr(dist_opts, "timeout", None)
     config = HFReduceConfig.from_env(timeout=timeout if isinstance(timeout, timedelta) else None)
-    return HFReduceProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, config)
+    ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or range(dist_opts.group_size))
+    return HFReduceProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, config,
+                                group_name=str(getattr(dist_opts, "group_id", "") or ""), global_ranks=ranks)
 
 
 def register() -> None:

@@ -122,6 +122,8 @@ class Plan:
     on_done: list = field(default_factory=list)
     result: object = None
     timeout: float | None = None  # seconds this collective may take; None: the communicator's timeout
+    trace: tuple | None = None  # (input sizes, input dtypes, output sizes, output dtypes) as the caller passed them
+    seq: int = -1  # set by the communicator at submission: the collective's number in its group
 
     @property
     def dense(self) -> bool:

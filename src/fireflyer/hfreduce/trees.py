@@ -129,10 +129,13 @@ class Trees:
             self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
         for i, link in enumerate(children):
             what = f"receiving chunk {c} of {desc} from a child in tree {t}"
+            self._waiting(job, [link.peer_rank], what)
             self._expect(link, job, c, len(payload), what)
             incoming = self._scratch(t, i, acc, h1 - h0)
             if h1 > h0:
                 link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.tree_deadline, what)
+            self._done_waiting()
+            if h1 > h0:
                 if direct and i == len(children) - 1:
                     torch.add(partial, incoming, out=out)
                 else:
@@ -165,9 +168,11 @@ class Trees:
         else:
             self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast", late=True)
             what = f"receiving chunk {c} of {desc} from the parent in tree {t}"
+            self._waiting(job, [parent.peer_rank], what)
             self._expect(parent, job, c, len(payload), what)
             if h1 > h0:
                 parent.recv_all(payload, self._check, job.tree_deadline, what)
+            self._done_waiting()
         for link in self._children[t]:
             link.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} down tree {t}")
         with self._tree_lock:

@@ -40,7 +40,8 @@ class RankFailed(RuntimeError):
         super().__init__("; ".join(f"rank {r}: {e.splitlines()[-1] if e else e}" for r, e in sorted(errors.items())))
 
 
-def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox) -> None:
+def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox,
+               host_store: bool = True) -> None:
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -59,7 +60,7 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
     torch.set_num_threads(1)
     comm = None
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, world, host_store and rank == 0, timeout=datetime.timedelta(seconds=60))
         if env.get("FIREFLYER_TEST_COMM", "1") == "1":
             from fireflyer.hfreduce import Communicator, HFReduceConfig
 
@@ -85,36 +86,82 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
 
 
 class LocalCluster:
-    """``LocalCluster([2, 2])``: two emulated nodes of two ranks each."""
+    """``LocalCluster([2, 2])``: two emulated nodes of two ranks each.
 
-    def __init__(self, layout: Sequence[int], *, env: dict[str, str] | None = None, start_timeout: float = 120.0) -> None:
+    With ``parent_store=True`` the job's TCPStore lives in this process (as torchrun's
+    agent holds it), so any rank may die, and :meth:`respawn` can start it again.
+    """
+
+    def __init__(self, layout: Sequence[int], *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
+                 parent_store: bool = False) -> None:
         if not layout or any(n < 1 for n in layout):
             raise ValueError(f"layout needs one positive rank count per node, got {list(layout)}")
         self.layout = list(layout)
         self.world_size = sum(layout)
-        ctx = mp.get_context("spawn")
-        self._outbox = ctx.Queue()
+        self._mp = mp.get_context("spawn")
+        self._outbox = self._mp.Queue()
         self._inboxes = []
         self.procs = []
-        port = free_port()
+        self._env = dict(env or {})
+        self._places = []
+        self._port = free_port()
+        self.store = None
+        if parent_store:
+            import datetime
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("127.0.0.1", self._port, self.world_size + 1, True,
+                                       timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         rank = 0
         for node, size in enumerate(layout):
             for local in range(size):
-                inbox = ctx.Queue()
-                p = ctx.Process(
-                    target=_rank_main,
-                    args=(rank, self.world_size, node, local, size, port, dict(env or {}), inbox, self._outbox),
-                    daemon=True,
-                )
-                p.start()
+                self._places.append((node, local, size))
+                inbox = self._mp.Queue()
                 self._inboxes.append(inbox)
-                self.procs.append(p)
+                self.procs.append(self._start(rank, inbox))
                 rank += 1
         try:
             self._collect(start_timeout, "start")
         except BaseException:
             self.close()
             raise
+
+    def _start(self, rank: int, inbox) -> Any:
+        node, local, size = self._places[rank]
+        p = self._mp.Process(
+            target=_rank_main,
+            args=(rank, self.world_size, node, local, size, self._port, self._env, inbox, self._outbox, self.store is None),
+            daemon=True,
+        )
+        p.start()
+        return p
+
+    def respawn(self, rank: int, timeout: float = 120.0) -> None:
+        """Start a new process for ``rank`` (after it died); needs ``parent_store=True``."""
+        if self.store is None:
+            raise ValueError("respawn needs LocalCluster(..., parent_store=True): rank 0 holds the store otherwise")
+        old = self.procs[rank]
+        if old.is_alive():
+            old.kill()
+        old.join(5)
+        self._inboxes[rank] = self._mp.Queue()
+        self.procs[rank] = self._start(rank, self._inboxes[rank])
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"rank {rank} did not restart within {timeout:.0f}s")
+            try:
+                r, status, value = self._outbox.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if not self.procs[rank].is_alive():
+                    raise RankFailed({rank: f"process exited with code {self.procs[rank].exitcode}"}) from None
+                continue
+            if r == rank and status == "ready":
+                return
+            if r == rank and status == "error":
+                raise RankFailed({rank: value})
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout
