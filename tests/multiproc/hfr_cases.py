@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 INTS = [torch.int32, torch.int64]
 DTYPES = FLOATS + INTS
+# Reducible too; kept out of DTYPES, which the CUDA and per-dtype tests sweep.
+SMALL_INTS = [torch.int8, torch.int16, torch.uint8, torch.bool]
+ALL_INTS = INTS + SMALL_INTS  # exact: integers wrap in their own dtype, bool is any/all
+ALL_DTYPES = DTYPES + SMALL_INTS
+BITWISE = ("band", "bor", "bxor")
+
+
+def ops_for(dtype: torch.dtype) -> list[str]:
+    """Every op hfreduce takes on ``dtype``: AVG needs floats, the bitwise ops integers or bool."""
+    if dtype.is_floating_point:
+        return ["sum", "avg", "min", "max", "product"]
+    return ["sum", "min", "max", "product", *BITWISE]
 
 
 @dataclass(frozen=True)
@@ -25,11 +38,21 @@ class Case:
 def make_input(case: Case, rank: int, world: int) -> torch.Tensor:
     n = case.numel * (world if case.kind == "reduce_scatter" else 1)
     g = torch.Generator().manual_seed(case.seed * 1009 + rank)
+    if case.dtype == torch.bool:
+        # even elements are True often enough that "all" is a coin flip, odd ones rarely enough for "any"
+        p = 0.5 ** (1.0 / world)
+        threshold = torch.where(torch.arange(n) % 2 == 0, p, 1 - p)
+        return torch.rand(n, generator=g, dtype=torch.float64) < threshold
     if case.dtype in INTS:
-        x = torch.randint(-1000, 1000, (n,), generator=g, dtype=case.dtype)
-    else:
-        x = (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(case.dtype)
-    return x
+        return torch.randint(-1000, 1000, (n,), generator=g, dtype=case.dtype)
+    if case.dtype in SMALL_INTS:
+        info = torch.iinfo(case.dtype)
+        return torch.randint(info.min, info.max + 1, (n,), generator=g, dtype=case.dtype)  # sums and products wrap
+    if case.op == "product":
+        # factors of magnitude 1/2..2, either sign: products over 8 ranks stay in fp8's range
+        mag = 2.0 ** (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1)
+        return (mag * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)).to(case.dtype)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(case.dtype)
 
 
 def _noncontig(x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +65,11 @@ def _noncontig(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy with unit strides (a 1-element or empty view counts as contiguous with any stride)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
 def run_case(ctx, case: Case) -> torch.Tensor:
     comm, rank, world = ctx.comm, ctx.rank, ctx.world_size
     x = make_input(case, rank, world)
@@ -49,7 +77,7 @@ def run_case(ctx, case: Case) -> torch.Tensor:
         x = _noncontig(x)
     if case.kind == "allreduce":
         comm.allreduce(x, case.op).wait()
-        return x.clone()
+        return _plain(x)
     if case.kind == "reduce_scatter":
         out = torch.full((case.numel,), 7, dtype=case.dtype) if case.dtype in INTS else torch.zeros(case.numel).to(case.dtype)
         comm.reduce_scatter(out, x, case.op).wait()
@@ -59,18 +87,39 @@ def run_case(ctx, case: Case) -> torch.Tensor:
         if case.noncontig:
             out = _noncontig(out)
         comm.allgather(out, x).wait()
-        return out.clone()
+        return _plain(out)
     if case.kind == "broadcast":
         comm.broadcast(x, case.root).wait()
-        return x.clone()
+        return _plain(x)
     if case.kind == "reduce":
-        before = x.clone()
+        before = _plain(x)
         comm.reduce(x, case.root, case.op).wait()
         if rank == case.root:
-            return x.clone()
-        same = torch.equal(before.contiguous().view(torch.uint8), x.contiguous().view(torch.uint8))
+            return _plain(x)
+        same = torch.equal(before.view(torch.uint8), _plain(x).view(torch.uint8))
         return torch.tensor([0.0 if same else 1.0], dtype=torch.float64)
     raise ValueError(case.kind)
+
+
+# numpy, independently of torch, in the input dtype: integers wrap as in C, torch and gloo.
+_NP_OPS = {
+    "sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
+    "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
+}
+# bool is a flag: any for sum/max/bor, all for product/min/band, parity for bxor.
+_NP_BOOL_OPS = {
+    "sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or,
+    "product": np.logical_and, "min": np.logical_and, "band": np.logical_and, "bxor": np.logical_xor,
+}
+
+
+def _exact(case: Case, inputs: list[torch.Tensor]) -> torch.Tensor:
+    fn = (_NP_BOOL_OPS if case.dtype == torch.bool else _NP_OPS)[case.op]
+    acc = inputs[0].numpy().copy()
+    with np.errstate(over="ignore"):
+        for x in inputs[1:]:
+            acc = fn(acc, x.numpy())
+    return torch.from_numpy(acc).to(torch.int64)
 
 
 def reference(case: Case, world: int) -> list[torch.Tensor]:
@@ -79,10 +128,14 @@ def reference(case: Case, world: int) -> list[torch.Tensor]:
     wide = [x.to(torch.float64) if case.dtype in FLOATS else x.to(torch.int64) for x in inputs]
     if case.kind in ("allreduce", "reduce_scatter", "reduce"):
         stacked = torch.stack(wide) if wide[0].numel() else torch.zeros(world, 0, dtype=wide[0].dtype)
-        if case.op in ("sum", "avg"):
+        if case.dtype in ALL_INTS:
+            full = _exact(case, inputs)
+        elif case.op in ("sum", "avg"):
             full = stacked.sum(0)
             if case.op == "avg":
                 full = full / world
+        elif case.op == "product":
+            full = stacked.prod(0)
         elif case.op == "min":
             full = stacked.min(0).values if stacked.shape[1] else stacked[0]
         else:
@@ -101,10 +154,13 @@ def reference(case: Case, world: int) -> list[torch.Tensor]:
 
 
 def tolerance(case: Case, world: int) -> float:
-    """Absolute error allowed against the float64 reference: one rounding of the result plus fp32 accumulation."""
-    if case.dtype in INTS or case.op in ("min", "max") or case.kind in ("allgather", "broadcast"):
+    """Error allowed against the float64 reference: one rounding of the result plus fp32 accumulation.
+
+    Absolute, except for products, where it is relative (to max(1, |exact|)).
+    """
+    if case.dtype in ALL_INTS or case.op in ("min", "max") or case.kind in ("allgather", "broadcast"):
         return 0.0
-    scale = 3.0 * 4 * world  # |inputs| stay well below 4 sigma; the sum below world * that
+    scale = 1.0 if case.op == "product" else 3.0 * 4 * world  # |inputs| stay well below 4 sigma; the sum below world * that
     eps = {
         torch.float64: 2.0**-52,
         torch.float32: 2.0**-23,
@@ -114,6 +170,11 @@ def tolerance(case: Case, world: int) -> float:
         torch.float8_e5m2: 2.0**-2,
     }[case.dtype]
     return scale * (eps + world * 2.0**-23)
+
+
+def run_cases(ctx, cases: list[Case]) -> list[torch.Tensor]:
+    """Several cases in one call, one after another: one round trip to the ranks for all of them."""
+    return [run_case(ctx, case) for case in cases]
 
 
 def ping(ctx) -> int:

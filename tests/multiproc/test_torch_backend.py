@@ -67,9 +67,28 @@ def test_backend_and_plain_collectives(report):
 
 def test_unsupported_input_names_what_is_supported(report):
     errs = report["errors"]
-    assert errs["bool"].startswith("TypeError") and "float32" in errs["bool"] and "bfloat16" in errs["bool"]
-    assert errs["uint8"].startswith("TypeError") and "uint8" in errs["uint8"]
-    assert errs["product"].startswith("ValueError") and "SUM, AVG, MIN, MAX" in errs["product"]
+    assert errs["uint16"].startswith("TypeError") and "uint16" in errs["uint16"]
+    for ok in ("float32", "bfloat16", "int8", "int16", "uint8", "bool"):
+        assert ok in errs["uint16"]
+    band = errs["band_float"]
+    assert band.startswith("TypeError") and "BAND" in band and "float32" in band and "int64, uint8, bool" in band
+    assert errs["avg_int"].startswith("ValueError") and "use SUM and divide" in errs["avg_int"]
+    assert errs["avg_bool"].startswith("ValueError") and "MAX for any" in errs["avg_bool"]
+
+
+def test_every_op_on_every_dtype_matches_gloo(report):
+    """SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR on hfreduce and on a gloo group, same inputs.
+
+    Integers, bool, MIN and MAX: the same bits as gloo (bool SUM as a flag: gloo counts bytes).
+    Float sums and products: within one rounding of the float64 answer. fp8 and int16,
+    which gloo refuses, against the float64 / numpy answer.
+    """
+    per_rank = report["vs_gloo"]
+    assert len(per_rank) == report["world"]
+    floats, ints = 5 * 6, 7 * 6  # (dtype, op) pairs: 6 float dtypes x 5 ops, 6 integer dtypes (bool too) x 7 ops
+    for rank, got in enumerate(per_rank):
+        assert got["checked"] == floats + ints, rank
+        assert got["failures"] == [], f"rank {rank}: {got['failures']}"
 
 
 def test_ddp_over_hfreduce_matches_ddp_over_gloo(report):

@@ -98,9 +98,10 @@ def main() -> None:
     # Errors a user can cause, with the message they get.
     errors = {}
     for name, fn in {
-        "bool": lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)),
-        "product": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT),
-        "uint8": lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint8)),
+        "uint16": lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)),
+        "band_float": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
+        "avg_int": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int8), op=dist.ReduceOp.AVG),
+        "avg_bool": lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG),
     }.items():
         try:
             fn()
@@ -116,6 +117,9 @@ def main() -> None:
         dist.all_reduce(z, group=evens)
         report["subgroup_sum"] = z[0].item()
     gloo = dist.new_group(backend="gloo")
+
+    # Every op on every dtype, against gloo on the same inputs.
+    report["vs_gloo"] = dist_gather_objects(compare_with_gloo(pg, gloo))
 
     # torch DDP over hfreduce ends where DDP over gloo ends.
     with_hfr = train_ddp(pg)
@@ -138,6 +142,104 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(report, f)
     dist.destroy_process_group()
+
+
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+GLOO_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int32, torch.int64,
+               torch.uint8, torch.bool]
+NOT_IN_GLOO = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int16]  # gloo: "Invalid scalar type"
+_EPS = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7,
+        torch.float8_e4m3fn: 2.0**-3, torch.float8_e5m2: 2.0**-2}
+
+
+def _ops(dtype: torch.dtype) -> list[str]:
+    if dtype.is_floating_point:
+        return ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+    return ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+
+
+def _input(dtype: torch.dtype, op: str, rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + 31 * OPS.index(op) + n)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) < 0.7
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)  # the whole range: sums and products wrap
+        return torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
+    if op == "PRODUCT":
+        mag = 2.0 ** (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1)
+        return (mag * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)).to(dtype)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(dtype)
+
+
+def _reference(dtype: torch.dtype, op: str, world: int, n: int) -> torch.Tensor:
+    """float64 result from every rank's input, which each rank can make for itself."""
+    stack = torch.stack([_input(dtype, op, r, n).double() for r in range(world)])
+    return {"SUM": lambda: stack.sum(0), "AVG": lambda: stack.mean(0), "PRODUCT": lambda: stack.prod(0),
+            "MIN": lambda: stack.min(0).values, "MAX": lambda: stack.max(0).values}[op]()
+
+
+def _exact(dtype: torch.dtype, op: str, world: int, n: int) -> torch.Tensor:
+    """Integers: numpy in the dtype itself, wrapping like C (and torch, and gloo)."""
+    import numpy as np
+
+    fn = {"SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
+          "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+    acc = _input(dtype, op, 0, n).numpy().copy()
+    with np.errstate(over="ignore"):
+        for r in range(1, world):
+            acc = fn(acc, _input(dtype, op, r, n).numpy())
+    return torch.from_numpy(acc)
+
+
+def _float_error(got: torch.Tensor, want: torch.Tensor, op: str) -> float:
+    diff = (got.double() - want).abs()
+    return (diff / want.abs().clamp(min=1.0) if op == "PRODUCT" else diff).max().item()
+
+
+def compare_with_gloo(pg, gloo, n: int = 20_011) -> dict:
+    """Each op on each dtype: hfreduce against gloo (exact for integers, bool, MIN and MAX; floats against
+    float64 within a rounding of the result) and against the float64 reference where gloo refuses the dtype.
+
+    Returns {"checked": count, "failures": [...]} for this rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures, checked = [], 0
+    for dtype in GLOO_DTYPES + NOT_IN_GLOO:
+        for op in _ops(dtype):
+            name = f"{str(dtype).replace('torch.', '')}-{op}"
+            ours = _input(dtype, op, rank, n)
+            dist.all_reduce(ours, op=getattr(dist.ReduceOp, op), group=pg)
+            checked += 1
+            theirs = None
+            if dtype in GLOO_DTYPES:
+                theirs = _input(dtype, op, rank, n)
+                dist.all_reduce(theirs, op=getattr(dist.ReduceOp, op), group=gloo)
+            if dtype == torch.bool:
+                if ours.view(torch.uint8).max().item() > 1:
+                    failures.append(f"{name}: a bool that is not a 0/1 byte")
+                # gloo adds bools as bytes (a SUM can be 2, 3, ...); as a flag that is "any"
+                if not torch.equal(ours, theirs.view(torch.uint8) != 0):
+                    failures.append(f"{name}: differs from gloo")
+            elif not dtype.is_floating_point:
+                if theirs is not None and not torch.equal(ours, theirs):
+                    failures.append(f"{name}: differs from gloo in {(ours != theirs).sum().item()} elements")
+                if not torch.equal(ours, _exact(dtype, op, world, n)):
+                    failures.append(f"{name}: differs from numpy's wrapping arithmetic")
+            elif op in ("MIN", "MAX"):
+                want = _reference(dtype, op, world, n).to(dtype)
+                if not torch.equal(ours, want) or (theirs is not None and not torch.equal(ours, theirs)):
+                    failures.append(f"{name}: differs from the exact answer or from gloo")
+            else:
+                want = _reference(dtype, op, world, n)
+                scale = 1.0 if op == "PRODUCT" else 12.0 * world
+                tol = scale * (_EPS[dtype] + world * 2.0**-23)  # one rounding of the result, fp32 accumulation
+                err = _float_error(ours, want, op)
+                if err > tol:
+                    failures.append(f"{name}: error {err:.3g} > {tol:.3g} against float64")
+                # gloo rounds in the dtype at every step, so it may be off by up to world roundings
+                if theirs is not None and _float_error(ours, theirs.double(), op) > world * tol:
+                    failures.append(f"{name}: {_float_error(ours, theirs.double(), op):.3g} from gloo")
+    return {"checked": checked, "failures": failures}
 
 
 def dist_gather_objects(value):

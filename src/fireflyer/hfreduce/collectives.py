@@ -34,6 +34,9 @@ def _flat(t: torch.Tensor, plan_done: list, write_back: bool, as_bytes: bool = F
         check_dtype(t.dtype)
     if t.is_contiguous():
         flat = t.view(-1)
+        if flat.numel() == 1 and flat.stride(0) != 1:
+            # One element counts as contiguous whatever its stride, but a byte view needs stride 1.
+            flat = flat.as_strided((1,), (1,))
     else:
         flat = t.contiguous().view(-1)
         if write_back:

@@ -1,8 +1,13 @@
 """What a collective is, and the arithmetic on chunks: dtypes, ops, accumulation and rounding.
 
-Pure tensor code, no I/O. Sums of fp16, bf16 and fp8 accumulate in fp32 and are
-rounded once, at the very end; the order of every sum is fixed by the topology, so
-results are bitwise reproducible.
+Pure tensor code, no I/O. Sums and products of fp16, bf16 and fp8 accumulate in fp32
+and are rounded once, at the very end; the order of every reduction is fixed by the
+topology, so results are bitwise reproducible.
+
+Integers reduce in their own dtype and wrap on overflow, as torch and gloo do. The
+bitwise ops take integers and bool only. bool is a flag: SUM and MAX are "any" (or),
+PRODUCT and MIN are "all" (and), so every result is a real 0/1 bool, as torch's
+``a + b`` and NCCL give (gloo sums bools as bytes and can return 2 or wrap to 0).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ class Op(IntEnum):
     MAX = 3
     COPY = 4  # internal: every element has exactly one contributor (allgather, broadcast)
     PRODUCT = 5
-    BAND = 6  # bitwise and/or/xor: integer dtypes only
+    BAND = 6  # bitwise and/or/xor: integer and bool dtypes only
     BOR = 7
     BXOR = 8
 
@@ -35,6 +40,7 @@ class Kind(IntEnum):
     REDUCE = 5
 
 
+# The wire code of each dtype (Descriptor.pack); codes are fixed, the order is how errors list them.
 DTYPES: dict[torch.dtype, int] = {
     torch.float32: 1,
     torch.float64: 2,
@@ -42,19 +48,35 @@ DTYPES: dict[torch.dtype, int] = {
     torch.bfloat16: 4,
     torch.float8_e4m3fn: 5,
     torch.float8_e5m2: 6,
+    torch.int8: 10,
+    torch.int16: 11,
     torch.int32: 7,
     torch.int64: 8,
-    torch.uint8: 9,  # raw bytes: what allgather and broadcast move for any other dtype
+    # uint8 is also the dtype of allgather and broadcast, which move any dtype as raw bytes
+    # (with Op.COPY); their Kind tells those apart from a reduction of real uint8 data.
+    torch.uint8: 9,
+    torch.bool: 12,
 }
-REDUCIBLE = [d for d in DTYPES if d is not torch.uint8]
+REDUCIBLE = list(DTYPES)
+INTEGRAL = [d for d in REDUCIBLE if not d.is_floating_point]  # what the bitwise ops take (bool included)
 _DTYPE_BY_CODE = {v: k for k, v in DTYPES.items()}
+# Stands in for a dtype code this version does not know (a peer running another version),
+# so a mismatch message can still be printed; it is no dtype hfreduce reduces.
+UNKNOWN_DTYPE = torch.bits8
 LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
-USER_OPS = (Op.SUM, Op.AVG, Op.MIN, Op.MAX)
+USER_OPS = (Op.SUM, Op.AVG, Op.MIN, Op.MAX, Op.PRODUCT, Op.BAND, Op.BOR, Op.BXOR)
+BITWISE = (Op.BAND, Op.BOR, Op.BXOR)
+# bool is a flag, not a number: each op on it is the logical op that keeps it 0 or 1.
+_BOOL_OP = {Op.SUM: Op.BOR, Op.MAX: Op.BOR, Op.PRODUCT: Op.BAND, Op.MIN: Op.BAND}
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def supported_dtypes() -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in REDUCIBLE)
+    return _names(REDUCIBLE)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -63,8 +85,19 @@ def check_dtype(dtype: torch.dtype) -> None:
 
 
 def check_op(op: Op, dtype: torch.dtype) -> None:
+    """Refuse an op the dtype cannot take, saying what to use instead. ``dtype`` is already checked."""
+    if op not in USER_OPS:
+        names = ", ".join(o.name for o in USER_OPS)
+        raise ValueError(f"hfreduce cannot reduce with op {op.name}; supported: {names}")
     if op == Op.AVG and not dtype.is_floating_point:
-        raise ValueError(f"hfreduce AVG needs a floating-point dtype, got {dtype}; use SUM and divide yourself")
+        fix = "use MAX for any or MIN for all" if dtype == torch.bool else "use SUM and divide yourself"
+        raise ValueError(f"hfreduce AVG needs a floating-point dtype, got {dtype}; {fix}")
+    if op in BITWISE and dtype.is_floating_point:
+        raise TypeError(
+            f"hfreduce {op.name} is a bitwise op and takes integer and bool dtypes only ({_names(INTEGRAL)}), "
+            f"got {dtype}; to combine a float tensor's bits, reduce a view of it as the integer dtype of the same "
+            f"size, such as t.view(torch.int32) for float32"
+        )
 
 
 def acc_dtype(dtype: torch.dtype, op: Op) -> torch.dtype:
@@ -92,11 +125,11 @@ class Descriptor:
     @classmethod
     def unpack(cls, data: bytes) -> "Descriptor":
         kind, dtype, op, numel, root = cls._PACK.unpack(data)
-        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, torch.bool), numel, Op(op), root)
+        return cls(Kind(kind), _DTYPE_BY_CODE.get(dtype, UNKNOWN_DTYPE), numel, Op(op), root)
 
     def __str__(self) -> str:
         name = self.kind.name.lower()
-        dtype = str(self.dtype).replace("torch.", "")
+        dtype = str(self.dtype).replace("torch.", "") if self.dtype in DTYPES else "unknown-dtype"
         extra = f", root={self.root}" if self.kind in (Kind.BROADCAST, Kind.REDUCE) else ""
         op = f", {self.op.name}" if self.kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.REDUCE) else ""
         return f"{name}({dtype}[{self.numel}]{op}{extra})"
@@ -158,30 +191,24 @@ class Reducer:
 
     def combine(self, acc: torch.Tensor, other: torch.Tensor, op: Op) -> None:
         """acc = acc (op) other, in place. ``acc`` is in the accumulation dtype."""
-        if other.dtype != acc.dtype and (other.dtype in FP8 or op in (Op.MIN, Op.MAX)):
+        if other.dtype != acc.dtype and (other.dtype in FP8 or op not in _MIXED_OK):
             tmp = self._tmp(other.numel())
-            tmp.copy_(other)
+            tmp.copy_(other)  # exact: every low-precision value is an fp32 value
             other = tmp
-        if op in (Op.SUM, Op.AVG):
-            acc.add_(other)
-        elif op == Op.MIN:
-            torch.minimum(acc, other, out=acc)
-        elif op == Op.MAX:
-            torch.maximum(acc, other, out=acc)
-        elif op == Op.COPY:
+        if op == Op.COPY:
             _bits(acc).bitwise_or_(_bits(other))
-        else:  # pragma: no cover - guarded by check_op
-            raise AssertionError(op)
+        else:
+            _binary(op, acc.dtype)(acc, other, out=acc)
 
     def reduce_into(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op) -> None:
         """out = inputs[0] (op) inputs[1] (op) ..., in this order, each input read once."""
         first = inputs[0]
-        if out.dtype == first.dtype and len(inputs) >= 2 and op in (Op.SUM, Op.AVG):
-            torch.add(first, inputs[1], out=out)
+        if out.dtype == first.dtype and len(inputs) >= 2 and op != Op.COPY:
+            _binary(op, out.dtype)(first, inputs[1], out=out)
             rest = inputs[2:]
-        elif out.dtype == first.dtype and len(inputs) >= 2 and op in (Op.MIN, Op.MAX):
-            (torch.minimum if op == Op.MIN else torch.maximum)(first, inputs[1], out=out)
-            rest = inputs[2:]
+        elif op == Op.COPY:
+            _bits(out).copy_(_bits(first))  # bit for bit, whatever the bytes (a bool copy would make them 0/1)
+            rest = inputs[1:]
         else:
             out.copy_(first)
             rest = inputs[1:]
@@ -189,11 +216,42 @@ class Reducer:
             self.combine(out, x, op)
 
     def finish(self, out: torch.Tensor, acc: torch.Tensor, op: Op, world_size: int) -> None:
-        """Turn a complete accumulation into the result: divide for AVG, round once into ``out``."""
+        """Turn a complete accumulation into the result: divide for AVG, round once into ``out``.
+
+        Every other op is complete once combined; a low-precision one (fp32 accumulator)
+        is rounded here, once."""
         if op == Op.AVG:
             acc.div_(world_size)
-        if out.data_ptr() != acc.data_ptr() or out.dtype != acc.dtype:
+        if op == Op.COPY:
+            if out.data_ptr() != acc.data_ptr():
+                _bits(out).copy_(_bits(acc))
+        elif out.data_ptr() != acc.data_ptr() or out.dtype != acc.dtype:
             out.copy_(acc)
+
+
+# Ops torch computes exactly in the wider dtype when acc is fp32 and the other side is
+# fp16/bf16 (fp8 has no mixed-dtype kernels, so it is converted first).
+_MIXED_OK = (Op.SUM, Op.AVG, Op.PRODUCT)
+_BINARY = {
+    Op.SUM: torch.add,
+    Op.AVG: torch.add,
+    Op.PRODUCT: torch.mul,
+    Op.MIN: torch.minimum,
+    Op.MAX: torch.maximum,
+    Op.BAND: torch.bitwise_and,
+    Op.BOR: torch.bitwise_or,
+    Op.BXOR: torch.bitwise_xor,
+}
+
+
+def _binary(op: Op, dtype: torch.dtype):
+    """The elementwise torch function for ``op`` on ``dtype``, called as ``fn(a, b, out=...)``."""
+    if dtype == torch.bool:
+        op = _BOOL_OP.get(op, op)
+    try:
+        return _BINARY[op]
+    except KeyError:  # pragma: no cover - guarded by check_op
+        raise AssertionError(op) from None
 
 
 def _grown(buf: torch.Tensor | None, n: int) -> torch.Tensor:
