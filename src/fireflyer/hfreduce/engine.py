@@ -55,6 +55,7 @@ from fireflyer.hfreduce.reduce import (
     Op,
     Plan,
     Reducer,
+    USER_OPS,
     acc_dtype,
     chunk_elems,
 )
@@ -64,6 +65,7 @@ from fireflyer.hfreduce.trees import Trees
 
 _log = logging.getLogger("fireflyer.hfreduce")
 _SLICE = 0.05  # seconds between liveness checks while waiting
+_OUT_GRACE = 0.5  # seconds a wait on the tree stage's result outlasts the tree stage's own deadline
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
 _SHARED = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
 _IN_PLACE = 1 << 62
@@ -368,8 +370,21 @@ class Communicator(Trees):
 
         Returns the error to raise (an earlier failure, if the group had already failed).
         """
+        waits = self.waited_on(seq)
+        remote = bool(waits) and all(r not in self.members for rs, _ in waits for r in rs)
+        if remote:
+            # Waiting on another node only: the rank that waits on the real culprit reports
+            # it on its own (earlier) clock; give its error a moment to arrive, as the engine's
+            # own deadlines do (the tree deadline).
+            patience = time.monotonic() + min(2.0, 0.25 * seconds)
+            while self._error is None and time.monotonic() < patience:
+                if self._arena is not None and self._arena.aborted():
+                    break
+                time.sleep(0.01)
         if self._error is not None:
             return self._error
+        if self._arena is not None and self._arena.aborted():
+            return self._fail(error_from_text(self._arena.abort_message(), HFReduceError))
         running = self._running
         waits = self.waited_on(seq)
         if waits:
@@ -498,6 +513,10 @@ class Communicator(Trees):
         arena = self._arena
         words = arena._words
         deadline = job.tree_deadline if late else job.deadline
+        if stage == "out":
+            # 'out' is published by a rail's tree threads, which wait on other nodes directly:
+            # let them time out first, so the error names the rank really missing.
+            deadline += _OUT_GRACE
         addr = arena.flag_address(stage, k)
         self._waiting(job, [self.members[k]], f"'{stage}' of chunk {target - 1 - job.first_chunk} of {job.nchunks}")
         while True:
@@ -508,11 +527,15 @@ class Communicator(Trees):
             self._check()
             left = deadline - time.monotonic()
             if left <= 0:
+                whom = f"{self.describe(self.members[k])} to finish '{stage}' of chunk {target - 1 - job.first_chunk} " \
+                       f"of {job.nchunks}"
+                behind = [w for w in self.waited_on(job.seq) if self.members[k] not in w[0]]
+                if behind:  # what this rank's other threads (its trees) were stuck on: closer to the cause
+                    whom += "; its tree stage was waiting for " + "; ".join(
+                        f"{', '.join(self.describe(r) for r in rs)} ({what})" for rs, what in behind)
                 raise CollectiveTimeout(
                     f"{job.plan.desc} (#{job.seq}) timed out after {job.plan.timeout or self.config.timeout:g}s "
-                    f"on {self.describe(self.rank)} "
-                    f"waiting for {self.describe(self.members[k])} to finish '{stage}' of chunk "
-                    f"{target - 1 - job.first_chunk} of {job.nchunks}"
+                    f"on {self.describe(self.rank)} waiting for {whom}"
                 )
             futex.wait(addr, value, min(_SLICE, left))
 
@@ -607,7 +630,7 @@ class Communicator(Trees):
                 self._stage_out(job, c)
         while not staged_out.is_set() and self.num_nodes > 1:
             self._check()
-            if time.monotonic() > job.tree_deadline:
+            if time.monotonic() > job.tree_deadline + 2 * _OUT_GRACE:  # the stage-out's own waits give up first
                 raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} waiting for its stage-out")
             staged_out.wait(_SLICE)
         self._check()
@@ -836,7 +859,8 @@ def _op(op: Op | str) -> Op:
     try:
         return Op[str(op).upper()]
     except KeyError:
-        raise ValueError(f"unsupported op {op!r}; hfreduce supports: sum, avg, min, max") from None
+        names = ", ".join(o.name.lower() for o in USER_OPS)
+        raise ValueError(f"unsupported op {op!r}; hfreduce supports: {names}") from None
 
 
 def memory_traffic(nbytes: int, local_size: int, num_nodes: int, itemsize: int = 4) -> dict[str, float]:

@@ -1,0 +1,164 @@
+"""The fault matrix, through the doors torch users use: a failed collective raises on every survivor.
+
+What goes wrong: a peer killed between collectives, a peer killed during one, a rank
+that never arrives, and calls that disagree in size, dtype or op. How it is called:
+``dist.all_reduce`` synchronously, ``async_op=True`` then ``wait()``, and
+``get_future().wait()``. Through whom: plain calls, torch DDP, FSDP2 ``fully_shard``,
+haiscale DDP and ``dist.barrier``. Layouts: 1 node x 4, 2 x 2, and 3 + 1.
+
+Every cell checks, on every survivor: the call raised (never returned a tensor), with
+the engine's error class and the culprit's rank in the message, within the timeout;
+afterwards every style raises at once (a failed group stays failed); and
+``destroy_process_group()`` cleans up, after which the next cell makes a new group
+on the same processes (the killed rank is started again).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch_fault_cases as F
+
+from fireflyer.testing.cluster import LocalCluster
+
+TIMEOUT = 3.0  # the group's timeout in plain cells
+WRAPPED_TIMEOUT = 6.0  # model steps on 4 ranks sharing 2 cores take longer
+SLACK = 3.0  # the engine's tree margin plus scheduling on a loaded machine
+ENV = {"FIREFLYER_TEST_COMM": "0", "FIREFLYER_HFREDUCE_CHUNK_BYTES": "262144", "OMP_NUM_THREADS": "1"}
+LAYOUTS = {"1x4": [4], "2x2": [2, 2], "3+1": [3, 1]}
+EXPECTED = {"between": "PeerFailure", "during": "PeerFailure", "absent": "CollectiveTimeout",
+            "size": "CollectiveMismatch", "dtype": "CollectiveMismatch", "op": "CollectiveMismatch"}
+
+# (layout, door, fault, style or wrapper, victim)
+CELLS = [
+    # plain dist.all_reduce: every fault in every style, spread over the layouts
+    ("1x4", "plain", "between", "sync", 2), ("1x4", "plain", "between", "async", 0), ("1x4", "plain", "between", "future", 3),
+    ("1x4", "plain", "during", "sync", 1), ("1x4", "plain", "during", "async", 3), ("1x4", "plain", "during", "future", 2),
+    ("2x2", "plain", "between", "sync", 3), ("2x2", "plain", "between", "async", 0), ("2x2", "plain", "between", "future", 2),
+    ("2x2", "plain", "during", "sync", 0), ("2x2", "plain", "during", "async", 3), ("2x2", "plain", "during", "future", 1),
+    ("3+1", "plain", "between", "sync", 3), ("3+1", "plain", "between", "async", 1), ("3+1", "plain", "between", "future", 0),
+    ("3+1", "plain", "during", "sync", 3), ("3+1", "plain", "during", "async", 0), ("3+1", "plain", "during", "future", 3),
+    ("1x4", "plain", "absent", "future", 3), ("2x2", "plain", "absent", "sync", 2), ("3+1", "plain", "absent", "async", 3),
+    ("1x4", "plain", "size", "sync", 0), ("1x4", "plain", "dtype", "async", 3), ("1x4", "plain", "op", "future", 3),
+    ("2x2", "plain", "size", "sync", 0), ("2x2", "plain", "dtype", "sync", 3), ("2x2", "plain", "op", "async", 3),
+    ("3+1", "plain", "size", "sync", 3),
+    # dist.barrier
+    ("1x4", "plain", "absent", "barrier", 1), ("2x2", "plain", "between", "barrier", 1),
+    ("3+1", "plain", "during", "barrier-async", 3),
+    # training wrappers: each of torch DDP, FSDP2 and haiscale DDP meets each kind of death or absence
+    ("1x4", "wrapped", "during", "ddp", 2), ("1x4", "wrapped", "absent", "fsdp", 3), ("1x4", "wrapped", "between", "haiscale", 1),
+    ("2x2", "wrapped", "between", "ddp", 3), ("2x2", "wrapped", "during", "fsdp", 1), ("2x2", "wrapped", "absent", "haiscale", 2),
+    ("3+1", "wrapped", "absent", "ddp", 3), ("3+1", "wrapped", "between", "fsdp", 2), ("3+1", "wrapped", "during", "haiscale", 3),
+]
+_names = itertools.count()
+
+
+def _id(cell) -> str:
+    layout, door, fault, how, victim = cell
+    return f"{layout}-{door}-{fault}-{how}-rank{victim}"
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory):
+    made: dict[str, LocalCluster] = {}
+    env = dict(ENV, FIREFLYER_HFREDUCE_TRACE_DIR=str(tmp_path_factory.mktemp("trace")))
+
+    def get(layout: str) -> LocalCluster:
+        if layout not in made:
+            made[layout] = LocalCluster(LAYOUTS[layout], env=env, parent_store=True)
+        return made[layout]
+
+    yield get
+    for c in made.values():
+        c.close()
+
+
+def _run_cell(cluster: LocalCluster, fn, args: tuple, victim: int, fault: str, timeout: float) -> dict[int, dict]:
+    name = f"cell{next(_names)}"
+    world = cluster.world_size
+    assert cluster.run(F.join, name, timeout, timeout=60) == [float(world)] * world
+    for r in range(world):
+        cluster.submit(r, fn, *args)
+    dies = fault in ("between", "during")
+    survivors = [r for r in range(world) if not (dies and r == victim)]
+    seen = [r for r in survivors if not (fault == "absent" and r == victim)]
+    got = cluster.gather(timeout=60, expect=seen)
+    if fault == "absent":
+        cluster.store.set(f"{name}/release", "1")
+        got.update(cluster.gather(timeout=60, expect=[victim]))
+        assert got[victim] == ("ok", got[victim][1]) and got[victim][1]["victim"], got[victim]
+        del got[victim]
+    if dies:
+        cluster.respawn(victim)
+    for r, (status, value) in got.items():
+        assert status == "ok", (r, value)
+    return {r: value for r, (_, value) in got.items()}
+
+
+KINDS = {"PeerFailure": ("PeerFailure", "ConnectionLost"),  # a lost link is a PeerFailure too
+         "CollectiveTimeout": ("CollectiveTimeout",), "CollectiveMismatch": ("CollectiveMismatch",)}
+
+
+def _raised(report: dict, expected: str) -> bool:
+    """The engine's class, or (through a torch future or DDP's C++ reducer) a RuntimeError carrying it."""
+    kinds = KINDS[expected]
+    return report["raised"] in kinds or (
+        report["raised"] == "RuntimeError" and any(f"{k}:" in report["msg"] for k in kinds))
+
+
+def _check(reports: dict[int, dict], fault: str, victim: int, limit: float) -> None:
+    expected = EXPECTED[fault]
+    for r, rep in reports.items():
+        assert rep["raised"] is not None, f"rank {r}: the call returned (tensor correct: {rep.get('correct')})"
+        assert _raised(rep, expected), (r, rep["raised"], rep["msg"][:400])
+        if fault in ("between", "during", "absent"):
+            assert re.search(rf"\brank {victim}\b", rep["msg"]), (r, rep["msg"][:400])
+        else:
+            assert "mismatch" in rep["msg"], (r, rep["msg"][:400])
+        assert rep["elapsed"] < limit + SLACK, (r, rep["elapsed"])
+        assert rep.get("wrong", 0) == 0, (r, rep)  # collectives that returned before the death held the right sum
+        after = rep["after"]
+        for style in ("sync", "async", "future", "barrier"):
+            kind, took = after[style]
+            assert kind != "returned", (r, style, after)  # never computes with fewer ranks
+            assert took < 1.0, (r, style, after)  # and fails at once
+        completed, success, exc = after["work_state"]
+        assert completed and not success and exc != "NoneType", (r, after["work_state"])
+        assert rep["destroy_s"] < 10, (r, rep["destroy_s"])
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[_id(c) for c in CELLS])
+def test_a_failed_collective_raises_on_every_survivor(clusters, cell):
+    layout, door, fault, how, victim = cell
+    cluster = clusters(layout)
+    if door == "plain":
+        reports = _run_cell(cluster, F.plain, (fault, how, victim), victim, fault, TIMEOUT)
+        _check(reports, fault, victim, TIMEOUT)
+    else:
+        reports = _run_cell(cluster, F.wrapped, (how, fault, victim), victim, fault, WRAPPED_TIMEOUT)
+        _check(reports, fault, victim, WRAPPED_TIMEOUT)
+    assert len(reports) == cluster.world_size - (fault in ("between", "during", "absent"))
+
+
+@pytest.mark.parametrize("how", ["wait", "opts"])
+def test_a_per_call_timeout_is_honoured_and_names_the_rank_waited_for(clusters, how):
+    """``work.wait(timeout)`` and the options' timeout cut a collective short long before the group's 60 s."""
+    cluster = clusters("2x2")
+    victim, limit = 1, 1.5
+    reports = _run_cell(cluster, F.timed, (how, victim, limit), victim, "absent", 60.0)
+    for r, rep in reports.items():
+        assert _raised(rep, "CollectiveTimeout"), (r, rep)
+        assert re.search(rf"\brank {victim}\b", rep["msg"]), (r, rep["msg"])
+        assert limit - 0.1 < rep["elapsed"] < limit + SLACK, (r, rep["elapsed"])
+        assert all(kind != "returned" for kind, _ in (rep["after"][s] for s in ("sync", "async", "future", "barrier")))
+
+
+def test_the_reported_case_a_dead_peer_never_hands_back_an_unreduced_tensor(clusters):
+    """The report that started it: rank 3 exits, survivors call all_reduce on 4 Mi ones 1,000 times."""
+    cluster = clusters("2x2")
+    reports = _run_cell(cluster, F.hammer, (3, 1000), 3, "between", TIMEOUT)
+    for r, (returned, first_error) in reports.items():
+        assert returned == 0, (r, returned)  # not one call handed back a tensor
+        assert first_error.startswith("PeerFailure") and re.search(r"\brank 3\b", first_error), (r, first_error)

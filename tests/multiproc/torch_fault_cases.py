@@ -1,0 +1,235 @@
+"""Rank-side functions for the fault matrix through torch.distributed (run inside LocalCluster ranks).
+
+Each cell makes a fresh "hfreduce" default group on its own store prefix, does one
+good collective, then meets one fault through one door (a plain ``dist`` call in one
+style, torch DDP, FSDP2, haiscale DDP or ``dist.barrier``). A survivor reports what
+it saw: the exception's class and message and how long it took, or, if the call
+returned, whether the tensor holds the right answer. It then checks that the group
+stays failed (every style raises again at once) and destroys it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+BIG = 4 << 20  # elements: a collective that runs long enough to die in the middle of
+_CELL = {"name": ""}
+
+
+def join(ctx, cell: str, timeout: float) -> float:
+    """Every rank: a new default group for this cell, and one good allreduce on it."""
+    import fireflyer.hfreduce  # noqa: F401 - registers the backend
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CELL["name"] = cell
+    dist.init_process_group("hfreduce", store=dist.PrefixStore(cell, ctx.store), rank=ctx.rank,
+                            world_size=ctx.world_size, timeout=timedelta(seconds=timeout))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def _stay_away(ctx) -> dict:
+    """The absent rank: alive and in the group, but it never calls, until the test releases it."""
+    ctx.store.wait([f"{_CELL['name']}/release"], timedelta(seconds=90))
+    return _leave({"victim": True})
+
+
+def _die_now() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_soon(after: float) -> None:
+    threading.Timer(after, _die_now).start()
+
+
+def _call(style: str, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    if style == "sync":
+        dist.all_reduce(tensor, op=op)
+    elif style == "async":
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        work.wait()
+    elif style == "future":
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        work.get_future().wait()
+    elif style == "barrier":
+        dist.barrier()
+    elif style == "barrier-async":
+        dist.barrier(async_op=True).wait()
+    else:
+        raise ValueError(style)
+
+
+def _outcome(fn, check=None) -> dict:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - what the survivor saw is the result
+        return {"raised": type(exc).__name__, "msg": str(exc), "elapsed": time.monotonic() - t0}
+    return {"raised": None, "msg": "", "elapsed": time.monotonic() - t0, "correct": check() if check else None}
+
+
+def _afterwards() -> dict:
+    """Once failed, every style raises at once, and nothing computes with fewer ranks."""
+    seen = {}
+    for style in ("sync", "async", "future", "barrier"):
+        t = torch.ones(8)
+        t0 = time.monotonic()
+        try:
+            _call(style, t)
+            seen[style] = ("returned", t[0].item())
+        except Exception as exc:  # noqa: BLE001
+            seen[style] = (type(exc).__name__, round(time.monotonic() - t0, 3))
+    work = dist.all_reduce(torch.ones(8), async_op=True)
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001
+        pass
+    seen["work_state"] = (work.is_completed(), work.is_success(), type(work.exception()).__name__)
+    return seen
+
+
+def _leave(report: dict) -> dict:
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    report["destroy_s"] = time.monotonic() - t0
+    return report
+
+
+# ---- plain dist.* calls -----------------------------------------------------------
+def plain(ctx, fault: str, style: str, victim: int) -> dict:
+    """``fault``: between (the victim exits before the call), during (dies while the ranks run
+    collectives back to back), absent (never calls), size / dtype / op (the victim calls a
+    different collective)."""
+    world = ctx.world_size
+    me = ctx.rank
+    if fault == "during":
+        if me == victim:
+            _die_soon(0.05)
+        return _leave(_until_failure(style, BIG, world, rounds=200))
+    x = torch.ones(1000)
+    op = dist.ReduceOp.SUM
+    if me == victim:
+        if fault == "between":
+            _die_now()
+        if fault == "absent":
+            return _stay_away(ctx)
+        if fault == "size":
+            x = torch.ones(1001)
+        if fault == "dtype":
+            x = torch.ones(1000, dtype=torch.float64)
+        if fault == "op":
+            op = dist.ReduceOp.MAX
+    report = _outcome(lambda: _call(style, x, op), lambda: bool((x == world).all()))
+    report["after"] = _afterwards()
+    return _leave(report)
+
+
+def _until_failure(style: str, n: int, world: int, rounds: int) -> dict:
+    """Collectives back to back until one raises; every one that returned must hold the right sum."""
+    x = torch.ones(n)
+    good = wrong = 0
+    report: dict = {"raised": None, "msg": "", "elapsed": 0.0}
+    for _ in range(rounds):
+        x.fill_(1)
+        report = _outcome(lambda: _call(style, x), lambda: bool((x == world).all()))  # noqa: B023
+        if report["raised"] is not None:
+            break
+        good += 1
+        wrong += style.startswith("barrier") is False and not report["correct"]
+    report.update(good=good, wrong=wrong, after=_afterwards())
+    return report
+
+
+def hammer(ctx, victim: int, calls: int) -> tuple[int, str]:
+    """The reported case: the victim exits; the others call all_reduce on 4 Mi ones ``calls`` times."""
+    if ctx.rank == victim:
+        os._exit(3)
+    t = torch.ones(4 << 20)
+    returned, first = 0, ""
+    for _ in range(calls):
+        try:
+            dist.all_reduce(t)
+            returned += 1
+        except Exception as exc:  # noqa: BLE001
+            first = first or f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group()
+    return returned, first
+
+
+def timed(ctx, how: str, victim: int, seconds: float) -> dict:
+    """Per-call timeouts: ``work.wait(timeout)`` or the options' timeout, with ``victim`` never calling."""
+    if ctx.rank == victim:
+        return _stay_away(ctx)
+    x = torch.ones(1000)
+    if how == "wait":
+        fn = lambda: dist.all_reduce(x, async_op=True).wait(timeout=timedelta(seconds=seconds))  # noqa: E731
+    else:
+        def fn() -> None:
+            opts = dist.AllreduceOptions()
+            opts.timeout = timedelta(seconds=seconds)
+            dist.distributed_c10d._get_default_group().allreduce([x], opts).wait()
+    report = _outcome(fn)
+    report["after"] = _afterwards()
+    return _leave(report)
+
+
+# ---- through training wrappers ----------------------------------------------------
+def _model(width: int = 1024) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8))
+
+
+def _step(model: nn.Module, width: int = 1024) -> None:
+    x = torch.randn(16, width)
+    loss = model(x).square().mean()
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
+    """A training step through torch DDP, FSDP2 or haiscale DDP while the victim dies or stays away."""
+    if who == "ddp":
+        model = nn.parallel.DistributedDataParallel(_model())
+    elif who == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = _model()
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif who == "haiscale":
+        from fireflyer.haiscale import DistributedDataParallel
+
+        model = DistributedDataParallel(_model())
+    else:
+        raise ValueError(who)
+    _step(model)  # one good step through the wrapper
+    if ctx.rank == victim:
+        if fault == "between":
+            _die_now()
+        if fault == "during":
+            _die_soon(0.05)
+        if fault == "absent":
+            return _stay_away(ctx)
+
+    def steps() -> None:
+        for _ in range(100 if fault == "during" else 3):
+            _step(model)
+
+    report = _outcome(steps)
+    report["after"] = _afterwards()
+    return _leave(report)
