@@ -91,6 +91,25 @@ def test_every_op_on_every_dtype_matches_gloo(report):
         assert got["failures"] == [], f"rank {rank}: {got['failures']}"
 
 
+def test_coalesced_forms_work_api_and_timeouts_keep_torchs_contract(report):
+    for rank, got in enumerate(report["contract"]):
+        checks = {k: v for k, v in got.items() if k != "refused"}
+        assert checks and all(v is True for v in checks.values()), (rank, checks)
+
+
+def test_what_hfreduce_does_not_implement_is_refused_by_name(report):
+    for rank, got in enumerate(report["contract"]):
+        refused = got["refused"]
+        for name in ("gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend",
+                     "batch_isend_irecv"):
+            msg = refused[name]
+            assert msg and msg.startswith("NotImplementedError") and "all_reduce" in msg, (rank, name, msg)
+        assert refused["gather"].startswith("NotImplementedError: hfreduce does not implement gather")
+        assert refused["premul_sum"].startswith("NotImplementedError") and "PRODUCT" in refused["premul_sum"]
+        # torch itself routes monitored_barrier to gloo only; the group's own method works (checked above)
+        assert refused["monitored_barrier_via_dist"].startswith("ValueError") and "GLOO" in refused["monitored_barrier_via_dist"]
+
+
 def test_ddp_over_hfreduce_matches_ddp_over_gloo(report):
     assert report["ddp_moved"] > 1e-3  # training changed the weights
     assert report["ddp_max_diff"] < 1e-6

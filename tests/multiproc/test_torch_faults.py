@@ -162,3 +162,58 @@ def test_the_reported_case_a_dead_peer_never_hands_back_an_unreduced_tensor(clus
     for r, (returned, first_error) in reports.items():
         assert returned == 0, (r, returned)  # not one call handed back a tensor
         assert first_error.startswith("PeerFailure") and re.search(r"\brank 3\b", first_error), (r, first_error)
+
+
+@pytest.mark.parametrize("absent,wait_all", [([2], False), ([1, 3], True)], ids=["first", "all"])
+def test_monitored_barrier_names_the_ranks_that_stayed_away_and_leaves_the_group_usable(clusters, absent, wait_all):
+    cluster = clusters("2x2")
+    name = f"cell{next(_names)}"
+    assert cluster.run(F.join, name, 30.0, timeout=60) == [4.0] * 4
+    for r in range(4):
+        cluster.submit(r, F.monitored, absent, wait_all, 1.0)
+    got = cluster.gather(timeout=60, expect=range(4))
+    which = "Rank 2" if not wait_all else "Ranks 1, 3"
+    for r, (status, rep) in got.items():
+        assert status == "ok", (r, rep)
+        assert rep["after"] == 4.0, (r, rep)  # the engine's group still works for everyone
+        if r in absent:
+            continue
+        assert rep["raised"] == "CollectiveTimeout", (r, rep)
+        assert f"{which} failed to pass monitoredBarrier in 1000 ms" in rep["msg"], (r, rep["msg"])
+
+
+def test_the_flight_recorder_dump_names_the_dead_rank_to_torchs_analyzer_and_to_ours(clusters, tmp_path, caplog):
+    """Rank 3 dies in the middle of back-to-back allreduces; the survivors' dumps say who everyone waited for."""
+    import json
+    import logging
+    import subprocess
+    import sys
+
+    from torch.distributed.flight_recorder import fr_trace
+
+    cluster = clusters("2x2")
+    name = f"cell{next(_names)}"
+    folder = tmp_path / "trace"
+    assert cluster.run(F.join, name, TIMEOUT, str(folder), timeout=60) == [4.0] * 4
+    for r in range(4):
+        cluster.submit(r, F.plain, "during", "async", 3)
+    got = cluster.gather(timeout=60, expect=[0, 1, 2])
+    cluster.respawn(3)
+    assert all(rep["raised"] for _, rep in got.values()), got
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("hfreduce_trace_rank_")) == [
+        "hfreduce_trace_rank_0", "hfreduce_trace_rank_1", "hfreduce_trace_rank_2"]
+
+    with pytest.raises(AssertionError, match=r"Missing dump files from ranks \{3\}"):
+        fr_trace.main([str(folder)])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="Flight Recorder"):
+        fr_trace.main([str(folder), "--allow-incomplete-ranks"])
+    assert "missed FR dumps from ranks ({3})" in caplog.text
+
+    done = subprocess.run([sys.executable, "-m", "fireflyer.cli", "hfreduce", "trace", str(folder), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    groups = json.loads(done.stdout)["groups"]
+    world = next(g for g in groups if g["dumped"] == [0, 1, 2])
+    assert world["missing"] == [3]
+    assert [s["rank"] for s in world["waited_for"]] == [3], world["waited_for"]

@@ -24,9 +24,12 @@ BIG = 4 << 20  # elements: a collective that runs long enough to die in the midd
 _CELL = {"name": ""}
 
 
-def join(ctx, cell: str, timeout: float) -> float:
+def join(ctx, cell: str, timeout: float, trace_dir: str | None = None) -> float:
     """Every rank: a new default group for this cell, and one good allreduce on it."""
     import fireflyer.hfreduce  # noqa: F401 - registers the backend
+
+    if trace_dir is not None:  # read when the group's flight recorder is made
+        os.environ["FIREFLYER_HFREDUCE_TRACE_DIR"] = trace_dir
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -180,6 +183,22 @@ def timed(ctx, how: str, victim: int, seconds: float) -> dict:
             dist.distributed_c10d._get_default_group().allreduce([x], opts).wait()
     report = _outcome(fn)
     report["after"] = _afterwards()
+    return _leave(report)
+
+
+def monitored(ctx, absent: list[int], wait_all: bool, seconds: float) -> dict:
+    """``monitored_barrier`` with ``absent`` ranks staying away; then the group still works for everyone."""
+    pg = dist.distributed_c10d._get_default_group()
+    if ctx.rank in absent:
+        ctx.store.wait([f"{_CELL['name']}/release"], timedelta(seconds=90))
+        report: dict = {"victim": True}
+    else:
+        report = _outcome(lambda: pg.monitored_barrier(timedelta(seconds=seconds), wait_all_ranks=wait_all))
+        if ctx.rank == 0:  # it has given up on them: let the absent ranks go on
+            ctx.store.set(f"{_CELL['name']}/release", "1")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    report["after"] = t[0].item()
     return _leave(report)
 
 

@@ -118,6 +118,9 @@ def main() -> None:
         report["subgroup_sum"] = z[0].item()
     gloo = dist.new_group(backend="gloo")
 
+    # The rest of torch's contract: coalesced forms, the Work API, per-call timeouts, what is refused.
+    report["contract"] = dist_gather_objects(api_contract(pg, gloo))
+
     # Every op on every dtype, against gloo on the same inputs.
     report["vs_gloo"] = dist_gather_objects(compare_with_gloo(pg, gloo))
 
@@ -245,6 +248,130 @@ def compare_with_gloo(pg, gloo, n: int = 20_011) -> dict:
 def dist_gather_objects(value):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
+    return out
+
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def api_contract(pg, gloo) -> dict:
+    """This rank's view of the collective contract: {check: True} where it holds, errors where refused."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(n, generator=g) for n in (5, 1000, 70_000)]
+
+    # all_reduce_coalesced == one all_reduce per tensor (on hfreduce, and on gloo)
+    mine = [x.clone() for x in xs]
+    dist.all_reduce_coalesced(mine, group=pg)
+    single = [x.clone() for x in xs]
+    for t in single:
+        dist.all_reduce(t, group=pg)
+    ref = [x.clone() for x in xs]
+    dist.all_reduce_coalesced(ref, group=gloo)
+    out["all_reduce_coalesced"] = _same(mine, single) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(mine, ref))
+
+    # all_gather_coalesced == one all_gather per tensor, and == gloo's
+    lists = [[torch.empty_like(x) for x in xs] for _ in range(world)]  # lists[r][i]: input i of rank r
+    dist.all_gather_coalesced(lists, xs, group=pg)
+    singles = [[torch.empty_like(x) for _ in range(world)] for x in xs]
+    for outs, x in zip(singles, xs):
+        dist.all_gather(outs, x, group=pg)
+    glo = [[torch.empty_like(x) for x in xs] for _ in range(world)]
+    dist.all_gather_coalesced(glo, xs, group=gloo)
+    by_input = [[lists[r][i] for r in range(world)] for i in range(len(xs))]
+    out["all_gather_coalesced"] = _same(by_input, singles) and _same(lists, glo)
+
+    # _coalescing_manager fast paths: all_reduce, all_gather_into_tensor, reduce_scatter_tensor; sync and async
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    for async_ops in (False, True):
+        tag = "async" if async_ops else "sync"
+        batch = [x.clone() for x in xs]
+        with _coalescing_manager(group=pg, async_ops=async_ops) as cm:
+            for t in batch:
+                dist.all_reduce(t, group=pg)
+        if async_ops:
+            cm.wait()
+        out[f"coalescing_all_reduce_{tag}"] = _same(batch, single)
+        gathered = [torch.empty(x.numel() * world) for x in xs]
+        with _coalescing_manager(group=pg, async_ops=async_ops) as cm:
+            for o, x in zip(gathered, xs):
+                dist.all_gather_into_tensor(o, x, group=pg)
+        if async_ops:
+            cm.wait()
+        out[f"coalescing_all_gather_{tag}"] = all(torch.equal(o, torch.cat(ls)) for o, ls in zip(gathered, singles))
+        big = [torch.randn(n * world, generator=torch.Generator().manual_seed(rank + 9)) for n in (5, 1000)]
+        scattered = [torch.empty(b.numel() // world) for b in big]
+        with _coalescing_manager(group=pg, async_ops=async_ops) as cm:
+            for o, b in zip(scattered, big):
+                dist.reduce_scatter_tensor(o, b, group=pg)
+        if async_ops:
+            cm.wait()
+        one_by_one = [torch.empty(b.numel() // world) for b in big]
+        for o, b in zip(one_by_one, big):
+            dist.reduce_scatter_tensor(o, b, group=pg)
+        out[f"coalescing_reduce_scatter_{tag}"] = _same(scattered, one_by_one)
+
+    # reduce_scatter with a list of inputs == reduce_scatter_tensor on their concatenation
+    parts = [torch.randn(7, generator=g) for _ in range(world)]
+    got = torch.empty(7)
+    dist.reduce_scatter(got, parts, group=pg)
+    want = torch.empty(7)
+    dist.reduce_scatter_tensor(want, torch.cat(parts), group=pg)
+    out["reduce_scatter_list"] = torch.equal(got, want)
+
+    # objects ride on all_gather and broadcast
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank}, group=pg)
+    sent = [f"from {world - 1}"] if rank == world - 1 else [None]
+    dist.broadcast_object_list(sent, src=world - 1, group=pg)
+    out["objects"] = objs == [{"rank": r} for r in range(world)] and sent == [f"from {world - 1}"]
+
+    # the Work API on success
+    t = torch.ones(100)
+    work = dist.all_reduce(t, async_op=True, group=pg)
+    waited = work.wait(timeout=timedelta(seconds=30))
+    fut = work.get_future().wait()
+    out["work_api"] = (waited is True and work.is_completed() and work.is_success() and work.exception() is None
+                       and torch.equal(work.result()[0], t) and torch.equal(fut[0], t) and t[0].item() == world)
+    opts = dist.AllreduceOptions()
+    opts.timeout = timedelta(seconds=30)
+    t = torch.ones(10)
+    pg.allreduce([t], opts).wait()
+    out["per_call_timeout"] = t[0].item() == world
+    pg.monitored_barrier(timedelta(seconds=30))
+    out["monitored_barrier"] = True
+
+    # what torch offers and hfreduce does not implement: NotImplementedError naming it, never a wrong answer
+    x = torch.ones(4)
+    refused = {
+        "gather": lambda: dist.gather(x, [torch.empty(4) for _ in range(world)] if rank == 0 else None, dst=0, group=pg),
+        "scatter": lambda: dist.scatter(x, [torch.ones(4) for _ in range(world)] if rank == 0 else None, src=0, group=pg),
+        "all_to_all": lambda: dist.all_to_all([torch.empty(4) for _ in range(world)], [x] * world, group=pg),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4 * world), torch.ones(4 * world), group=pg),
+        "send": lambda: dist.send(x, dst=(rank + 1) % world, group=pg),
+        "recv": lambda: dist.recv(x, src=(rank + 1) % world, group=pg),
+        "isend": lambda: dist.isend(x, dst=(rank + 1) % world, group=pg),
+        "batch_isend_irecv": lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world, pg)]),
+        "premul_sum": lambda: dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0), group=pg),
+        "monitored_barrier_via_dist": lambda: dist.monitored_barrier(group=pg),
+    }
+    errors = {}
+    for name, fn in refused.items():
+        try:
+            fn()
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - what the user sees is the result
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    out["refused"] = errors
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)  # a refusal never breaks the group
+    out["usable_after_refusals"] = t[0].item() == world
     return out
 
 

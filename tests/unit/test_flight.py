@@ -112,20 +112,6 @@ def test_concurrent_recording_and_dumping(tmp_path):
     assert info["recorded"] == 2000 and info["dropped"] == 2000 - 64 and info["last_completed_collective"] >= 1996
 
 
-def test_hot_path_is_cheap(tmp_path):
-    import time
-
-    fr = recorder(tmp_path)
-    n = 20_000
-    t0 = time.perf_counter()
-    for seq in range(n):
-        allreduce(fr, seq)
-        fr.started(seq)
-        fr.completed(seq)
-    per = (time.perf_counter() - t0) / n
-    assert per < 50e-6, f"{per * 1e6:.1f} µs per collective"  # about 2 µs here; loose for loaded CI
-
-
 def test_unknown_op_and_bad_arguments(tmp_path):
     fr = recorder(tmp_path)
     with pytest.raises(ValueError, match="allreduce"):

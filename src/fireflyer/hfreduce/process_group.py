@@ -175,13 +175,14 @@ class HFReduceProcessGroup(dist.ProcessGroup):
         return self._work([plan], output_tensors, opts, "all_gather", [inp], list(outs))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        if len(output_lists) != len(input_tensors):
-            raise ValueError(f"hfreduce all_gather_coalesced needs one output list per input tensor, "
-                             f"got {len(output_lists)} lists for {len(input_tensors)} inputs")
-        plans = [self._gather_into_list(list(outs), inp, "all_gather_coalesced")
-                 for outs, inp in zip(output_lists, input_tensors)]
+        """torch's layout: ``output_lists[r][i]`` receives input ``i`` of rank ``r``."""
+        if len(output_lists) != self.size() or any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise ValueError(f"hfreduce all_gather_coalesced needs {self.size()} output lists (one per rank) of "
+                             f"{len(input_tensors)} tensors (one per input)")
+        plans = [self._gather_into_list([outs[i] for outs in output_lists], inp, "all_gather_coalesced")
+                 for i, inp in enumerate(input_tensors)]
         flat_outs = [o for outs in output_lists for o in outs]
-        return self._work(plans, output_lists, opts, "all_gather_coalesced", list(input_tensors), flat_outs)
+        return self._work(plans, flat_outs, opts, "all_gather_coalesced", list(input_tensors), flat_outs)
 
     def all_gather_single(self, output, input, opts=None):
         plan = collectives.allgather(output, input, self.rank(), self.size())
