@@ -3,7 +3,7 @@
 What goes wrong: a peer killed between collectives, a peer killed during one, a rank
 that never arrives, and calls that disagree in size, dtype or op. How it is called:
 ``dist.all_reduce`` synchronously, ``async_op=True`` then ``wait()``, and
-``get_future().wait()``. Through whom: plain calls, torch DDP, FSDP2 ``fully_shard``,
+``get_future().wait()``, and functional collectives. Through whom: plain calls, torch DDP, FSDP2 ``fully_shard``,
 haiscale DDP and ``dist.barrier``. Layouts: 1 node x 4, 2 x 2, and 3 + 1.
 
 Every cell checks, on every survivor: the call raised (never returned a tensor), with
@@ -44,6 +44,9 @@ CELLS = [
     ("1x4", "plain", "size", "sync", 0), ("1x4", "plain", "dtype", "async", 3), ("1x4", "plain", "op", "future", 3),
     ("2x2", "plain", "size", "sync", 0), ("2x2", "plain", "dtype", "sync", 3), ("2x2", "plain", "op", "async", 3),
     ("3+1", "plain", "size", "sync", 3),
+    # functional collectives (what DTensor calls)
+    ("2x2", "plain", "between", "funcol", 1), ("1x4", "plain", "during", "funcol", 0),
+    ("3+1", "plain", "absent", "funcol", 3), ("2x2", "plain", "size", "funcol", 0),
     # dist.barrier
     ("1x4", "plain", "absent", "barrier", 1), ("2x2", "plain", "between", "barrier", 1),
     ("3+1", "plain", "during", "barrier-async", 3),

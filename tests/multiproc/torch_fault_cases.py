@@ -68,6 +68,10 @@ def _call(style: str, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         dist.barrier()
     elif style == "barrier-async":
         dist.barrier(async_op=True).wait()
+    elif style == "funcol":  # functional collectives (DTensor's path): C++ calls the Work's wait()
+        import torch.distributed._functional_collectives as funcol
+
+        tensor.copy_(funcol.all_reduce(tensor, "sum" if op == dist.ReduceOp.SUM else "max", dist.group.WORLD))
     else:
         raise ValueError(style)
 

@@ -61,11 +61,11 @@ from fireflyer.hfreduce.reduce import (
 )
 from fireflyer.hfreduce.topology import Layout, split, tree_links
 from fireflyer.hfreduce.transport import Link, Listener
-from fireflyer.hfreduce.trees import Trees
+from fireflyer.hfreduce.trees import SELF_GRACE, Trees
 
 _log = logging.getLogger("fireflyer.hfreduce")
 _SLICE = 0.05  # seconds between liveness checks while waiting
-_OUT_GRACE = 0.5  # seconds a wait on the tree stage's result outlasts the tree stage's own deadline
+_OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree stage's own deadline
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
 _SHARED = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
 _IN_PLACE = 1 << 62

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from fireflyer.hfreduce.engine import Job
 
 _SLICE = 0.05  # seconds between checks while the root waits for its own reduce-up
+SELF_GRACE = 0.5  # seconds a wait on this rank's own threads outlasts their waits on other ranks
 
 
 class Trees:
@@ -162,8 +163,11 @@ class Trees:
             with cond:
                 while not reached(self._root_ready[t], g + 1):
                     self._check()
-                    if time.monotonic() > job.tree_deadline:
-                        raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} in tree {t}")
+                    if time.monotonic() > job.tree_deadline + SELF_GRACE:  # its reduce-up gives up first
+                        behind = "; ".join(f"{', '.join(self.describe(r) for r in rs)} ({what})"
+                                           for rs, what in self.waited_on(job.seq))
+                        raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} in tree {t}"
+                                                + (f"; its reduce-up was waiting for {behind}" if behind else ""))
                     cond.wait(_SLICE)
         else:
             self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast", late=True)
