@@ -16,12 +16,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
+def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, tmp_name: str | None = None) -> None:
     """Write via a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the
-    directory: readers see the old file or the whole new one, never a torn one."""
+    directory: readers see the old file or the whole new one, never a torn one.
+
+    ``tmp_name`` names the temporary file (in the same folder) where ``path.tmp.PID`` would
+    be mistaken for a finished file by whoever scans the folder."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = os.path.join(d, tmp_name) if tmp_name else f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -47,7 +47,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
-from fireflyer.fsutil import fsync_dir
+from fireflyer.fsutil import atomic_write
 
 BUFFER_ENV = "FIREFLYER_HFREDUCE_TRACE_BUFFER"
 DIR_ENV = "FIREFLYER_HFREDUCE_TRACE_DIR"
@@ -450,17 +450,5 @@ class _RankFile:
 
     def _write(self, path: Path, data: bytes) -> None:
         # The temporary name holds neither the pickle prefix nor trailing digits (see JSON_SUFFIX).
-        tmp = path.parent / f".partial-{os.getpid()}-{threading.get_ident()}-{next(self._tmp)}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        fsync_dir(str(path.parent))
+        tmp = f".partial-{os.getpid()}-{threading.get_ident()}-{next(self._tmp)}.tmp"
+        atomic_write(str(path), lambda f: f.write(data), tmp_name=tmp)

@@ -266,43 +266,33 @@ class HFReduceProcessGroup(dist.ProcessGroup):
         if message:
             raise CollectiveTimeout(f"monitoredBarrier failed on rank 0: {message}")
 
-    # -- what torch offers that hfreduce does not implement ----------------------------
-    def gather(self, *args, **kwargs):
-        raise _unsupported("gather")
-
-    def scatter(self, *args, **kwargs):
-        raise _unsupported("scatter")
-
-    def alltoall(self, *args, **kwargs):
-        raise _unsupported("all_to_all")
-
-    def alltoall_base(self, *args, **kwargs):
-        raise _unsupported("all_to_all_single")
-
-    def all_to_all_single(self, *args, **kwargs):
-        raise _unsupported("all_to_all_single")
-
-    def send(self, *args, **kwargs):
-        raise _unsupported("send/isend")
-
-    def recv(self, *args, **kwargs):
-        raise _unsupported("recv/irecv")
-
-    def recv_anysource(self, *args, **kwargs):
-        raise _unsupported("recv from any source")
-
-    def _start_coalescing(self, *args, **kwargs):
-        raise _unsupported("_coalescing_manager with a device (and batch_isend_irecv)")
-
-    def _end_coalescing(self, *args, **kwargs):
-        raise _unsupported("_coalescing_manager with a device (and batch_isend_irecv)")
-
     # -- lifetime -----------------------------------------------------------------------
     def shutdown(self) -> None:
         self.comm.close()
 
     def abort(self) -> None:
         self.comm.close()
+
+
+#: ProcessGroup methods torch calls for what hfreduce does not implement, and the name users know them by.
+_REFUSED = {
+    "gather": "gather", "scatter": "scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
+    "all_to_all_single": "all_to_all_single", "send": "send/isend", "recv": "recv/irecv",
+    "recv_anysource": "recv from any source",
+    "_start_coalescing": "_coalescing_manager with a device (and batch_isend_irecv)",
+    "_end_coalescing": "_coalescing_manager with a device (and batch_isend_irecv)",
+}
+
+
+def _refuse(name: str):
+    def refused(self, *args, **kwargs):
+        raise _unsupported(name)
+
+    return refused
+
+
+for _method, _name in _REFUSED.items():
+    setattr(HFReduceProcessGroup, _method, _refuse(_name))
 
 
 def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
