@@ -130,6 +130,9 @@ def plain(ctx, fault: str, style: str, victim: int) -> dict:
             _die_now()
         if fault == "absent":
             return _stay_away(ctx)
+        if fault == "aborts":  # as a job's watchdog would: the group is torn down under the others
+            dist.distributed_c10d._get_default_group().abort()
+            return _leave({"victim": True})
         if fault == "size":
             x = torch.ones(1001)
         if fault == "dtype":
@@ -157,20 +160,39 @@ def _until_failure(style: str, n: int, world: int, rounds: int) -> dict:
     return report
 
 
-def hammer(ctx, victim: int, calls: int) -> tuple[int, str]:
-    """The reported case: the victim exits; the others call all_reduce on 4 Mi ones ``calls`` times."""
+def _frames(exc: BaseException | None, seen: set | None = None) -> int:
+    """Traceback frames of an exception and of everything chained to it."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return 0
+    seen.add(id(exc))
+    depth = 0
+    tb = exc.__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    return depth + _frames(exc.__cause__, seen) + _frames(exc.__context__, seen)
+
+
+def hammer(ctx, victim: int, calls: int) -> tuple[int, str, list[int]]:
+    """The reported case: the victim exits; the others call all_reduce on 4 Mi ones ``calls`` times.
+
+    Returns how many calls returned, the first error, and the traceback depth of the first and
+    the last error (a shared exception object raised again and again would grow it each time).
+    """
     if ctx.rank == victim:
         os._exit(3)
     t = torch.ones(4 << 20)
-    returned, first = 0, ""
-    for _ in range(calls):
+    returned, first, depths = 0, "", []
+    for i in range(calls):
         try:
             dist.all_reduce(t)
             returned += 1
         except Exception as exc:  # noqa: BLE001
             first = first or f"{type(exc).__name__}: {exc}"
+            if not depths or i == calls - 1:
+                depths.append(_frames(exc))
     dist.destroy_process_group()
-    return returned, first
+    return returned, first, depths
 
 
 def timed(ctx, how: str, victim: int, seconds: float) -> dict:

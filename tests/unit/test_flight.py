@@ -489,3 +489,23 @@ def test_trace_a_rank_stuck_on_itself(tmp_path, capsys):
         keep.append(fr)
     code, out, _ = trace(capsys, tmp_path)
     assert "=> everyone waited for rank 2: started it and waited on no one" in out
+
+
+def test_a_rank_with_no_dump_is_the_suspect_when_the_live_ranks_wait_on_each_other(tmp_path, capsys):
+    """What a real death looks like: the survivors' last waits are on each other's stages, not on the dead."""
+    keep = []
+    for r in range(3):  # rank 3 died and wrote nothing
+        fr = recorder(tmp_path, rank=r)
+        for seq in range(3):
+            allreduce(fr, seq)
+            fr.started(seq)
+            if seq < 2:
+                fr.completed(seq)
+        fr.waiting(2, [(r + 1) % 3], "'out' of chunk 4 of 8")
+        keep.append(fr)
+    for fr in keep:
+        fr.dump("PeerFailure: rank 3 died")
+    code, out, _ = trace(capsys, tmp_path, "--json")
+    assert code == 0
+    (group,) = json.loads(out)["groups"]
+    assert [s["rank"] for s in group["waited_for"]] == [3] and group["wait_cycle"] == []

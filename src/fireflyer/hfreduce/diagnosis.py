@@ -7,6 +7,7 @@ flight recorder), the recording of each collective, and the dump on failure.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
@@ -103,6 +104,13 @@ class Diagnosis:
         ))
 
     def _dump_flight(self, exc: HFReduceError) -> None:
+        """Write the flight recorder in the background: a slow disk must not delay the error's way to
+        the caller. A process that exits right away still waits (a bounded time) for the dump."""
+        th = threading.Thread(target=self._write_flight, args=(exc,), name=f"flight-dump-{self.rank}", daemon=True)
+        _pending_dumps[:] = [t for t in _pending_dumps if t.is_alive()] + [th]
+        th.start()
+
+    def _write_flight(self, exc: HFReduceError) -> None:
         try:
             path = self.flight.dump(f"{type(exc).__name__}: {exc}")
         except Exception as dump_error:  # noqa: BLE001 - diagnosis must never mask the failure
@@ -111,3 +119,14 @@ class Diagnosis:
         if path is not None:
             _log.warning("hfreduce %s failed; flight recorder dump: %s (read with: fireflyer hfreduce trace %s)",
                          self.describe(self.rank), path, path.parent)
+
+
+_pending_dumps: list[threading.Thread] = []
+_DUMP_WAIT = 10.0  # seconds an exiting process waits, at most, for its flight recorder dumps
+
+
+@atexit.register
+def _finish_dumps() -> None:
+    deadline = time.monotonic() + _DUMP_WAIT
+    for th in _pending_dumps:
+        th.join(max(0.0, deadline - time.monotonic()))

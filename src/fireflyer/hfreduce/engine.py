@@ -43,6 +43,7 @@ from fireflyer.hfreduce.errors import (
     PeerFailure,
     error_from_text,
     error_to_text,
+    fresh,
 )
 from fireflyer.hfreduce.flight import FlightRecorder
 from fireflyer.hfreduce.procs import pid_alive
@@ -245,7 +246,7 @@ class Communicator(Trees, Diagnosis):
             fut.set_exception(HFReduceError("hfreduce communicator is closed; create a new process group"))
             return fut
         if self._error is not None:
-            fut.set_exception(self._error)  # a failed group stays failed: never compute with fewer ranks
+            fut.set_exception(fresh(self._error))  # a failed group stays failed: never compute with fewer ranks
             return fut
         if plan.timeout is not None and not plan.timeout > 0:
             raise ValueError(f"a collective's timeout must be positive seconds, got {plan.timeout}")
@@ -316,6 +317,12 @@ class Communicator(Trees, Diagnosis):
         self._queue.put(None)
         self._worker.join(timeout=self.config.timeout)
         self._teardown()
+
+    def abort(self) -> None:
+        """Fail every collective in flight here and on every peer at once, then close (as NCCL's abort)."""
+        if not self._closed and self._error is None:
+            self._fail(PeerFailure(f"{self.describe(self.rank)} aborted the process group"))
+        self.close()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -395,7 +402,7 @@ class Communicator(Trees, Diagnosis):
     def _check(self) -> None:
         """Raise if this rank or its node has failed, or a local peer has died."""
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)
         arena = self._arena
         if arena is not None and arena.aborted():
             raise error_from_text(arena.abort_message(), HFReduceError)
@@ -404,6 +411,9 @@ class Communicator(Trees, Diagnosis):
             self._last_liveness = now
             for k, r in enumerate(self.members):
                 if r != self.rank and not pid_alive(self._pids[r]):
+                    running = self._running
+                    if running is not None:  # the flight recorder names the culprit, not a peer's symptom
+                        self.flight.waiting(running.seq, [r], f"rank {r} (pid {self._pids[r]}) died")
                     raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
 
     def _wait(self, stage: str, local_ranks, target: int, job: Job, what: str, *, late: bool = False) -> None:
@@ -469,7 +479,7 @@ class Communicator(Trees, Diagnosis):
         """Run one collective to completion and settle its future. Callers hold ``_exec_lock``."""
         try:
             if self._error is not None:
-                raise self._error
+                raise fresh(self._error)
             self._execute(job)
             for fn in job.plan.on_done:
                 fn()
@@ -477,7 +487,7 @@ class Communicator(Trees, Diagnosis):
             error = self._fail(exc)
             self._running = None
             self.flight.failed(job.seq, str(error))
-            job.future.set_exception(error)
+            job.future.set_exception(fresh(error))
         else:
             self._running = None
             self.flight.completed(job.seq)

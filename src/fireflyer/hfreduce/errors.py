@@ -43,3 +43,18 @@ def error_from_text(text: str, default: type[HFReduceError] = PeerFailure) -> HF
     if sep and name in _BY_NAME:
         return _BY_NAME[name](msg)
     return default(text)
+
+
+def fresh(error: BaseException) -> BaseException:
+    """A new exception of the same class and message.
+
+    A group's first error is handed to every later collective; raising one object again
+    and again would grow its traceback with every raise (and torch formats it whole each
+    time an error crosses its C++), so each caller gets its own copy.
+    """
+    try:
+        copy = type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - a class with an unusual constructor: hand out the original
+        return error
+    copy.__cause__ = error.__cause__
+    return copy

@@ -271,7 +271,7 @@ class HFReduceProcessGroup(dist.ProcessGroup):
         self.comm.close()
 
     def abort(self) -> None:
-        self.comm.close()
+        self.comm.abort()
 
 
 #: ProcessGroup methods torch calls for what hfreduce does not implement, and the name users know them by.

@@ -234,6 +234,11 @@ def _waited_for(rows: list[dict]) -> tuple[list[dict], list[int]]:
             reach.add(r)
             todo.extend(edges.get(r, []))
     ends = sorted(r for r in reach if r not in edges)
+    missing = [row["rank"] for row in rows if row["state"] == "no dump"]
+    if missing and not any(by_rank[r]["state"] == "no dump" for r in ends if r in by_rank):
+        # The live ranks' waits go round among themselves (each waits on a neighbour that is
+        # itself stuck) while some rank left no dump at all: that rank is the suspect.
+        return [_suspect(by_rank.get(r), r, sorted(waited_by.get(r, ()))) for r in missing], []
     cycle = [] if ends else sorted(reach)
     return [_suspect(by_rank.get(r), r, sorted(waited_by.get(r, ()))) for r in ends], cycle
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fireflyer.hfreduce.errors import HFReduceError
+from fireflyer.hfreduce.errors import HFReduceError, fresh
 
 if TYPE_CHECKING:
     from fireflyer.hfreduce.engine import Communicator
@@ -39,16 +39,6 @@ def seconds(timeout: Any) -> float | None:
     else:
         raise TypeError(f"a timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
     return value if value > 0 else None
-
-
-def fresh(error: BaseException) -> BaseException:
-    """A new exception of the same class and message, so raising it on many calls never chains tracebacks."""
-    try:
-        copy = type(error)(*error.args)
-    except Exception:  # noqa: BLE001 - a class with an unusual constructor: raise the original
-        return error
-    copy.__cause__ = error.__cause__
-    return copy
 
 
 class HFReduceWork(dist.Work):

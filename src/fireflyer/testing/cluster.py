@@ -58,6 +58,9 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a hung rank for its stacks
     comm = None
     try:
         store = dist.TCPStore("127.0.0.1", port, world, host_store and rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -171,6 +174,7 @@ class LocalCluster:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                self._dump_stacks(missing)
                 raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout:.0f}s")
             try:
                 rank, status, value = self._outbox.get(timeout=min(left, 0.5))
@@ -206,6 +210,7 @@ class LocalCluster:
         while want - set(got):
             left = deadline - time.monotonic()
             if left <= 0:
+                self._dump_stacks(sorted(want - set(got)))
                 raise TimeoutError(f"ranks {sorted(want - set(got))} did not answer within {timeout:.0f}s")
             try:
                 rank, status, value = self._outbox.get(timeout=min(left, 0.5))
@@ -213,6 +218,16 @@ class LocalCluster:
                 continue
             got[rank] = (status, value)
         return got
+
+    def _dump_stacks(self, ranks: Sequence[int]) -> None:
+        """Have hung ranks print every thread's stack to stderr (for the test's report)."""
+        for r in ranks:
+            if self.procs[r].is_alive():
+                try:
+                    os.kill(self.procs[r].pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(0.5)
 
     def kill(self, rank: int) -> None:
         os.kill(self.procs[rank].pid, signal.SIGKILL)
