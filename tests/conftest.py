@@ -1,0 +1,14 @@
+"""Suite-wide settings: flight recorder dumps from failing test collectives go to the session's tmp, not /tmp."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _flight_dumps_in_tmp(tmp_path_factory):
+    if "FIREFLYER_HFREDUCE_TRACE_DIR" not in os.environ:  # ranks (spawned or torchrun) inherit it
+        os.environ["FIREFLYER_HFREDUCE_TRACE_DIR"] = str(tmp_path_factory.mktemp("flight-dumps"))
+    yield
