@@ -15,3 +15,11 @@ class CorruptCheckpoint(CheckpointError):
 
 class NoCheckpoint(CheckpointError):
     """There is no committed, intact checkpoint to load."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """Loading a checkpoint would run code: an old pickled skeleton, or a class that is not allowlisted.
+
+    Not a :class:`CorruptCheckpoint`: ``load()`` does not fall back past it to an older
+    checkpoint, since the bytes are intact and the choice is the user's.
+    """

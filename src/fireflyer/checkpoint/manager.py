@@ -12,10 +12,17 @@ when one is damaged.
 Layout::
 
     ROOT/step_0000001200/rank00000.safetensors   this rank's tensors
-                         rank00000.json          their entries and the pickled skeleton's CRC
-                         rank00000.skeleton      the rest of the state (pickle)
-                         manifest.json           every rank's entries (rank 0, at commit)
+                         rank00000.json          their entries and the skeleton's CRC
+                         rank00000.skeleton.json the rest of the state, as data (JSON; checkpoint/codec.py)
+                         manifest.json           every rank's entries (rank 0, at commit; "format": 2)
                          COMMIT                  written last
+
+Loading never runs code from the checkpoint: the skeleton is JSON with tagged values,
+every file name read from the manifest must be a plain name inside the step directory,
+and the only pickle read is an allowlisted object's (``allowed_classes``, or
+:func:`fireflyer.checkpoint.allow`), through an unpickler that refuses every other
+class. Checkpoints of manifest format 1 (older fireflyer) hold a pickled skeleton and
+are refused unless ``allow_pickle=True``.
 
 Two kinds of state: ``replicated`` (data parallel: every rank holds the same state, so
 the ranks write disjoint shares of it, and any world size can load it) and
@@ -36,17 +43,21 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from fireflyer.checkpoint import remote, shard
-from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
+from fireflyer.checkpoint import allowlist, remote, shard
+from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, UnsafeCheckpoint
+from fireflyer.checkpoint.names import plain_name
 from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 COMMIT = "COMMIT"
 MANIFEST = "manifest.json"
+FORMAT = 2
+"""Manifest format: 2 has a JSON skeleton (``rankNNNNN.skeleton.json``); 1 (no ``format`` key) a pickled one."""
 KINDS = ("replicated", "per_rank")
 POLICIES = ("wait", "skip")
 SNAPSHOTS = ("overlap", "sync")
@@ -150,10 +161,18 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike, *, every: timedelta | int = timedelta(minutes=5), keep_last: int = 2,
                  kind: str = "replicated", policy: str = "wait", threads: int = 4, chunk_bytes: int = 64 << 20,
                  commit_timeout: float = 600.0, snapshot: str = "overlap", rank: int | None = None,
-                 world_size: int | None = None, backend: Any = None) -> None:
+                 world_size: int | None = None, backend: Any = None, allowed_classes: Iterable[type] = (),
+                 allow_pickle: bool = False) -> None:
+        """``allowed_classes``: classes this manager may save and load as (allowlisted) pickles, besides those
+        registered with :func:`fireflyer.checkpoint.allow`. ``allow_pickle``: load checkpoints of an older
+        fireflyer, whose skeleton is a pickle, through the allowlisting unpickler; only for checkpoints you
+        wrote yourself."""
         self.config = CheckpointConfig(every=every, keep_last=keep_last, kind=kind, policy=policy, threads=threads,
                                        chunk_bytes=chunk_bytes, commit_timeout=commit_timeout, snapshot=snapshot)
         self.root = os.fspath(root)
+        self.allowed_classes = tuple(allowed_classes)
+        allowlist.allowed(self.allowed_classes)  # a bad entry fails here, not at the first save
+        self.allow_pickle = bool(allow_pickle)
         # With a storage backend (a Backend or a URL such as s3://bucket/prefix), ``root`` is the local
         # staging directory and the backend holds the checkpoints (see checkpoint/remote.py).
         self.backend = None
@@ -217,7 +236,7 @@ class CheckpointManager:
             names = list(tensors)
             write_skeleton = True
         snapshot, deferred, events = self._snapshot({n: tensors[n] for n in names})
-        blob = dumps_skeleton(skeleton) if write_skeleton else None
+        blob = dumps_skeleton(skeleton, allowlist.allowed(self.allowed_classes)) if write_skeleton else None
         if deferred or events:
             self._copied.clear()
             self._guard_optimizers()
@@ -299,8 +318,9 @@ class CheckpointManager:
             part: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "kind": self.config.kind,
                                     "file": f"{me}.safetensors", "entries": {e.name: e.to_json() for e in entries}}
             if skeleton is not None:
-                _atomic_write(os.path.join(d, f"{me}.skeleton"), skeleton)
-                part["skeleton"] = {"file": f"{me}.skeleton", "crc32": zlib.crc32(skeleton), "bytes": len(skeleton)}
+                _atomic_write(os.path.join(d, f"{me}.skeleton.json"), skeleton)
+                part["skeleton"] = {"file": f"{me}.skeleton.json", "format": "json", "crc32": zlib.crc32(skeleton),
+                                    "bytes": len(skeleton)}
             _atomic_write(os.path.join(d, f"{me}.json"), json.dumps(part).encode())  # this rank's part is on disk
             if self.backend is not None:
                 files = [part["file"]] + ([part["skeleton"]["file"]] if "skeleton" in part else []) + [f"{me}.json"]
@@ -337,8 +357,8 @@ class CheckpointManager:
             if have != all_names:
                 raise CheckpointError(f"step {step}: the ranks' shares do not add up to the state "
                                       "(do all ranks save the same replicated state?)")
-        manifest = json.dumps({"step": step, "world_size": self.world_size, "kind": self.config.kind,
-                               "parts": parts}).encode()
+        manifest = json.dumps({"format": FORMAT, "step": step, "world_size": self.world_size,
+                               "kind": self.config.kind, "parts": parts}).encode()
         _atomic_write(os.path.join(d, MANIFEST), manifest)
         commit = {"step": step, "manifest_sha256": hashlib.sha256(manifest).hexdigest(), "time": time.time()}
         _atomic_write(os.path.join(d, COMMIT), json.dumps(commit).encode())
@@ -433,36 +453,63 @@ class CheckpointManager:
         if self.backend is not None and not os.path.exists(os.path.join(d, COMMIT)):
             remote.fetch_step(self.backend, os.path.basename(d), d)  # not staged here: download it first
         try:
-            with open(os.path.join(d, COMMIT)) as f:
-                commit = json.load(f)
-            with open(os.path.join(d, MANIFEST), "rb") as f:
-                raw = f.read()
-        except (OSError, ValueError) as exc:
+            commit = json.loads(_read(os.path.join(d, COMMIT)))
+            raw = _read(os.path.join(d, MANIFEST))
+        except (CorruptCheckpoint, ValueError) as exc:
             raise CorruptCheckpoint(f"step {step}: cannot read its commit marker or manifest ({exc})") from None
-        if hashlib.sha256(raw).hexdigest() != commit.get("manifest_sha256"):
+        if not isinstance(commit, dict) or hashlib.sha256(raw).hexdigest() != commit.get("manifest_sha256"):
             raise CorruptCheckpoint(f"step {step}: {MANIFEST} does not match its commit marker")
-        manifest = json.loads(raw)
-        parts = manifest["parts"]
-        if manifest["kind"] == "per_rank":
-            if manifest["world_size"] != self.world_size:
-                raise CheckpointError(f"step {step} was saved per rank by {manifest['world_size']} ranks and cannot "
-                                      f"be loaded by {self.world_size}; load it with the same world size")
-            parts = [p for p in parts if p["rank"] == self.rank]
-        tensors: dict[str, torch.Tensor] = {}
-        skeleton = None
-        for p in parts:
-            entries = [shard.Entry.from_json(n, e) for n, e in p["entries"].items()]
-            tensors.update(shard.read(os.path.join(d, p["file"]), entries))
-            if "skeleton" in p:
-                path = os.path.join(d, p["skeleton"]["file"])
-                try:
-                    with open(path, "rb") as f:
-                        blob = f.read()
-                except OSError as exc:
-                    raise CorruptCheckpoint(f"{path} is missing ({exc.strerror})") from None
-                if zlib.crc32(blob) != p["skeleton"]["crc32"]:
-                    raise CorruptCheckpoint(f"{path} fails its checksum")
-                skeleton = loads_skeleton(blob)
-        if skeleton is None:
-            raise CorruptCheckpoint(f"step {step} has no skeleton for rank {self.rank}")
-        return unflatten(skeleton, tensors)
+        try:
+            manifest = json.loads(raw)
+            version = manifest.get("format", 1)
+            if version not in (1, FORMAT):
+                raise CheckpointError(f"step {step} has manifest format {version!r}; this fireflyer reads formats "
+                                      f"1 and {FORMAT}: load it with the newer fireflyer that wrote it")
+            parts = manifest["parts"]
+            if manifest["kind"] == "per_rank":
+                if manifest["world_size"] != self.world_size:
+                    raise CheckpointError(f"step {step} was saved per rank by {manifest['world_size']} ranks and "
+                                          f"cannot be loaded by {self.world_size}; load it with the same world size")
+                parts = [p for p in parts if p["rank"] == self.rank]
+            tensors: dict[str, torch.Tensor] = {}
+            skeleton: Any = None
+            found = False
+            for i, p in enumerate(parts):
+                where = f"step {step}: {MANIFEST} part {i}"
+                file = plain_name(p["file"], f"{where} 'file'")
+                entries = [shard.Entry.from_json(n, e) for n, e in p["entries"].items()]
+                tensors.update(shard.read(os.path.join(d, file), entries))
+                if "skeleton" in p:
+                    skeleton = self._read_skeleton(d, p["skeleton"], version, f"{where} 'skeleton.file'")
+                    found = True
+            if not found:
+                raise CorruptCheckpoint(f"step {step} has no skeleton for rank {self.rank}")
+            return unflatten(skeleton, tensors)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpoint(f"step {step}: {MANIFEST} is malformed ({type(exc).__name__}: {exc})") from None
+
+    def _read_skeleton(self, d: str, meta: dict, version: int, field: str) -> Any:
+        path = os.path.join(d, plain_name(meta["file"], field))
+        blob = _read(path)
+        if zlib.crc32(blob) != meta["crc32"]:
+            raise CorruptCheckpoint(f"{path} fails its checksum")
+        allowed = allowlist.allowed(self.allowed_classes)
+        if version == FORMAT:
+            return loads_skeleton(blob, allowed, what=path)
+        if not self.allow_pickle:
+            raise UnsafeCheckpoint(
+                f"{path} was written by an older fireflyer (manifest format 1), whose skeleton is a pickle; "
+                "loading it would unpickle it, and a pickle can run any code. It was not loaded. If you wrote "
+                "this checkpoint yourself, load it with CheckpointManager(..., allow_pickle=True), which reads it "
+                "through an unpickler that refuses every class not allowlisted, and save it again")
+        return allowlist.loads(blob, allowed | allowlist.LEGACY, what=path)
+
+
+def _read(path: str) -> bytes:
+    """The bytes of ``path``, never through a symbolic link; CorruptCheckpoint if it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{path} is missing or unreadable ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()

@@ -1,7 +1,7 @@
 """Checkpoints through a storage backend (an object store, or any :class:`~fireflyer.storage.backends.Backend`).
 
 Each rank still writes its part to ``root`` first (node-local disk: the fast, parallel,
-verified path), then uploads it: the tensors and skeleton, then its part's JSON, which
+verified path), then uploads it: the tensors and skeleton (JSON), then its part's JSON, which
 marks the part complete. Rank 0 waits for every rank's JSON *on the backend*, then
 writes the manifest and, last, the ``COMMIT`` marker there. Loading a step that is not
 on local disk downloads it from the backend into ``root`` and loads it from there, so
@@ -17,6 +17,7 @@ import re
 import time
 
 from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint
+from fireflyer.checkpoint.names import plain_name
 from fireflyer.storage.backends import Backend
 from fireflyer.storage.errors import NotFound
 
@@ -57,10 +58,13 @@ def fetch_step(backend: Backend, step_name: str, local_dir: str) -> None:
     keys = backend.list(step_name + "/")
     if f"{step_name}/COMMIT" not in keys:
         raise CorruptCheckpoint(f"{step_name} has no COMMIT marker on {backend!r}")
+    # Every key must be step_name/<plain name>: a key such as step_x/../../.bashrc is refused before
+    # anything is written, so a download never lands outside local_dir.
+    names = {key: plain_name(key[len(step_name) + 1:], f"key {key!r} on {backend!r}") for key in keys}
     os.makedirs(local_dir, exist_ok=True)
     for key in sorted(keys, key=lambda k: k.endswith("/COMMIT")):
         try:
-            backend.download(key, os.path.join(local_dir, key.split("/", 1)[1]))
+            backend.download(key, os.path.join(local_dir, names[key]))
         except NotFound:
             raise CorruptCheckpoint(f"{key} disappeared from {backend!r} while loading") from None
 

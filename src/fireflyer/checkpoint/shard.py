@@ -11,6 +11,7 @@ with the ``safetensors`` library as well.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -48,7 +49,17 @@ class Entry:
 
     @classmethod
     def from_json(cls, name: str, d: dict) -> "Entry":
-        return cls(name, d["dtype"], tuple(d["shape"]), int(d["offset"]), int(d["nbytes"]), int(d["crc32"]))
+        """An entry as a manifest records it; CorruptCheckpoint if its fields do not describe a tensor."""
+        try:
+            e = cls(name, d["dtype"], tuple(d["shape"]), d["offset"], d["nbytes"], d["crc32"])
+            ints = [*e.shape, e.offset, e.nbytes, e.crc32]
+            ok = (isinstance(name, str) and e.dtype in _FROM_ST and all(type(n) is int and n >= 0 for n in ints)
+                  and math.prod(e.shape) * _FROM_ST[e.dtype].itemsize == e.nbytes)
+        except (KeyError, TypeError) as exc:
+            raise CorruptCheckpoint(f"tensor entry {name!r} is malformed ({type(exc).__name__}: {exc})") from None
+        if not ok:
+            raise CorruptCheckpoint(f"tensor entry {name!r} does not describe a tensor: {d!r}")
+        return e
 
 
 def st_dtype(dtype: torch.dtype) -> str:
@@ -121,23 +132,27 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def read(path: str, entries: list[Entry], *, verify: bool = True, threads: int = 4) -> dict[str, torch.Tensor]:
     """Read the tensors of ``entries`` from ``path`` in parallel; raise CorruptCheckpoint naming what is wrong."""
-    try:
-        size = os.path.getsize(path)
+    try:  # never through a symbolic link: a checkpoint's files are its own
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
-        raise CorruptCheckpoint(f"{path} is missing ({exc.strerror})") from None
+        raise CorruptCheckpoint(f"{path} is missing or unreadable ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        _check(path, entries, size)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpt-read") as pool:
+            tensors = list(pool.map(lambda e: _read_one(fd, path, e, verify), entries))
+    finally:
+        os.close(fd)
+    return {e.name: t for e, t in zip(entries, tensors)}
+
+
+def _check(path: str, entries: list[Entry], size: int) -> None:
     for e in entries:
         if e.dtype not in _FROM_ST:
             raise CorruptCheckpoint(f"{path}: tensor {e.name!r} has unknown dtype {e.dtype!r}")
         if e.offset + e.nbytes > size:
             raise CorruptCheckpoint(f"{path} is truncated: tensor {e.name!r} needs bytes up to "
                                     f"{e.offset + e.nbytes}, the file has {size}")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpt-read") as pool:
-            tensors = list(pool.map(lambda e: _read_one(fd, path, e, verify), entries))
-    finally:
-        os.close(fd)
-    return {e.name: t for e, t in zip(entries, tensors)}
 
 
 def _read_one(fd: int, path: str, e: Entry, verify: bool) -> torch.Tensor:

@@ -3,8 +3,9 @@
 ``state`` is any nest of dicts, lists and tuples: model and optimizer state dicts, an LR
 scheduler's, a GradScaler's, RNG states, a data-loader position, a user dict. Every
 tensor in it becomes a named entry (its path, e.g. ``model/blocks.0.fc.weight``); the
-rest of the structure, with a placeholder where each tensor was, is pickled as the
-skeleton. Objects with ``state_dict()`` (modules, optimizers, schedulers) are saved
+rest of the structure, with a placeholder where each tensor was, is the skeleton, which
+is saved as data (JSON with tagged values, :mod:`fireflyer.checkpoint.codec`), never as
+a pickle. Objects with ``state_dict()`` (modules, optimizers, schedulers) are saved
 through it, so the state can be passed as it is. A DTensor (an FSDP2 parameter or its
 optimizer state) is saved as this rank's local shard, so an FSDP model is saved with
 ``kind="per_rank"`` and loaded back with :func:`load_into`.
@@ -12,19 +13,16 @@ optimizer state) is saved as this rank's local shard, so an FSDP model is saved 
 
 from __future__ import annotations
 
-import pickle
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fireflyer.checkpoint import codec
+from fireflyer.checkpoint.codec import TensorRef
 
-@dataclass(frozen=True)
-class TensorRef:
-    """Where a tensor stood in the skeleton: its entry name."""
-
-    name: str
+__all__ = ["TensorRef", "dumps_skeleton", "flatten", "load_into", "loads_skeleton", "rng_state", "set_rng_state",
+           "unflatten"]
 
 
 def flatten(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -45,6 +43,8 @@ def flatten(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             return TensorRef(name)
         if hasattr(obj, "state_dict") and callable(obj.state_dict) and not isinstance(obj, type):
             return walk(obj.state_dict(), path)
+        if isinstance(obj, torch.Size):
+            return obj
         if isinstance(obj, dict):
             return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -64,7 +64,7 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, list):
             return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
+        if type(obj) is tuple:
             return tuple(walk(v) for v in obj)
         return obj
 
@@ -126,15 +126,14 @@ def _copy_tree(live: Any, saved: Any, path: str) -> None:
             _copy_tree(a, b, f"{path}/{i}")
 
 
-def dumps_skeleton(skeleton: Any) -> bytes:
-    try:
-        return pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise TypeError(f"the checkpoint state holds something that cannot be saved: {exc}") from None
+def dumps_skeleton(skeleton: Any, allow: frozenset[tuple[str, str]] = frozenset()) -> bytes:
+    """The skeleton as a JSON document; TypeError naming the key path of a value that is not data."""
+    return codec.dumps(skeleton, allow)
 
 
-def loads_skeleton(data: bytes) -> Any:
-    return pickle.loads(data)  # noqa: S301 - our own file, checksummed before this runs
+def loads_skeleton(data: bytes, allow: frozenset[tuple[str, str]] = frozenset(), *, what: str = "skeleton") -> Any:
+    """The skeleton from its JSON document; runs no code (a ``$pickle`` value only with its classes allowed)."""
+    return codec.loads(data, allow, what=what)
 
 
 def rng_state() -> dict[str, Any]:
