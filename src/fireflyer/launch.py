@@ -11,6 +11,7 @@ stderr included, is kept in ``log_dir/node{i}.log``. Nothing can hang: past ``ti
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -67,6 +68,9 @@ def run_local(job: LocalJob) -> Path:
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     threads = threads_per_rank(job.world_size)
+    # One secret for the whole job, in every rank's environment: hfreduce keys its links and
+    # arena with it, so it never has to sit in the rendezvous store.
+    secret = os.environ.get("FIREFLYER_JOB_SECRET") or job.env.get("FIREFLYER_JOB_SECRET") or secrets.token_hex(32)
     procs: list[subprocess.Popen] = []
     outputs = []
     try:
@@ -78,6 +82,7 @@ def run_local(job: LocalJob) -> Path:
                 PYTHONUNBUFFERED="1",
             )
             env.update(job.env)
+            env["FIREFLYER_JOB_SECRET"] = secret
             cmd = [
                 sys.executable, "-m", "torch.distributed.run",
                 f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",

@@ -351,3 +351,30 @@ def registered_allreduce(ctx, numel: int, dtype: torch.dtype, op: str, who: str,
         out.append(t.clone())
     comm.shared_release(buf)
     return out
+
+
+def keyed(ctx, odd_secret: bool):
+    """A fresh communicator where rank 1's launcher handed it another job secret; returns what each rank saw."""
+    import os
+
+    import torch.distributed as dist
+
+    from fireflyer.hfreduce import Communicator, HFReduceConfig
+
+    saved = os.environ.get("FIREFLYER_JOB_SECRET")
+    if odd_secret and ctx.rank == 1:
+        os.environ["FIREFLYER_JOB_SECRET"] = "another job's secret, 32 chars.."
+    try:
+        comm = Communicator(dist.PrefixStore(f"keyed-{odd_secret}", ctx.store), ctx.rank, ctx.world_size,
+                            config=HFReduceConfig.from_env())
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    finally:
+        if saved is not None:
+            os.environ["FIREFLYER_JOB_SECRET"] = saved
+    try:
+        x = torch.ones(8)
+        comm.allreduce(x).wait()
+        return "ok", x[0].item()
+    finally:
+        comm.close()

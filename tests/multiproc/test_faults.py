@@ -6,7 +6,8 @@ import os
 import re
 
 import pytest
-from hfr_cases import after_failure, allreduce_until_failure, arena_files, capture_refusals, intrude, mismatched, skip_collective
+from hfr_cases import (after_failure, allreduce_until_failure, arena_files, capture_refusals, intrude, keyed,
+                       mismatched, skip_collective)
 
 from fireflyer.testing.cluster import LocalCluster
 
@@ -102,3 +103,11 @@ def _cumsum(xs):
         total += x
         out.append(total)
     return out
+
+
+def test_ranks_launched_with_different_job_secrets_fail_at_once_by_name():
+    with LocalCluster([2, 2], env=ENV) as cluster:
+        assert cluster.run(keyed, False) == [("ok", 4.0)] * 4  # the launcher's one secret: no store secret needed
+        results = cluster.run(keyed, True, timeout=60)
+        for r, (kind, msg) in enumerate(results):
+            assert kind == "HFReduceError" and "different job secrets" in msg and "FIREFLYER_JOB_SECRET" in msg, (r, msg)

@@ -46,3 +46,45 @@ def test_a_closed_communicator_fails_fast():
     except Exception as exc:  # noqa: BLE001
         raised = exc
     assert raised is not None and "closed" in str(raised)
+
+
+# ---- the job's secret: from the launcher's environment, never from the store when it can be
+def _keys(store) -> dict[str, bool]:
+    return {k: store.check([k]) for k in ("hfreduce/0/secret", "hfreduce/0/salt")}
+
+
+def test_with_a_launcher_secret_the_store_never_holds_one(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("FIREFLYER_JOB_SECRET", "x" * 64)
+    store = dist.HashStore()
+    with caplog.at_level(logging.WARNING, logger="fireflyer.hfreduce"):
+        with Communicator(store, 0, 1, config=HFReduceConfig(timeout=10)) as comm:
+            x = torch.ones(4)
+            comm.allreduce(x).wait()
+    assert _keys(store) == {"hfreduce/0/secret": False, "hfreduce/0/salt": True}
+    assert "rendezvous store" not in caplog.text
+
+
+def test_without_one_the_store_carries_it_and_a_warning_says_so(monkeypatch, caplog):
+    import logging
+
+    from fireflyer.hfreduce import engine
+
+    monkeypatch.delenv("FIREFLYER_JOB_SECRET", raising=False)
+    monkeypatch.setattr(engine, "_warned_store_secret", False)
+    store = dist.HashStore()
+    with caplog.at_level(logging.WARNING, logger="fireflyer.hfreduce"):
+        with Communicator(store, 0, 1, config=HFReduceConfig(timeout=10)):
+            pass
+    assert _keys(store)["hfreduce/0/secret"]
+    (line,) = [r.getMessage() for r in caplog.records if "FIREFLYER_JOB_SECRET" in r.getMessage()]
+    assert "\n" not in line and "rendezvous store" in line
+
+
+def test_a_short_launcher_secret_is_refused(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("FIREFLYER_JOB_SECRET", "short")
+    with pytest.raises(ValueError, match="FIREFLYER_JOB_SECRET must be at least 16"):
+        Communicator(dist.HashStore(), 0, 1, config=HFReduceConfig(timeout=10))

@@ -74,3 +74,87 @@ def test_a_mismatched_shape_is_refused():
             Arena.from_fd(name, other, share)
     finally:
         arena.close()
+
+
+def test_idle_connections_cannot_hold_up_a_real_rank():
+    """Handshakes run concurrently: three connections that never answer do not delay the rank that does."""
+    import socket
+
+    name = _name()
+    arena, share = Arena.create_private(name, SHAPE)
+    server = fdshare.FdServer(name, share, SECRET, clients=1)
+    os.close(share)
+    idle = []
+    try:
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + name)
+            idle.append(s)
+        # each idle handshake holds on for 5 s; one at a time, the real rank would wait 15 s
+        fd = fdshare.fetch_fd(name, SECRET, time.monotonic() + 3.0)
+        os.close(fd)
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+        arena.close()
+
+
+def test_an_impostor_server_that_cannot_prove_the_secret_is_refused():
+    """A process that binds the arena's name first and hands out its own memory is not believed."""
+    import socket
+    import threading
+
+    name = _name()
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    impostor.bind("\0" + name)
+    impostor.listen(1)
+    fake = os.memfd_create("fake")
+
+    def serve() -> None:
+        conn, _ = impostor.accept()
+        with conn:
+            conn.sendall(os.urandom(32))
+            conn.recv(64)  # the client's proof and nonce: the impostor cannot answer the nonce
+            socket.send_fds(conn, [b"\0" * 32], [fake])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        with pytest.raises(HFReduceError, match="could not prove the job's secret"):
+            fdshare.fetch_fd(name, SECRET, time.monotonic() + 3)
+    finally:
+        th.join(5)
+        impostor.close()
+        os.close(fake)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_a_process_of_another_user_is_refused_by_its_credentials(caplog):
+    name = _name()
+    arena, share = Arena.create_private(name, SHAPE)
+    server = fdshare.FdServer(name, share, SECRET, clients=1)
+    os.close(share)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fireflyer.hfreduce"):
+            pid = os.fork()
+            if pid == 0:  # the child: another user who somehow knows the secret
+                code = 1
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    fdshare.fetch_fd(name, SECRET, time.monotonic() + 2)
+                except HFReduceError:
+                    code = 3
+                except BaseException:  # noqa: BLE001
+                    code = 2
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 3  # it knew the secret, and still got nothing
+        assert server.refused >= 1
+        assert any("uid 65534 is not this job's user" in r.getMessage() for r in caplog.records)
+        fd = fdshare.fetch_fd(name, SECRET, time.monotonic() + 5)  # the job's own rank still gets it
+        os.close(fd)
+    finally:
+        server.close()
+        arena.close()

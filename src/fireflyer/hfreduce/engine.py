@@ -20,6 +20,7 @@ failure is broadcast to every rank, which then raises it.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -167,17 +168,32 @@ class Communicator(Trees, Diagnosis):
         store, rank, cfg = self._store, self.rank, self.config
         deadline = time.monotonic() + cfg.timeout
         wait = timedelta(seconds=cfg.timeout)
+        job_secret = launcher_secret()
         if rank == 0:
-            store.set("secret", secrets.token_hex(32))
-        store.set(f"info/{rank}", json.dumps({"node": node, "pid": os.getpid()}))
-        keys = [f"info/{r}" for r in range(self.world_size)] + ["secret"]
-        try:
-            store.wait(keys, wait)
-        except Exception as exc:  # torch raises its own DistStoreError / RuntimeError flavours
-            missing = [k for k in keys if not store.check([k])]
-            raise CollectiveTimeout(f"hfreduce rendezvous timed out after {cfg.timeout:.0f}s; missing: {missing[:8]}") from exc
-        self._secret = bytes.fromhex(store.get("secret").decode())
+            # A public salt makes every communicator's key its own; the key itself comes from
+            # the launcher's environment, and only without one from the store.
+            store.set("salt", secrets.token_hex(16))
+            if job_secret is None:
+                store.set("secret", secrets.token_hex(32))
+        keys = ["salt"] + ([] if job_secret is not None else ["secret"])
+        self._wait_keys(keys, wait)
+        salt = store.get("salt")
+        if job_secret is not None:
+            self._secret = hmac.new(job_secret, b"hfreduce-group|" + salt, hashlib.sha256).digest()
+        else:
+            _warn_store_secret()
+            self._secret = bytes.fromhex(store.get("secret").decode())
+        # A fingerprint (a MAC of the salt, which tells nothing of the key) lets ranks whose
+        # launchers handed them different secrets fail at once, by name, not by a timeout.
+        fingerprint = hmac.new(self._secret, b"fingerprint|" + salt, hashlib.sha256).hexdigest()[:16]
+        store.set(f"info/{rank}", json.dumps({"node": node, "pid": os.getpid(), "key": fingerprint}))
+        self._wait_keys([f"info/{r}" for r in range(self.world_size)], wait)
         infos = [json.loads(store.get(f"info/{r}")) for r in range(self.world_size)]
+        strangers = [r for r, i in enumerate(infos) if i.get("key") != fingerprint]
+        if strangers:
+            raise HFReduceError(
+                f"hfreduce rank {rank} and ranks {strangers[:8]} hold different job secrets "
+                f"({SECRET_ENV} differs between their launchers, or is set for some ranks only)")
         self.layout = Layout.from_node_keys([i["node"] for i in infos])
         self._pids = [i["pid"] for i in infos]
         self.node = self.layout.node_of(rank)
@@ -189,6 +205,14 @@ class Communicator(Trees, Diagnosis):
         self._setup_arena(deadline)
         if self.num_nodes > 1:
             self._setup_links(deadline)
+
+    def _wait_keys(self, keys: list[str], wait: timedelta) -> None:
+        try:
+            self._store.wait(keys, wait)
+        except Exception as exc:  # torch raises its own DistStoreError / RuntimeError flavours
+            missing = [k for k in keys if not self._store.check([k])]
+            raise CollectiveTimeout(
+                f"hfreduce rendezvous timed out after {self.config.timeout:.0f}s; missing: {missing[:8]}") from exc
 
     def describe(self, rank: int) -> str:
         node = self.layout.node_of(rank)
@@ -772,6 +796,34 @@ class Communicator(Trees, Diagnosis):
             self._arena.unlink()  # harmless if already gone; covers a peer that never attached
             self._arena.close()
             self._arena = None
+
+
+SECRET_ENV = "FIREFLYER_JOB_SECRET"
+_warned_store_secret = False
+
+
+def launcher_secret() -> bytes | None:
+    """The job's secret from the launcher's environment (``FIREFLYER_JOB_SECRET``), or None."""
+    raw = os.environ.get(SECRET_ENV)
+    if raw is None or raw == "":
+        return None
+    if len(raw) < 16:
+        raise ValueError(f"{SECRET_ENV} must be at least 16 characters (a random token), got {len(raw)}")
+    return raw.encode()
+
+
+def new_job_secret() -> str:
+    """A fresh secret for a launcher to put in every rank's environment as ``FIREFLYER_JOB_SECRET``."""
+    return secrets.token_hex(32)
+
+
+def _warn_store_secret() -> None:
+    global _warned_store_secret
+    if not _warned_store_secret:
+        _warned_store_secret = True
+        _log.warning("hfreduce: %s is not set, so the job's secret goes through the rendezvous store, where any "
+                     "client of the store can read it; set it in every rank's environment (the platform and "
+                     "'fireflyer train' do)", SECRET_ENV)
 
 
 def _op(op: Op | str) -> Op:

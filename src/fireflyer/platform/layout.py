@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,33 @@ class AttemptDir:
     def flag(self, name: str) -> Path:
         """A control file: ``suspend``, ``stop``, ``received``, ``can_suspend``, ``whole_life_state``."""
         return self.control / name
+
+    secret_file = property(lambda self: self.root / "secret")
+
+    def job_secret(self) -> str:
+        """The attempt's job secret (FIREFLYER_JOB_SECRET for its ranks), made once, readable by its owner only.
+
+        Every node of an attempt reads the same file (the attempt folder is shared), so all
+        ranks key hfreduce's links alike and nothing secret goes through the rendezvous store.
+        """
+        try:
+            return self.secret_file.read_text().strip()
+        except FileNotFoundError:
+            pass
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".secret.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.secret_file)  # atomic, and never over another node's secret
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        return self.secret_file.read_text().strip()
 
     def create(self) -> None:
         for d in (self.control, self.logs, self.started):

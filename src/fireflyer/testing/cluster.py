@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import secrets
 import signal
 import time
 import traceback
@@ -106,6 +107,8 @@ class LocalCluster:
         self._inboxes = []
         self.procs = []
         self._env = dict(env or {})
+        # As a launcher does: one secret in every rank's environment, not in the store.
+        self._env.setdefault("FIREFLYER_JOB_SECRET", secrets.token_hex(32))
         self._places = []
         self._port = free_port()
         self.store = None
