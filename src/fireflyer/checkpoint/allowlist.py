@@ -96,7 +96,7 @@ def loads(data: bytes, allow: frozenset[tuple[str, str]], *, what: str = "checkp
 def _legacy() -> frozenset[tuple[str, str]]:
     import torch
 
-    names = {("fireflyer.checkpoint.state", "TensorRef"), ("collections", "OrderedDict"),
+    names = {("fireflyer.checkpoint.state", "TensorRef"), ("fireflyer.checkpoint.codec", "TensorRef"), ("collections", "OrderedDict"),
              ("torch", "Size"), ("torch", "device"), ("numpy", "dtype"), ("numpy", "ndarray")}
     names |= {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
     for core in ("numpy.core", "numpy._core"):
