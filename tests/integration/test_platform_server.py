@@ -279,6 +279,21 @@ def test_submit_with_a_request_id_is_idempotent(srv, tok):
     assert len(ids) == 1
 
 
+def test_a_request_id_is_its_users_own(srv, tok):
+    """bob's key never returns bob's task to alice (it did: name, user and command leaked)."""
+    bobs = submit(srv, tok["bob"], request_id="shared-key", name="bobs-secret-run")
+    hers = submit(srv, tok["alice"], request_id="shared-key", name="alices")
+    assert hers["id"] != bobs["id"] and hers["user"] == "alice" and hers["name"] == "alices"
+    assert submit(srv, tok["bob"], request_id="shared-key")["id"] == bobs["id"]
+
+
+def test_a_task_cannot_ask_for_more_ranks_than_a_node_has_slots(srv, tok):
+    """{"ranks_per_node": 1000000} was accepted, and the supervisor forked hundreds of processes."""
+    reply = call(srv, "POST", "/api/tasks", token=tok["alice"],
+                 body={"nodes": 1, "command": ["true"], "ranks_per_node": 1_000_000})
+    assert reply.status == 400 and "the slots of a node" in reply.json["detail"], reply.text
+
+
 @pytest.mark.parametrize("body", [
     {"nodes": 0, "command": ["true"]}, {"nodes": -1, "command": ["true"]}, {"nodes": 2**64, "command": ["true"]},
     {"nodes": 1}, {"command": ["true"]}, {"nodes": 1, "command": []}, {"nodes": 1, "command": [""]},

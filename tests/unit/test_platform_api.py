@@ -109,3 +109,63 @@ def test_follow_decodes_a_character_split_across_reads(home):
         while "✓" not in got:
             got += next(stream)
     assert got == "naïve ✓\n"
+
+
+# ---- limits a user cannot get past (issue 14) ---------------------------------------
+def test_ranks_per_node_is_bounded_by_a_nodes_slots(home):
+    h, _ = home
+    with PlatformApi(h, user="alice", admin=False) as api:
+        slots = api._config().slots()
+        for bad in (0, -1, slots + 1, 1_000_000, True, 2.0):
+            with pytest.raises(ApiError, match="ranks_per_node must be 1.."):
+                api.submit(nodes=1, command=["true"], ranks_per_node=bad, cwd="/tmp")
+        assert api.submit(nodes=1, command=["true"], ranks_per_node=slots, cwd="/tmp")["ranks_per_node"] == slots
+
+
+def test_a_platform_setting_sets_the_slots(tmp_path):
+    h = Home(tmp_path)
+    store = Store(h.db)
+    store.add_nodes(PlatformConfig(nodes=1).emulated_nodes())
+    store.close()
+    platform_config.save(h, PlatformConfig(nodes=1, slots_per_node=2))
+    with PlatformApi(h, user="alice", admin=False) as api:
+        api.submit(nodes=1, command=["true"], ranks_per_node=2, cwd="/tmp")
+        with pytest.raises(ApiError, match=r"1\.\.2"):
+            api.submit(nodes=1, command=["true"], ranks_per_node=3, cwd="/tmp")
+    with pytest.raises(ValueError, match="slots_per_node"):
+        PlatformConfig(ranks_per_node=4, slots_per_node=2)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("name", "x" * 201, "name must be a string of at most 200"),
+    ("name", "a\nb", "control characters"),
+    ("group", "", "group must be a string of 1 to 64"),
+    ("group", "g" * 65, "group must be a string of 1 to 64"),
+    ("request_id", "", "request_id must be a string of 1 to 128"),
+    ("request_id", "r" * 129, "request_id must be a string of 1 to 128"),
+    ("request_id", 7, "got int"),
+])
+def test_strings_are_bounded(home, field, value, needle):
+    h, _ = home
+    with PlatformApi(h, user="alice", admin=False) as api:
+        with pytest.raises(ApiError, match=needle):
+            api.submit(nodes=1, command=["true"], cwd="/tmp", **{field: value})
+
+
+def test_a_request_id_is_the_submitting_users_own(home):
+    """bob's idempotency key never hands alice bob's task, and claiming it first blocks nobody."""
+    h, _ = home
+    with PlatformApi(h, user="bob", admin=False) as bob, PlatformApi(h, user="alice", admin=False) as alice:
+        first = bob.submit(nodes=1, command=["true"], cwd="/tmp", request_id="nightly", name="bobs")
+        again = bob.submit(nodes=1, command=["true"], cwd="/tmp", request_id="nightly")
+        assert again["id"] == first["id"]  # still idempotent for its owner
+        hers = alice.submit(nodes=1, command=["true"], cwd="/tmp", request_id="nightly", name="alices")
+        assert hers["id"] != first["id"] and hers["user"] == "alice" and hers["name"] == "alices"
+
+
+def test_a_task_id_too_large_for_sqlite_is_a_clear_error(home):
+    h, _ = home
+    with PlatformApi(h) as api:
+        for call in (api.describe, api.stop):
+            with pytest.raises(ApiError, match="a task id is a number from 1 to"):
+                call(10**23)

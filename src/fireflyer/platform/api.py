@@ -104,6 +104,22 @@ def check_command(command: list[str], cwd: str) -> None:
         raise ApiError(f"command {exe!r} not found on PATH")
 
 
+MAX_TASK_ID = 2**62  # well inside SQLite's signed 64-bit integers
+MAX_NAME = 200
+MAX_GROUP = 64
+MAX_REQUEST_ID = 128
+
+
+def _bounded(field: str, value: object, least: int, most: int) -> None:
+    """A user's string: of the right type and length, with nothing SQLite or a log line would choke on."""
+    if not isinstance(value, str) or not least <= len(value) <= most:
+        size = f"{least} to {most}" if least else f"at most {most}"
+        got = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+        raise ApiError(f"{field} must be a string of {size} characters, got {got}")
+    if "\0" in value or any(ord(c) < 32 for c in value):
+        raise ApiError(f"{field} must not contain control characters")
+
+
 class PlatformApi:
     def __init__(self, home: Home, *, user: str | None = None, admin: bool = True) -> None:
         if not home.db.exists():
@@ -128,8 +144,8 @@ class PlatformApi:
 
     def _chain(self, task_id: int) -> TaskRow:
         """The latest attempt of the chain ``task_id`` names, if the caller may see it."""
-        if not isinstance(task_id, int) or task_id < 1:
-            raise ApiError(f"a task id is a positive number, got {task_id!r}")
+        if not isinstance(task_id, int) or not 1 <= task_id <= MAX_TASK_ID:
+            raise ApiError(f"a task id is a number from 1 to {MAX_TASK_ID}, got {task_id!r}")
         try:
             t = self.store.latest(task_id)
         except UnknownTask:
@@ -159,6 +175,14 @@ class PlatformApi:
             raise ApiError(f"the task asks for {nodes} nodes but the platform has {have}")
         if not command or not all(isinstance(c, str) and c for c in command):
             raise ApiError("a task needs a command: a list of non-empty strings")
+        rpn = self._config().ranks_per_node if ranks_per_node is None else ranks_per_node
+        slots = self._config().slots()
+        if not isinstance(rpn, int) or isinstance(rpn, bool) or not 1 <= rpn <= slots:
+            raise ApiError(f"ranks_per_node must be 1..{slots} (the slots of a node), got {rpn!r}")
+        _bounded("name", name, 0, MAX_NAME)
+        _bounded("group", group, 1, MAX_GROUP)
+        if request_id is not None:
+            _bounded("request_id", request_id, 1, MAX_REQUEST_ID)
         cwd = cwd or os.getcwd()
         if not os.path.isdir(cwd):
             raise ApiError(f"working directory {cwd!r} does not exist")
@@ -169,7 +193,7 @@ class PlatformApi:
         try:
             task_id = self.store.submit(user=owner, nodes=nodes, command=list(command), priority=prio, group=group,
                                         name=name, request_id=request_id,
-                                        ranks_per_node=ranks_per_node or self._config().ranks_per_node,
+                                        ranks_per_node=rpn,
                                         cwd=cwd, env=dict(env or {}))
         except ValueError as exc:
             raise ApiError(str(exc)) from None

@@ -58,8 +58,8 @@ def _task_id(text: str) -> int:
         value = int(text)
     except ValueError:
         raise UserError(f"a task id is a number, got {text!r}") from None
-    if value < 1:
-        raise UserError(f"a task id is a positive number, got {text!r}")
+    if not 1 <= value <= 2**62:
+        raise UserError(f"a task id is a number from 1 to {2**62}, got {text!r}")
     return value
 
 

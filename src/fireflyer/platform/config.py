@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -23,6 +24,9 @@ class PlatformConfig:
     """Zones the emulated nodes are split into, in order (node0.. in zone0, ...)."""
     ranks_per_node: int = 1
     """Ranks a task starts per node unless it asks otherwise (GPUs per node on a real cluster)."""
+    slots_per_node: int | None = None
+    """The most ranks a task may start on one node; default: this machine's CPU count (the cores
+    one emulated node may use), so no task can start a flood of processes."""
     tick: float = 1.0
     """Seconds between scheduling cycles (HAI: 1 s)."""
     max_restarts: int = 3
@@ -41,6 +45,9 @@ class PlatformConfig:
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
+        if self.slots_per_node is not None and (not isinstance(self.slots_per_node, int)
+                                                or not self.ranks_per_node <= self.slots_per_node <= 100_000):
+            raise ValueError(f"slots_per_node must be an integer from ranks_per_node to 100000, got {self.slots_per_node!r}")
         for name in ("nodes", "zones", "ranks_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -52,6 +59,10 @@ class PlatformConfig:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
         self.policy()  # checks its own fields
+
+    def slots(self) -> int:
+        """The most ranks per node a task may ask for."""
+        return self.slots_per_node or max(os.cpu_count() or 1, self.ranks_per_node)
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone,

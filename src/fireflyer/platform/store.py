@@ -197,14 +197,17 @@ class Store:
         if ranks_per_node < 1:
             raise ValueError(f"a task needs at least one rank per node, got {ranks_per_node}")
         now = time.time() if now is None else now
+        # Idempotency keys are the submitting user's own: another user's key never finds (or
+        # blocks) this user's task. The column is unique, so the key is stored under its user.
+        key = None if request_id is None else f"{user}\x1f{request_id}"
         with self._tx() as db:
-            if request_id is not None:
-                row = db.execute("SELECT id FROM tasks WHERE request_id=?", (request_id,)).fetchone()
+            if key is not None:
+                row = db.execute("SELECT id FROM tasks WHERE request_id=?", (key,)).fetchone()
                 if row:
                     return int(row[0])
             cur = db.execute("INSERT INTO tasks(name, user, grp, priority, nodes, command, state, submitted_at, "
                              "request_id, ranks_per_node, cwd, env) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                             (name, user, group, int(priority), nodes, json.dumps(command), QUEUED, now, request_id,
+                             (name, user, group, int(priority), nodes, json.dumps(command), QUEUED, now, key,
                               ranks_per_node, cwd, json.dumps(env or {})))
             task_id = int(cur.lastrowid)
             db.execute("UPDATE tasks SET chain_first_id=?, name=? WHERE id=?", (task_id, name or f"task{task_id}",
