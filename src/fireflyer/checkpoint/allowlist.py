@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from fireflyer.checkpoint.errors import UnsafeCheckpoint
+from fireflyer.checkpoint.errors import CorruptCheckpoint, UnsafeCheckpoint
 
 _lock = threading.Lock()
 _registered: set[tuple[str, str]] = set()
@@ -88,16 +88,14 @@ def loads(data: bytes, allow: frozenset[tuple[str, str]], *, what: str = "checkp
     except UnsafeCheckpoint:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of a damaged pickle is the same answer
-        from fireflyer.checkpoint.errors import CorruptCheckpoint
-
         raise CorruptCheckpoint(f"{what} is not a readable pickle ({type(exc).__name__}: {exc})") from None
 
 
 def _legacy() -> frozenset[tuple[str, str]]:
     import torch
 
-    names = {("fireflyer.checkpoint.state", "TensorRef"), ("fireflyer.checkpoint.codec", "TensorRef"), ("collections", "OrderedDict"),
-             ("torch", "Size"), ("torch", "device"), ("numpy", "dtype"), ("numpy", "ndarray")}
+    names = {("fireflyer.checkpoint.state", "TensorRef"), ("fireflyer.checkpoint.codec", "TensorRef"),
+             ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("numpy", "dtype"), ("numpy", "ndarray")}
     names |= {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
     for core in ("numpy.core", "numpy._core"):
         names |= {(f"{core}.multiarray", "_reconstruct"), (f"{core}.multiarray", "scalar"),
