@@ -26,6 +26,20 @@ class Unauthorized(ApiError):
     status = 401
 
 
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only within the server's origin: the bearer token never goes to another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
+            raise ApiError(f"the platform server redirected to another origin ({new.scheme}://{new.netloc}); "
+                           "not sending the token there: point --server / FIREFLYER_SERVER at the final address")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+
+
 class RemoteApi:
     def __init__(self, url: str, token: str | None, *, timeout: float = TIMEOUT_S) -> None:
         parsed = urllib.parse.urlparse(url)
@@ -56,7 +70,7 @@ class RemoteApi:
             "Authorization": f"Bearer {self.token}", "Accept": accept,
             **({"Content-Type": "application/json"} if data is not None else {})})
         try:
-            return urllib.request.urlopen(req, timeout=timeout or self.timeout)
+            return _OPENER.open(req, timeout=timeout or self.timeout)
         except urllib.error.HTTPError as exc:
             detail = _detail(exc)
             raise (Unauthorized if exc.code == 401 else _BY_STATUS.get(exc.code, ApiError))(

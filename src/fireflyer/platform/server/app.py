@@ -18,6 +18,8 @@ import json
 import logging
 import math
 import threading
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -48,6 +50,10 @@ STREAM_LIMIT_S = 3600.0
 """The longest one log stream runs; a client that wants more reconnects."""
 STREAMS_PER_USER = 16
 """Log streams one user may have open at once (each holds a thread while it runs)."""
+MAX_BODY = 1 << 20
+"""Bytes a request body may have (a submit with a long command and environment is a few KB)."""
+RESERVATION_S = 10.0
+"""Seconds an admitted stream holds its place before it starts (a client that left at once frees it then)."""
 
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
@@ -79,15 +85,22 @@ SSE_EVENT = {
 
 
 def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_limit: float = STREAM_LIMIT_S,
-               streams_per_user: int = STREAMS_PER_USER, poll: float = 0.2) -> FastAPI:
-    """The API over the platform in ``home`` (its database must exist: ``fireflyer platform start``)."""
+               streams_per_user: int = STREAMS_PER_USER, poll: float = 0.2, docs: bool = False,
+               max_body: int = MAX_BODY) -> FastAPI:
+    """The API over the platform in ``home`` (its database must exist: ``fireflyer platform start``).
+
+    ``docs`` serves Swagger UI at ``/docs``; it loads its scripts from a CDN, on the dashboard's
+    origin, so it is off unless asked for (``/openapi.json`` is always served)."""
     limiter = failed_logins or FailedLogins()
     if home.db.exists():
         Users(home.db).close()  # the users table, made once here; requests only read it
     followers: dict[str, set[threading.Thread]] = {}  # each user's open log streams, by their threads
+    reserved: dict[str, dict[object, float]] = {}  # each user's streams admitted but not started yet
     bearer = HTTPBearer(auto_error=False, description="a token from 'fireflyer platform user add NAME'")
     app = FastAPI(title="fireflyer platform", version="1",
-                  description="HAI-style time-shared scheduling: tasks, nodes and the cluster, per user.")
+                  description="HAI-style time-shared scheduling: tasks, nodes and the cluster, per user.",
+                  docs_url="/docs" if docs else None, redoc_url=None,
+                  swagger_ui_oauth2_redirect_url="/docs/oauth2-redirect" if docs else None)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
@@ -118,6 +131,7 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
         return JSONResponse({"detail": "internal error; the server's log has the traceback"}, status_code=500)
 
     app.add_middleware(_SecurityHeaders, docs=(app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url))
+    app.add_middleware(_BodyLimit, max_body=max_body)
 
     # ------------------------------------------------------------------ who is asking
     def caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> User:
@@ -216,13 +230,27 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
                 p.log_path(task_id, rank=rank)
 
         await run_in_threadpool(check)
+        # Count and reserve in one step of the event loop (no await in between), so concurrent
+        # requests cannot all pass the count before any of their streams has started.
         mine = followers.setdefault(user.name, set())
-        if len(mine) >= streams_per_user:
-            raise HTTPException(429, f"{user.name} has {len(mine)} log streams open already; close one first",
-                                headers={"Retry-After": "5"})
+        pending = reserved.setdefault(user.name, {})
+        now = time.monotonic()
+        for old in [t for t, at in pending.items() if now - at > RESERVATION_S]:
+            del pending[old]  # a response that never started streaming (its client left at once)
+        if len(mine) + len(pending) >= streams_per_user:
+            raise HTTPException(429, f"{user.name} has {len(mine) + len(pending)} log streams open already; "
+                                     "close one first", headers={"Retry-After": "5"})
+        ticket = object()
+        pending[ticket] = now
         events = log_events(lambda: _open(home, user), task_id, rank=rank, limit=stream_limit, poll=poll,
                             followers=mine)
-        return StreamingResponse(events, media_type="text/event-stream",
+
+        async def counted() -> AsyncIterator[str]:
+            pending.pop(ticket, None)  # from here the stream's thread counts (log_events adds it at once)
+            async for chunk in events:
+                yield chunk
+
+        return StreamingResponse(counted(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _request(action: str) -> Any:
@@ -296,6 +324,48 @@ class _SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+class _BodyLimit:
+    """Refuses a request body over ``max_body`` bytes with 413, whether it says its length or streams it."""
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            return await self._refuse(send)
+        messages: list[Message] = []
+        size = 0
+        while True:  # a submit is small: read it whole, counting, then hand it on
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body:
+                return await self._refuse(send)
+            if not message.get("more_body", False):
+                break
+        replay = iter(messages)
+
+        async def replayed() -> Message:
+            try:
+                return next(replay)
+            except StopIteration:
+                return await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps({"detail": f"request body over {self.max_body} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class _Dashboard(Mount):

@@ -10,6 +10,7 @@ import errno
 import ipaddress
 import json
 import logging
+import re
 import socket
 import sys
 from datetime import datetime
@@ -133,6 +134,8 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this "
                                                         "machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--docs", action="store_true",
+                   help="serve Swagger UI at /docs (it loads its scripts from a CDN, on the dashboard's origin)")
     p.add_argument("--max-stream", type=float, default=3600.0, metavar="S",
                    help="seconds one log stream may run before the client must reconnect (default 3600)")
     _home_arg(p)
@@ -157,8 +160,8 @@ def _serve(argv: list[str]) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"fireflyer platform server for {home.root} on http://{shown}:{port} (dashboard at /, API docs at /docs)",
-          flush=True)
+    served = "dashboard at /, API docs at /docs" if args.docs else "dashboard at /"
+    print(f"fireflyer platform server for {home.root} on http://{shown}:{port} ({served})", flush=True)
     if not active:
         print("warning: no users yet, so every API call is refused: add one with "
               f"'fireflyer platform user add NAME --admin{'' if args.home is None else f' --home {args.home}'}' "
@@ -169,7 +172,8 @@ def _serve(argv: list[str]) -> int:
     if not _loopback(host):
         print(f"warning: listening on {host}, beyond this machine: tokens cross the network in clear text unless "
               "a TLS proxy sits in front", file=sys.stderr, flush=True)
-    app = create_app(home, stream_limit=args.max_stream)
+    app = create_app(home, stream_limit=args.max_stream, docs=args.docs)
+    logging.getLogger("uvicorn.access").addFilter(RedactTokens())
     # proxy_headers off: the client address (which failed logins are counted by) is the real peer, never
     # a header a client could forge. A short graceful shutdown, so open log streams cannot hold it up.
     config = uvicorn.Config(app, log_level="info", access_log=True, proxy_headers=False, server_header=False,
@@ -185,6 +189,25 @@ def _serve(argv: list[str]) -> int:
     finally:
         sock.close()
     return 0
+
+
+class RedactTokens(logging.Filter):
+    """Keeps tokens out of the access log: a client that puts one in the query string (refused, but
+    logged before it is refused) leaves ``token=<redacted>``."""
+
+    _QUERY = re.compile(r"((?:^|[?&;])(?:access_)?token=)[^&;\s\"]*", re.IGNORECASE)
+    _BEARER = re.compile(r"\b(ff_)[A-Za-z0-9_\-]{8,}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.redact(a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = self.redact(record.msg)
+        return True
+
+    @classmethod
+    def redact(cls, text: str) -> str:
+        return cls._BEARER.sub(r"\1<redacted>", cls._QUERY.sub(r"\1<redacted>", text))
 
 
 COMMANDS = {"serve": _serve, "user": _user}
