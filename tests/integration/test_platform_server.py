@@ -186,6 +186,37 @@ def tok(env) -> dict[str, str]:
     return env[2]
 
 
+def grant(home: Home, user: str, group: str, priority: str, nodes: int) -> None:
+    """What an admin does with 'fireflyer platform quota USER GROUP PRIORITY NODES'."""
+    from fireflyer.platform.policy import Priority
+
+    store = Store(home.db)
+    try:
+        store.set_quota(user, group, Priority.parse(priority), nodes)
+    finally:
+        store.close()
+
+
+def test_top_priority_and_other_groups_are_not_for_the_taking(env, srv, tok):
+    """'EXTREME_HIGH' in any group was accepted: with no quota there was no limit, and groups were never checked."""
+    home = env[0]
+    body = {"nodes": 1, "command": ["true"]}
+    high = call(srv, "POST", "/api/tasks", token=tok["bob"], body={**body, "priority": "EXTREME_HIGH"})
+    assert high.status == 403 and "needs a quota that grants it" in high.json["detail"]
+    other = call(srv, "POST", "/api/tasks", token=tok["bob"], body={**body, "group": "research"})
+    assert other.status == 403 and "not in group 'research'" in other.json["detail"]
+    store = Store(home.db)
+    try:
+        store.set_member("bob", "research")
+    finally:
+        store.close()
+    assert submit(srv, tok["bob"], group="research")["group"] == "research"
+    grant(home, "bob", "research", "VERY_HIGH", 1)
+    assert submit(srv, tok["bob"], group="research", priority="VERY_HIGH")["priority"] == "VERY_HIGH"
+    assert submit(srv, tok["bob"], priority="NORMAL")["priority"] == "NORMAL"  # NORMAL and below need nothing
+    assert submit(srv, tok["root"], group="anything", priority="EXTREME_HIGH")["priority"] == "EXTREME_HIGH"  # admin
+
+
 def submit(srv: Server, token: str, **fields: Any) -> dict:
     return ok(call(srv, "POST", "/api/tasks", token=token, body={"nodes": 1, "command": ["true"], **fields}), 201)
 
@@ -264,7 +295,8 @@ def test_revoking_and_rotating_take_effect_on_a_running_server(home, srv):
 
 
 # ---------------------------------------------------------------------- tasks
-def test_submit_runs_as_the_caller(srv, tok):
+def test_submit_runs_as_the_caller(env, srv, tok):
+    grant(env[0], "alice", "default", "HIGH", 2)
     task = submit(srv, tok["alice"], name="mine", priority="HIGH", env={"A": "1"}, ranks_per_node=2)
     assert (task["user"], task["name"], task["priority"], task["state"], task["ranks_per_node"]) == \
         ("alice", "mine", "HIGH", "queued", 2)

@@ -105,6 +105,9 @@ def test_status_without_a_daemon(home, capsys):
     (["submit", "-n", "1", "-g", "", "--", "true"], "group must be a string of 1 to 64"),
     (["submit", "-n", "1", "--request-id", "", "--", "true"], "request_id must be a string of 1 to 128"),
     (["submit", "-n", "1", "--name", "x" * 100_000, "--", "true"], "name must be a string of at most 200"),
+    (["platform", "group", "vision", "invite", "alice"], "GROUP add|remove USER"),
+    (["platform", "group", "default", "add", "alice"], "everyone is in group 'default'"),
+    (["platform", "group", "", "add", "alice"], "a group name is 1 to 64"),
     (["drain", "node9"], "unknown node 'node9'"),
     (["platform", "quota", "alice", "default", "HIGH"], "USER GROUP PRIORITY NODES"),
     (["platform", "quota", "alice", "default", "HIGH", "-1"], "non-negative"),
@@ -131,3 +134,10 @@ def test_no_platform_here(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FIREFLYER_PLATFORM_HOME", str(tmp_path / "none"))
     code, _, err = run(capsys, "queue")
     assert code == 2 and "no platform in" in err and "fireflyer platform start" in err
+
+
+def test_groups_are_kept_by_an_admin(home, capsys):
+    code, out, _ = run(capsys, "platform", "group", "vision", "add", "alice", "bob")
+    assert code == 0 and "vision" in out and "alice bob" in out
+    code, out, _ = run(capsys, "platform", "group", "vision", "remove", "bob", "--json")
+    assert code == 0 and json.loads(out) == [{"group": "vision", "users": ["alice"]}]

@@ -183,6 +183,8 @@ class PlatformApi:
         _bounded("group", group, 1, MAX_GROUP)
         if request_id is not None:
             _bounded("request_id", request_id, 1, MAX_REQUEST_ID)
+        if not self.admin:
+            self._check_entitled(owner, group, prio)
         cwd = cwd or os.getcwd()
         if not os.path.isdir(cwd):
             raise ApiError(f"working directory {cwd!r} does not exist")
@@ -198,6 +200,18 @@ class PlatformApi:
         except ValueError as exc:
             raise ApiError(str(exc)) from None
         return task_json(self.store.task(task_id))
+
+    def _check_entitled(self, user: str, group: str, priority: Priority) -> None:
+        """A non-admin submits only in their groups, and above NORMAL only where a quota grants it."""
+        if not isinstance(group, str) or not self.store.is_member(user, group):
+            raise Forbidden(f"{user} is not in group {group!r}: an admin adds them with "
+                            f"'fireflyer platform group {group} add {user}'")
+        if priority > Priority.NORMAL:
+            quotas = self.store.quotas()
+            granted = max((quotas.get((who, group, priority), 0) for who in (user, "public")), default=0)
+            if granted < 1:
+                raise Forbidden(f"priority {priority.name} in group {group!r} needs a quota that grants it: an admin "
+                                f"sets one with 'fireflyer platform quota {user} {group} {priority.name} NODES'")
 
     def tasks(self, *, all: bool = False, user: str | None = None, state: str | None = None,
               priority: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def _platform(argv: list[str]) -> int:
         return server_main(argv)
     p = ArgumentParser(prog="fireflyer platform", description="Run the platform's scheduler daemon, its HTTP server "
                        "('fireflyer platform serve --help') and its users ('fireflyer platform user --help').")
-    sub = p.add_subparsers(dest="action", required=True, metavar="start|stop|status|quota|serve|user")
+    sub = p.add_subparsers(dest="action", required=True, metavar="start|stop|status|quota|group|serve|user")
     start = sub.add_parser("start", help="start the daemon (configures the platform on first start)")
     _home_arg(start)
     start.add_argument("--executor", choices=("local", "slurm"), help="local emulated nodes (default) or Slurm")
@@ -169,8 +169,15 @@ def _platform(argv: list[str]) -> int:
     quota.add_argument("setting", nargs="*", metavar="USER GROUP PRIORITY NODES")
     _home_arg(quota)
     _json_arg(quota)
+    group = sub.add_parser("group", help="show groups, or change one: group GROUP add|remove USER... "
+                                         "(everyone is in 'default')")
+    group.add_argument("setting", nargs="*", metavar="GROUP add|remove USER")
+    _home_arg(group)
+    _json_arg(group)
     args = p.parse_args(argv)
     home = Home(args.home)
+    if args.action == "group":
+        return _group(args)
     if args.action == "start":
         return _start(home, args)
     if args.action == "stop":
@@ -198,6 +205,28 @@ def _quota(args: Any) -> int:
     return _emit(args, data, lambda: table([(d["user"], d["group"], d["priority"], d["nodes"]) for d in data],
                                            ["USER", "GROUP", "PRIORITY", "NODES"]) if data else
                  "no quotas: every user may use every node at every priority")
+
+
+def _group(args: Any) -> int:
+    _, store = _open(args)
+    try:
+        if args.setting:
+            if len(args.setting) < 3 or args.setting[1] not in ("add", "remove"):
+                raise UserError("group takes GROUP add|remove USER..., e.g. group vision add alice bob")
+            name, action, *users = args.setting
+            for text, what in [(name, "a group name")] + [(u, "a user name") for u in users]:
+                if not 1 <= len(text) <= 64 or any(ord(c) < 32 for c in text):
+                    raise UserError(f"{what} is 1 to 64 printable characters, got {text!r}")
+            if name == "default":
+                raise UserError("everyone is in group 'default'; it has no members to change")
+            for user in users:
+                store.set_member(user, name, member=action == "add")
+        groups = store.members()
+    finally:
+        store.close()
+    data = [{"group": g, "users": us} for g, us in sorted(groups.items())]
+    return _emit(args, data, lambda: table([(d["group"], " ".join(d["users"])) for d in data], ["GROUP", "USERS"])
+                 if data else "no groups but 'default', which everyone is in")
 
 
 def _configure(home: Home, args: Any) -> PlatformConfig:

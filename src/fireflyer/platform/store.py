@@ -51,6 +51,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
     name TEXT PRIMARY KEY, zone TEXT NOT NULL, healthy INTEGER NOT NULL DEFAULT 1,
     drained INTEGER NOT NULL DEFAULT 0, reason TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS members (
+    user TEXT NOT NULL, grp TEXT NOT NULL, PRIMARY KEY (user, grp));
 CREATE TABLE IF NOT EXISTS quotas (
     user TEXT NOT NULL, grp TEXT NOT NULL, priority INTEGER NOT NULL, nodes INTEGER NOT NULL,
     PRIMARY KEY (user, grp, priority));
@@ -180,6 +182,25 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT INTO quotas VALUES (?,?,?,?) ON CONFLICT(user, grp, priority) DO UPDATE SET "
                        "nodes=excluded.nodes", (user, group, int(priority), nodes))
+
+    def set_member(self, user: str, group: str, member: bool = True) -> None:
+        """Put ``user`` in ``group`` (or take them out). Everyone is in ``default`` without a row."""
+        with self._tx() as db:
+            if member:
+                db.execute("INSERT OR IGNORE INTO members VALUES (?,?)", (user, group))
+            else:
+                db.execute("DELETE FROM members WHERE user=? AND grp=?", (user, group))
+
+    def members(self) -> dict[str, list[str]]:
+        """group -> its users (sorted), for the groups with any."""
+        out: dict[str, list[str]] = {}
+        for user, grp in self._db.execute("SELECT user, grp FROM members ORDER BY grp, user"):
+            out.setdefault(grp, []).append(user)
+        return out
+
+    def is_member(self, user: str, group: str) -> bool:
+        return group == "default" or self._db.execute(
+            "SELECT 1 FROM members WHERE user=? AND grp=?", (user, group)).fetchone() is not None
 
     def quotas(self) -> dict[tuple[str, str, Priority], int]:
         return {(u, g, Priority(p)): n for u, g, p, n in self._db.execute("SELECT user, grp, priority, nodes FROM quotas")}
