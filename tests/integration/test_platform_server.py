@@ -8,6 +8,7 @@ from different loopback addresses (127.0.x.y) where failed logins must not add u
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -184,6 +185,36 @@ def srv(env) -> Server:
 @pytest.fixture
 def tok(env) -> dict[str, str]:
     return env[2]
+
+
+@contextlib.contextmanager
+def in_process(app: Any) -> Iterator[int]:
+    """Serve ``app`` with uvicorn in a thread of this process (so its threads can be watched); yields the port."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    runner = threading.Thread(target=server.run, daemon=True)
+    runner.start()
+    try:
+        _wait("the in-process server", lambda: server.started, timeout=30)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        runner.join(15)
+    assert not runner.is_alive()
+
+
+def home_with_a_log(root: Path) -> tuple[Home, dict[str, str], int]:
+    """A platform home with users and one task of alice's whose log says 'waiting'."""
+    home = make_home(root)
+    tokens = add_users(home)
+    store = Store(home.db)
+    try:
+        task_id = store.submit(user="alice", nodes=1, command=["true"])
+    finally:
+        store.close()
+    write_log(home, {"task_id": task_id}, "waiting\n")
+    return home, tokens, task_id
 
 
 def grant(home: Home, user: str, group: str, priority: str, nodes: int) -> None:
@@ -527,25 +558,10 @@ def test_log_stream_refuses_bad_ranks_before_it_starts(home, srv, tok):
 def test_log_stream_stops_following_when_its_client_goes_away(tmp_path):
     """In this process, so the follow thread can be watched: it ends soon after the client hangs up, and a
     user's open streams are limited (here to one)."""
-    import uvicorn
-
     from fireflyer.platform.server.app import create_app
 
-    home = make_home(tmp_path / "home")
-    tokens = add_users(home)
-    store = Store(home.db)
-    try:
-        task_id = store.submit(user="alice", nodes=1, command=["true"])
-    finally:
-        store.close()
-    write_log(home, {"task_id": task_id}, "waiting\n")
-    app = create_app(home, streams_per_user=1)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    runner = threading.Thread(target=server.run, daemon=True)
-    runner.start()
-    try:
-        _wait("the in-process server", lambda: server.started, timeout=30)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    home, tokens, task_id = home_with_a_log(tmp_path / "home")
+    with in_process(create_app(home, streams_per_user=1)) as port:
 
         def following() -> bool:
             return any(t.name == f"follow-{task_id}" for t in threading.enumerate())
@@ -568,35 +584,16 @@ def test_log_stream_stops_following_when_its_client_goes_away(tmp_path):
         assert third.getresponse().status == 200  # the closed stream no longer counts
         third.close()
         _wait("the third follow thread to end", lambda: not following(), timeout=10)
-    finally:
-        server.should_exit = True
-        runner.join(15)
-    assert not runner.is_alive()
 
 
 def test_the_stream_limit_holds_under_concurrent_requests(tmp_path):
     """30 stream requests at once were all admitted past a limit of 16: the count and the place are one step now."""
     import concurrent.futures
 
-    import uvicorn
-
     from fireflyer.platform.server.app import create_app
 
-    home = make_home(tmp_path / "home")
-    tokens = add_users(home)
-    store = Store(home.db)
-    try:
-        task_id = store.submit(user="alice", nodes=1, command=["true"])
-    finally:
-        store.close()
-    write_log(home, {"task_id": task_id}, "waiting\n")
-    server = uvicorn.Server(uvicorn.Config(create_app(home, streams_per_user=2, stream_limit=5), host="127.0.0.1",
-                                           port=0, log_level="warning"))
-    runner = threading.Thread(target=server.run, daemon=True)
-    runner.start()
-    try:
-        _wait("the in-process server", lambda: server.started, timeout=30)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    home, tokens, task_id = home_with_a_log(tmp_path / "home")
+    with in_process(create_app(home, streams_per_user=2, stream_limit=5)) as port:
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S) for _ in range(30)]
 
         def ask(conn) -> int:
@@ -609,9 +606,6 @@ def test_the_stream_limit_holds_under_concurrent_requests(tmp_path):
         assert statuses.count(200) == 2 and statuses.count(429) == 28, statuses
         for c in conns:
             c.close()
-    finally:
-        server.should_exit = True
-        runner.join(15)
 
 
 def test_tokens_in_a_query_string_never_reach_the_access_log():
@@ -687,20 +681,12 @@ def test_the_dashboard_is_served_at_the_root_with_a_strict_policy(srv):
 
 
 def test_swagger_ui_only_when_asked_for(tmp_path):
-    import uvicorn
-
     from fireflyer.platform.server.app import create_app
 
     home = make_home(tmp_path / "home")
     for docs, want in ((True, 200), (False, 404)):
-        server = uvicorn.Server(uvicorn.Config(create_app(home, docs=docs), host="127.0.0.1", port=0,
-                                               log_level="warning"))
-        runner = threading.Thread(target=server.run, daemon=True)
-        runner.start()
-        try:
-            _wait("the in-process server", lambda: server.started, timeout=30)
-            conn = http.client.HTTPConnection("127.0.0.1", server.servers[0].sockets[0].getsockname()[1],
-                                              timeout=REQUEST_TIMEOUT_S)
+        with in_process(create_app(home, docs=docs)) as port:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
             conn.request("GET", "/docs")
             page = conn.getresponse()
             page.read()
@@ -708,9 +694,6 @@ def test_swagger_ui_only_when_asked_for(tmp_path):
             if docs:  # Swagger UI runs an inline script: its page alone goes without the strict policy
                 assert page.getheader("content-security-policy") is None
             conn.close()
-        finally:
-            server.should_exit = True
-            runner.join(15)
 
 
 def test_a_request_body_over_the_limit_is_413_whether_declared_or_streamed(srv, tok):

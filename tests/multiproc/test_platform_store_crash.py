@@ -34,7 +34,9 @@ def test_kill_9_while_scheduling_loses_and_duplicates_nothing(tmp_path):
         next_i = (confirmed[-1] + 1) if confirmed else next_i
     con = sqlite3.connect(db)
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    ids = Counter(r for (r,) in con.execute("SELECT request_id FROM tasks WHERE request_id IS NOT NULL"))
+    # request ids are stored under their user ("user\x1fkey"): each user's keys are their own
+    keys = con.execute("SELECT request_id FROM tasks WHERE request_id IS NOT NULL")
+    ids = Counter(r.split("\x1f", 1)[1] for (r,) in keys)
     assert all(n == 1 for n in ids.values())  # no duplicate submits
     assert all(f"r{i}" in ids for i in confirmed)  # nothing confirmed was lost
     # every chain has at most one unfinished attempt, and attempts number 0, 1, 2, ...
