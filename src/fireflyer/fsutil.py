@@ -47,3 +47,22 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """``data`` as indented JSON, written atomically."""
     atomic_write(os.fspath(path), lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"))
+
+
+def private_dir(path: str | os.PathLike) -> None:
+    """Make ``path`` (and its parents) a directory only its owner can enter (0700).
+
+    An existing directory of ours with wider permissions is narrowed; one that belongs to
+    another user is left alone (we could not change it, and it is not ours to judge).
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def private_file(path: str | os.PathLike) -> None:
+    """Narrow an existing file of ours to owner read and write (0600)."""
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o600)

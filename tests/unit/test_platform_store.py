@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Start, Suspend, schedule
@@ -87,3 +89,56 @@ def test_sync_nodes_takes_health_from_the_resource_manager(store):
     assert reasons["b"] == "down in Slurm" and "not listed" in reasons["c"]
     assert store.sync_nodes([Node("a", zone="z1"), Node("b"), Node("c"), Node("d")], reason="x") == ["b", "c", "d"]
     assert all(n.usable for n in store.nodes()) and set(store.node_reasons().values()) == {""}
+
+
+def test_the_home_and_the_database_are_their_owners_alone(tmp_path):
+    """state.db held every task's environment at 0644 in a 0755 home: any Unix user could read it."""
+    import os
+    import stat
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)  # an existing home made before this rule is narrowed on open
+    Store(home / "state.db").close()
+    assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(home / "state.db").st_mode) == 0o600
+    fresh = tmp_path / "fresh" / "home"
+    Store(fresh / "state.db").close()
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+
+
+def test_another_unix_user_cannot_read_the_state(tmp_path):
+    import os
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    import shutil
+    import tempfile
+
+    open_parent = tempfile.mkdtemp(prefix="fireflyer-home-test-")  # in /tmp, which every user may enter
+    os.chmod(open_parent, 0o755)
+    home = Path(open_parent) / "home"
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)  # as a home made before this rule was
+    store = Store(home / "state.db")
+    store.submit(user="bob", nodes=1, command=["true"], env={"WANDB_API_KEY": "secret"})
+    store.close()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                open(home / "state.db", "rb").read()
+            except PermissionError:
+                code = 3
+            except BaseException:  # noqa: BLE001
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 3  # it read the state before: 0644 in a 0755 home
+    finally:
+        shutil.rmtree(open_parent)

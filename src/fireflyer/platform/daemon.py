@@ -29,6 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from fireflyer.fsutil import private_dir
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Executor, Launch
@@ -202,7 +203,7 @@ class AlreadyRunning(RuntimeError):
 
 def lock(home: Home) -> int:
     """Take the home's daemon lock (held until the process exits); raises if another daemon has it."""
-    home.root.mkdir(parents=True, exist_ok=True)
+    private_dir(home.root)
     fd = os.open(home.pidfile, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

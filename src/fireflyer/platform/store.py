@@ -23,6 +23,7 @@ from enum import IntFlag
 from pathlib import Path
 from typing import Any, Iterable
 
+from fireflyer.fsutil import private_dir, private_file
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
 
 FINISHED = "finished"
@@ -115,8 +116,12 @@ class Store:
 
     def __init__(self, path: str | Path, *, timeout: float = 10.0) -> None:
         self.path = str(path)
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        # The platform's home holds every task's environment, its logs and the token hashes:
+        # no other Unix user may enter it, and the database is its owner's alone (SQLite gives
+        # its WAL and shared-memory files the database's permissions).
+        private_dir(Path(self.path).parent)
         self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        private_file(self.path)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
