@@ -812,11 +812,6 @@ def launcher_secret() -> bytes | None:
     return raw.encode()
 
 
-def new_job_secret() -> str:
-    """A fresh secret for a launcher to put in every rank's environment as ``FIREFLYER_JOB_SECRET``."""
-    return secrets.token_hex(32)
-
-
 def _warn_store_secret() -> None:
     global _warned_store_secret
     if not _warned_store_secret:

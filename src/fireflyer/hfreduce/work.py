@@ -56,6 +56,7 @@ class HFReduceWork(dist.Work):
         # The future torch sees must carry a C++-level error for C++ consumers (DDP's reducer
         # reads its value and would misread an exception object as a result), so it is made
         # by ``then``, whose callback raises: only then is the error a real one.
+        self._batch = len(futures) > 1  # the source is then collect_all's: a list of their futures
         if not futures:
             source = torch.futures.Future()
             source.set_result(None)
@@ -69,17 +70,12 @@ class HFReduceWork(dist.Work):
     # -- completion (engine threads) --------------------------------------------------
     def _unwrap(self, fut: torch.futures.Future) -> list[torch.Tensor]:
         try:
-            value = fut.wait()
-        except BaseException as exc:  # noqa: BLE001 - a single collective's error
+            value = fut.wait()  # one collective's error, or (several) the list of their futures
+            for one in value if self._batch else ():
+                one.wait()  # the first error wins
+        except BaseException as exc:  # noqa: BLE001 - the collective's own error
             self._error = exc
             raise fresh(exc) from None
-        if isinstance(value, list):  # several collectives: the first error wins
-            for one in value:
-                try:
-                    one.wait()
-                except BaseException as exc:  # noqa: BLE001
-                    self._error = exc
-                    raise fresh(exc) from None
         return self._result
 
     # -- torch's Work API --------------------------------------------------------------
