@@ -107,7 +107,7 @@ def test_status_without_a_daemon(home, capsys):
     (["submit", "-n", "1", "--name", "x" * 100_000, "--", "true"], "name must be a string of at most 200"),
     (["platform", "group", "vision", "invite", "alice"], "GROUP add|remove USER"),
     (["platform", "group", "default", "add", "alice"], "everyone is in group 'default'"),
-    (["platform", "group", "", "add", "alice"], "a group name is 1 to 64"),
+    (["platform", "group", "", "add", "alice"], "group must be a string of 1 to 64"),
     (["drain", "node9"], "unknown node 'node9'"),
     (["platform", "quota", "alice", "default", "HIGH"], "USER GROUP PRIORITY NODES"),
     (["platform", "quota", "alice", "default", "HIGH", "-1"], "non-negative"),

@@ -110,13 +110,13 @@ MAX_GROUP = 64
 MAX_REQUEST_ID = 128
 
 
-def _bounded(field: str, value: object, least: int, most: int) -> None:
-    """A user's string: of the right type and length, with nothing SQLite or a log line would choke on."""
+def check_text(field: str, value: object, least: int, most: int) -> None:
+    """A user's string: of the right type and length, with no control characters (NUL included)."""
     if not isinstance(value, str) or not least <= len(value) <= most:
         size = f"{least} to {most}" if least else f"at most {most}"
         got = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
         raise ApiError(f"{field} must be a string of {size} characters, got {got}")
-    if "\0" in value or any(ord(c) < 32 for c in value):
+    if any(ord(c) < 32 for c in value):
         raise ApiError(f"{field} must not contain control characters")
 
 
@@ -179,10 +179,10 @@ class PlatformApi:
         slots = self._config().slots()
         if not isinstance(rpn, int) or isinstance(rpn, bool) or not 1 <= rpn <= slots:
             raise ApiError(f"ranks_per_node must be 1..{slots} (the slots of a node), got {rpn!r}")
-        _bounded("name", name, 0, MAX_NAME)
-        _bounded("group", group, 1, MAX_GROUP)
+        check_text("name", name, 0, MAX_NAME)
+        check_text("group", group, 1, MAX_GROUP)
         if request_id is not None:
-            _bounded("request_id", request_id, 1, MAX_REQUEST_ID)
+            check_text("request_id", request_id, 1, MAX_REQUEST_ID)
         if not self.admin:
             self._check_entitled(owner, group, prio)
         cwd = cwd or os.getcwd()

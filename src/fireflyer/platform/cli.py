@@ -27,7 +27,7 @@ from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Timeouts
 from fireflyer.platform.layout import HOME_ENV, Home, read_json
 from fireflyer.platform.policy import Priority
-from fireflyer.platform.api import ENV_PASSED, ApiError, PlatformApi
+from fireflyer.platform.api import ENV_PASSED, MAX_GROUP, MAX_TASK_ID, ApiError, PlatformApi, check_text
 from fireflyer.platform.remote import SERVER_ENV, TOKEN_ENV, RemoteApi
 from fireflyer.platform.store import ACTIVE, FINISHED, Store
 
@@ -58,8 +58,8 @@ def _task_id(text: str) -> int:
         value = int(text)
     except ValueError:
         raise UserError(f"a task id is a number, got {text!r}") from None
-    if not 1 <= value <= 2**62:
-        raise UserError(f"a task id is a number from 1 to {2**62}, got {text!r}")
+    if not 1 <= value <= MAX_TASK_ID:
+        raise UserError(f"a task id is a number from 1 to {MAX_TASK_ID}, got {text!r}")
     return value
 
 
@@ -214,9 +214,12 @@ def _group(args: Any) -> int:
             if len(args.setting) < 3 or args.setting[1] not in ("add", "remove"):
                 raise UserError("group takes GROUP add|remove USER..., e.g. group vision add alice bob")
             name, action, *users = args.setting
-            for text, what in [(name, "a group name")] + [(u, "a user name") for u in users]:
-                if not 1 <= len(text) <= 64 or any(ord(c) < 32 for c in text):
-                    raise UserError(f"{what} is 1 to 64 printable characters, got {text!r}")
+            try:
+                check_text("group", name, 1, MAX_GROUP)
+                for user in users:
+                    check_text("user", user, 1, MAX_GROUP)
+            except ApiError as exc:
+                raise UserError(str(exc)) from None
             if name == "default":
                 raise UserError("everyone is in group 'default'; it has no members to change")
             for user in users:

@@ -11,7 +11,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-MAX_ID = 2**62
+from fireflyer.platform.api import MAX_TASK_ID
+
+MAX_ID = MAX_TASK_ID
 """Task ids and offsets stay well inside SQLite's signed 64-bit integers."""
 MAX_NODES = 1_000_000
 MAX_RANKS = 1_000_000
