@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
+from typing import Iterator
 
 import pytest
 
 from fireflyer.hfreduce import fdshare
 from fireflyer.hfreduce.arena import Arena, ArenaShape
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.testing.users import NOBODY, refused_as
 
 pytestmark = pytest.mark.skipif(not fdshare.SUPPORTED, reason="needs memfd_create and SCM_RIGHTS (Linux)")
 
@@ -23,12 +26,22 @@ def _name() -> str:
     return f"fireflyer-hfr-test-{uuid.uuid4().hex[:8]}-{os.getpid()}"
 
 
-def test_a_private_arena_is_shared_through_the_server_and_leaves_no_file():
+@contextlib.contextmanager
+def served() -> Iterator[tuple[str, Arena, fdshare.FdServer]]:
+    """A private arena served to one client under a fresh name."""
     name = _name()
     arena, share = Arena.create_private(name, SHAPE)
     server = fdshare.FdServer(name, share, SECRET, clients=1)
     os.close(share)
     try:
+        yield name, arena, server
+    finally:
+        server.close()
+        arena.close()
+
+
+def test_a_private_arena_is_shared_through_the_server_and_leaves_no_file():
+    with served() as (name, arena, server):
         peer = Arena.from_fd(name, SHAPE, fdshare.fetch_fd(name, SECRET, time.monotonic() + 5))
         arena.publish("in", 0, 7)
         assert peer.read_flag("in", 0) == 7  # the same memory
@@ -36,17 +49,10 @@ def test_a_private_arena_is_shared_through_the_server_and_leaves_no_file():
         assert int(arena.bytes[-1]) == 42
         assert not any(f.startswith(name) for f in os.listdir("/dev/shm"))
         peer.close()
-    finally:
-        server.close()
-        arena.close()
 
 
 def test_a_process_without_the_secret_is_refused_and_logged(caplog):
-    name = _name()
-    arena, share = Arena.create_private(name, SHAPE)
-    server = fdshare.FdServer(name, share, SECRET, clients=1)
-    os.close(share)
-    try:
+    with served() as (name, arena, server):
         with caplog.at_level(logging.WARNING, logger="fireflyer.hfreduce"):
             with pytest.raises(HFReduceError, match="refused to share the arena"):
                 fdshare.fetch_fd(name, b"wrong secret", time.monotonic() + 0.5)
@@ -55,9 +61,6 @@ def test_a_process_without_the_secret_is_refused_and_logged(caplog):
         assert SECRET.decode() not in caplog.text
         fd = fdshare.fetch_fd(name, SECRET, time.monotonic() + 5)  # the real rank still gets it
         os.close(fd)
-    finally:
-        server.close()
-        arena.close()
 
 
 def test_fetch_without_a_server_times_out():
@@ -80,24 +83,19 @@ def test_idle_connections_cannot_hold_up_a_real_rank():
     """Handshakes run concurrently: three connections that never answer do not delay the rank that does."""
     import socket
 
-    name = _name()
-    arena, share = Arena.create_private(name, SHAPE)
-    server = fdshare.FdServer(name, share, SECRET, clients=1)
-    os.close(share)
     idle = []
-    try:
-        for _ in range(3):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect("\0" + name)
-            idle.append(s)
-        # each idle handshake holds on for 5 s; one at a time, the real rank would wait 15 s
-        fd = fdshare.fetch_fd(name, SECRET, time.monotonic() + 3.0)
-        os.close(fd)
-    finally:
-        for s in idle:
-            s.close()
-        server.close()
-        arena.close()
+    with served() as (name, arena, server):
+        try:
+            for _ in range(3):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect("\0" + name)
+                idle.append(s)
+            # each idle handshake holds on for 5 s; one at a time, the real rank would wait 15 s
+            fd = fdshare.fetch_fd(name, SECRET, time.monotonic() + 3.0)
+            os.close(fd)
+        finally:  # before the server closes, which waits for its handshakes
+            for s in idle:
+                s.close()
 
 
 def test_an_impostor_server_that_cannot_prove_the_secret_is_refused():
@@ -131,30 +129,11 @@ def test_an_impostor_server_that_cannot_prove_the_secret_is_refused():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 def test_a_process_of_another_user_is_refused_by_its_credentials(caplog):
-    name = _name()
-    arena, share = Arena.create_private(name, SHAPE)
-    server = fdshare.FdServer(name, share, SECRET, clients=1)
-    os.close(share)
-    try:
+    with served() as (name, arena, server):
         with caplog.at_level(logging.WARNING, logger="fireflyer.hfreduce"):
-            pid = os.fork()
-            if pid == 0:  # the child: another user who somehow knows the secret
-                code = 1
-                try:
-                    os.setgid(65534)
-                    os.setuid(65534)
-                    fdshare.fetch_fd(name, SECRET, time.monotonic() + 2)
-                except HFReduceError:
-                    code = 3
-                except BaseException:  # noqa: BLE001
-                    code = 2
-                os._exit(code)
-            _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 3  # it knew the secret, and still got nothing
+            # another user who somehow knows the secret, and still gets nothing
+            assert refused_as(NOBODY, lambda: fdshare.fetch_fd(name, SECRET, time.monotonic() + 2), HFReduceError)
         assert server.refused >= 1
         assert any("uid 65534 is not this job's user" in r.getMessage() for r in caplog.records)
         fd = fdshare.fetch_fd(name, SECRET, time.monotonic() + 5)  # the job's own rank still gets it
         os.close(fd)
-    finally:
-        server.close()
-        arena.close()
