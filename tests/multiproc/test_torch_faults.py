@@ -227,3 +227,11 @@ def test_the_flight_recorder_dump_names_the_dead_rank_to_torchs_analyzer_and_to_
     world = next(g for g in groups if g["dumped"] == [0, 1, 2])
     assert world["missing"] == [3]
     assert [s["rank"] for s in world["waited_for"]] == [3], world["waited_for"]
+
+
+def test_a_group_made_by_init_process_group_keeps_the_launchers_secret_out_of_the_store(clusters):
+    """The launcher (here LocalCluster, as fireflyer train and the platform do) sets FIREFLYER_JOB_SECRET:
+    any client of the store could read a secret kept there, and now there is none."""
+    cluster = clusters("2x2")
+    assert cluster.run(F.join, f"cell{next(_names)}", TIMEOUT, timeout=60) == [4.0] * 4
+    assert cluster.run(F.store_keys) == [{"salt": True, "secret": False}] * 4

@@ -278,3 +278,10 @@ def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
     report = _outcome(steps)
     report["after"] = _afterwards()
     return _leave(report)
+
+
+def store_keys(ctx) -> dict[str, bool]:
+    """Which of hfreduce's rendezvous keys the default group's store holds (after ``join``)."""
+    pg = dist.distributed_c10d._get_default_group()
+    prefix = f"hfreduce/{pg.comm.incarnation}"
+    return {k: pg._group_store.check([f"{prefix}/{k}"]) for k in ("salt", "secret")}
