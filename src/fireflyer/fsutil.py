@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from typing import IO, Any, Callable
 
 
@@ -66,3 +68,57 @@ def private_file(path: str | os.PathLike) -> None:
     st = os.stat(path)
     if st.st_uid == os.getuid() and st.st_mode & 0o077:
         os.chmod(path, 0o600)
+
+
+def open_beneath(root: str | os.PathLike, relative: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` of ``root/relative`` that follows no symbolic link below ``root``.
+
+    For a privileged process that writes into a directory another user owns (a task's
+    attempt folder): that user may swap any folder or file in it for a link to somewhere
+    else, and this call then fails with ``OSError`` (ELOOP or ENOTDIR) instead of writing
+    there. ``root`` itself must be a real directory (its parent is the caller's).
+    """
+    parts = [p for p in relative.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise ValueError(f"not a plain relative path: {relative!r}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_owned(path: str | os.PathLike, uid: int) -> int:
+    """A read-only descriptor of a regular file owned by ``uid``, opened without following a final link.
+
+    For reading what another user's process wrote (a task's status or log) as a privileged
+    process: a link, or a file of anybody else (``/etc/shadow`` put there by a hard link),
+    raises ``PermissionError``; ``FileNotFoundError`` when there is nothing there.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link where the file should be
+            raise PermissionError(f"{path} is a link, not a file of uid {uid}") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+        os.close(fd)
+        raise PermissionError(f"{path} is not a file of uid {uid}")
+    return fd
+
+
+def read_owned(path: str | os.PathLike, uid: int, *, limit: int = 1 << 20) -> bytes:
+    """The bytes of :func:`open_owned`'s file; ``PermissionError`` past ``limit`` bytes as well."""
+    fd = open_owned(path, uid)
+    try:
+        data = os.read(fd, limit + 1)
+        if len(data) > limit or os.read(fd, 1):
+            raise PermissionError(f"{path} is larger than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)

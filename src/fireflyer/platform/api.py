@@ -18,9 +18,11 @@ import shutil
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from fireflyer.platform import config as platform_config
+from fireflyer.fsutil import open_owned
+from fireflyer.platform.accounts import DEFAULT_PATH, AccountProblem, run_as
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Priority
@@ -93,14 +95,14 @@ def _listed(r: tuple) -> dict[str, Any]:
             "handle": handle}
 
 
-def check_command(command: list[str], cwd: str) -> None:
-    """The command's program must exist where the task will run."""
+def check_command(command: list[str], cwd: str, *, path: str | None = None) -> None:
+    """The command's program must exist where the task will run (``path``: the task's PATH, default ours)."""
     exe = command[0]
     if "/" in exe:
-        path = Path(cwd, exe)
-        if not (path.is_file() and os.access(path, os.X_OK)):
+        found = Path(cwd, exe)
+        if not (found.is_file() and os.access(found, os.X_OK)):
             raise ApiError(f"command {exe!r} is not an executable file (from {cwd})")
-    elif shutil.which(exe) is None:
+    elif shutil.which(exe, path=path) is None:
         raise ApiError(f"command {exe!r} not found on PATH")
 
 
@@ -185,10 +187,19 @@ class PlatformApi:
             check_text("request_id", request_id, 1, MAX_REQUEST_ID)
         if not self.admin:
             self._check_entitled(owner, group, prio)
-        cwd = cwd or os.getcwd()
-        if not os.path.isdir(cwd):
-            raise ApiError(f"working directory {cwd!r} does not exist")
-        check_command(command, cwd)
+        cfg = self._config()
+        try:
+            account = run_as(owner, self.store.unix_accounts(), isolate=cfg.isolate, allow_root=cfg.allow_root_tasks)
+        except AccountProblem as exc:
+            raise Forbidden(str(exc)) from None
+        cwd = cwd or (account.home if account else os.getcwd())
+        check_text("cwd", cwd, 1, 4096)
+        if not os.path.isabs(cwd) or not os.path.isdir(cwd):
+            raise ApiError(f"working directory {cwd!r} does not exist (give an absolute path)")
+        if account is not None and not account.can_enter(cwd):
+            raise ApiError(f"working directory {cwd!r} is not one {account.name} can enter (tasks of {owner} run "
+                           f"as {account.name})")
+        check_command(command, cwd, path=(env or {}).get("PATH", DEFAULT_PATH) if account else None)
         for key, value in (env or {}).items():
             if not key or "=" in key or "\0" in key or "\0" in str(value):
                 raise ApiError(f"bad environment variable {key!r}")
@@ -264,27 +275,40 @@ class PlatformApi:
         if tail is not None and tail < 1:
             raise ApiError(f"tail must be at least 1, got {tail}")
         try:
-            text = _tail(path, tail) if tail else path.read_text(errors="replace")
+            with self._open_log(target, rank) as f:
+                text = _tail(f, tail) if tail else f.read().decode(errors="replace")
         except FileNotFoundError:
             raise NotFound(f"task {task_id} has no log for rank {rank} yet ({target.state})") from None
         return {"task_id": target.chain_first_id, "attempt": target.attempt, "rank": rank, "text": text,
                 "state": target.state}
 
+    def _open_log(self, t: TaskRow, rank: int) -> BinaryIO:
+        """A rank's log, opened only if it is a file of the attempt's account (the platform may be root,
+        and the task could have put a link to any file there)."""
+        adir = self.home.attempt(t.id)
+        try:
+            return os.fdopen(open_owned(adir.rank_log(rank), adir.owner), "rb")
+        except PermissionError:
+            raise Forbidden(f"the log of rank {rank} of task {t.chain_first_id} is not a file of the task's own "
+                            "account, so it is not shown") from None
+
     def follow(self, task_id: int, *, rank: int = 0, poll: float = 0.2,
                timeout: float | None = None) -> Iterator[str]:
         """The log as it grows, across the chain's attempts; ends when the chain finishes or is held."""
-        path, current = self.log_path(task_id, rank=rank)
+        _, current = self.log_path(task_id, rank=rank)
         first = current.chain_first_id
         pos = 0
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             chunk = b""
-            path = self.home.attempt(current.id).rank_log(rank)
-            if path.exists():
-                with open(path, "rb") as f:
+            try:
+                with self._open_log(current, rank) as f:
                     f.seek(pos)
                     chunk = f.read()
+            except FileNotFoundError:
+                pass
+            else:
                 if chunk:
                     pos += len(chunk)
                     yield decoder.decode(chunk)
@@ -399,14 +423,13 @@ class PlatformApi:
                 "history": history}
 
 
-def _tail(path: Path, lines: int) -> str:
+def _tail(f: BinaryIO, lines: int) -> str:
     """The last ``lines`` lines, reading only the end of a large file."""
-    with open(path, "rb") as f:
-        pos = f.seek(0, os.SEEK_END)
-        data = b""
-        while pos > 0 and data.count(b"\n") <= lines:
-            step = min(1 << 16, pos)
-            pos -= step
-            f.seek(pos)
-            data = f.read(step) + data
+    pos = f.seek(0, os.SEEK_END)
+    data = b""
+    while pos > 0 and data.count(b"\n") <= lines:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        data = f.read(step) + data
     return b"".join(data.splitlines(keepends=True)[-lines:]).decode(errors="replace")

@@ -158,6 +158,12 @@ def _platform(argv: list[str]) -> int:
     start.add_argument("--unschedulable-after", type=float, help="seconds for all ranks to start (180)")
     start.add_argument("--prolog", help="node health check run before a task's ranks start on it (a command line)")
     start.add_argument("--partition", help="Slurm partition (slurm executor)")
+    start.add_argument("--runs-dir", help="where attempt folders live (default HOME/tasks); an isolating platform "
+                                          "needs one every user can reach")
+    start.add_argument("--isolate", action="store_true", default=None,
+                       help="run every task as its owner's Unix account (on as soon as a user maps to one)")
+    start.add_argument("--allow-root-tasks", action="store_true", default=None,
+                       help="let a user mapped to root run tasks as root")
     start.add_argument("--foreground", action="store_true", help="run in this process, logging to the terminal")
     stop = sub.add_parser("stop", help="stop the daemon (running tasks keep running; the next start adopts them)")
     _home_arg(stop)
@@ -244,7 +250,8 @@ def _configure(home: Home, args: Any) -> PlatformConfig:
             "executor": args.executor, "nodes": args.nodes, "zones": args.zones,
             "ranks_per_node": args.ranks_per_node, "tick": args.tick, "max_restarts": args.max_restarts,
             "time_share_after": args.time_share_after, "demote_after": args.demote_after,
-            "partition": args.partition,
+            "partition": args.partition, "isolate": args.isolate, "allow_root_tasks": args.allow_root_tasks,
+            "runs_dir": os.path.abspath(args.runs_dir) if args.runs_dir else None,
             "prolog": tuple(shlex.split(args.prolog)) if args.prolog else None}.items() if v is not None}
         cfg = cfg.replace(timeouts=timeouts, **changes)
     except (TypeError, ValueError) as exc:

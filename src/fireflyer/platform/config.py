@@ -41,6 +41,16 @@ class PlatformConfig:
     partition: str | None = None
     """Slurm partition (slurm executor)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    runs_dir: str | None = None
+    """Where attempt folders live (absolute). Default: ``HOME/tasks``, inside the private home, which
+    is right while every task runs as the platform's own account. An isolating platform needs a
+    folder every user can reach (the daemon makes it, open to enter but not to list) on a
+    filesystem every node sees."""
+    isolate: bool = False
+    """Run every task as its owner's Unix account even before any user maps to an account other
+    than the daemon's (a daemon run as a service account); see :mod:`fireflyer.platform.accounts`."""
+    allow_root_tasks: bool = False
+    """Whether a user mapped to root may run tasks (as root) on an isolating platform."""
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -58,6 +68,11 @@ class PlatformConfig:
             raise ValueError(f"tick must be positive seconds, got {self.tick!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if self.runs_dir is not None and (not isinstance(self.runs_dir, str) or not os.path.isabs(self.runs_dir)):
+            raise ValueError(f"runs_dir must be an absolute path, got {self.runs_dir!r}")
+        for name in ("isolate", "allow_root_tasks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.policy()  # checks its own fields
 
     def slots(self) -> int:

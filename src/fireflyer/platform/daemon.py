@@ -29,11 +29,12 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from fireflyer.fsutil import private_dir
+from fireflyer.fsutil import open_owned, private_dir
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Executor, Launch
-from fireflyer.platform.layout import Home, read_json, write_json_atomic
+from fireflyer.platform.accounts import AccountProblem, run_as
+from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir
 from fireflyer.platform.policy import RUNNING, SUSPENDING, schedule
 from fireflyer.platform.store import Store, StopCode, TaskRow
 from fireflyer.ports import free_port
@@ -94,13 +95,15 @@ class Daemon:
 
     # ------------------------------------------------------------------ 1. watch
     def _finish(self, t: TaskRow, code: StopCode, detail: str, *, life: int | None = None,
-                failed_nodes: tuple[str, ...] = ()) -> int | None:
+                failed_nodes: tuple[str, ...] = (), restart: bool = True) -> int | None:
         for node in failed_nodes:
             self._drain(node, f"failed its health check in task {t.id}")
             self.store.event(t.id, "drained", node)
             log.warning("task %s: drained %s (%s)", t.id, node, detail)
         if t.stop_requested:
             code |= StopCode.MANUAL_STOP
+        elif not restart:
+            detail += "; not restarted (an admin must fix this first)"
         elif code & (StopCode.FAILED | StopCode.INIT_FAILED) and not code & StopCode.HOOK_RESTART:
             failures = sum(1 for a in self.store.chain(t.chain_first_id)
                            if a.id != t.id and a.stop_code & (StopCode.FAILED | StopCode.INIT_FAILED))
@@ -125,7 +128,7 @@ class Daemon:
                 cycle.finished.append((t.id, "lost before launch"))
                 return
             self.store.set_handle(t.id, handle)
-        status = read_json(adir.status)
+        status = read_status(adir)
         if status is None:
             if t.stop_requested:
                 adir.raise_flag("stop", "by its user")
@@ -139,35 +142,61 @@ class Daemon:
                                  f"did not start within {self.cfg.timeouts.unschedulable:g} s")
                     cycle.finished.append((t.id, "unschedulable"))
                 return
-            status = read_json(adir.status)  # it may have ended between the two looks
+            status = read_status(adir)  # it may have ended between the two looks
         if status is None:
             self.executor.kill(handle)
-            self._finish(t, StopCode.FAILED, "its supervisor ended without a status (killed, or its host failed)")
+            last = _last_line(adir)
+            self._finish(t, StopCode.FAILED, "its supervisor ended without a status (killed, or its host failed)"
+                         + (f"; its log ends: {last}" if last else ""))
             cycle.finished.append((t.id, "lost"))
             return
         self.executor.kill(handle)  # the supervisor has stopped every rank; this reaps and makes sure
-        self._finish(t, StopCode(status["stop_code"]), status.get("detail", ""),
-                     life=status.get("whole_life_state"), failed_nodes=tuple(status.get("failed_nodes", ())))
-        cycle.finished.append((t.id, status.get("detail", "")))
+        code, detail, failed_nodes = StopCode(status["stop_code"]), status["detail"], status["failed_nodes"]
+        if failed_nodes and adir.owner != os.geteuid():
+            # The supervisor ran as the task's account, which could have written any status:
+            # it may end its own task as it likes, but not drain nodes other users need.
+            code = (code & ~StopCode.HOOK_RESTART) | StopCode.FAILED
+            detail += (f"; {', '.join(failed_nodes)} not drained: the report came from the task's own account "
+                       "(Slurm's health check, or an admin, drains nodes)")
+            failed_nodes = ()
+        self._finish(t, code, detail, life=status["whole_life_state"], failed_nodes=failed_nodes)
+        cycle.finished.append((t.id, detail))
 
     # ------------------------------------------------------------------ 3. act
     def _launch(self, task_id: int) -> None:
         t = self.store.task(task_id)
         adir = self.home.attempt(t.id)
-        adir.create()
+        try:
+            account = run_as(t.user, self.store.unix_accounts(), isolate=self.cfg.isolate,
+                             allow_root=self.cfg.allow_root_tasks)
+            if account is not None:
+                self._check_runs_dir()
+        except (AccountProblem, OSError) as exc:
+            self._finish(t, StopCode.FAILED | StopCode.INIT_FAILED, f"could not launch: {exc}", restart=False)
+            return
         launch = Launch(task_id=t.id, chain_id=t.chain_first_id, attempt=t.attempt, name=t.name, user=t.user,
                         command=tuple(t.command), nodes=t.assigned, ranks_per_node=t.ranks_per_node,
-                        master_port=free_port(), cwd=t.cwd or os.getcwd(), env=t.env,
-                        whole_life_state=t.whole_life_state, timeouts=self.cfg.timeouts, prolog=self.cfg.prolog)
-        write_json_atomic(adir.spec, launch.to_json())
+                        master_port=free_port(), cwd=t.cwd or (account.home if account else os.getcwd()),
+                        env=t.env, whole_life_state=t.whole_life_state, timeouts=self.cfg.timeouts,
+                        prolog=self.cfg.prolog, account=None if account is None else account.to_json())
         try:
+            adir.prepare(launch.to_json(), *((account.uid, account.gid) if account else ()))
             handle = self.executor.launch(launch, str(adir.root))
         except (OSError, RuntimeError, ValueError) as exc:
             self._finish(t, StopCode.FAILED | StopCode.INIT_FAILED, f"could not launch: {exc}")
             return
         self.store.set_handle(t.id, handle)
-        log.info("task %s (%s, attempt %s) launched on %s: %s", t.id, t.name, t.attempt, " ".join(t.assigned),
-                 handle)
+        log.info("task %s (%s, attempt %s) launched on %s%s: %s", t.id, t.name, t.attempt, " ".join(t.assigned),
+                 f" as {account.name}" if account else "", handle)
+
+    def _check_runs_dir(self) -> None:
+        """An isolating platform's attempts must live where their accounts can reach them, outside the home."""
+        runs, home = self.home.runs.resolve(), self.home.root.resolve()
+        if runs == home or home in runs.parents:
+            raise AccountProblem(f"tasks run as their owners' accounts, which cannot enter the platform's private "
+                                 f"home {home}: set runs_dir to a folder outside it that every user can reach "
+                                 "('fireflyer platform start --runs-dir DIR')")
+        open_runs_dir(runs)
 
     def tick(self, now: float | None = None) -> Cycle:
         now = time.time() if now is None else now
@@ -194,6 +223,59 @@ class Daemon:
             self._launch(task_id)
         cycle.started = started
         return cycle
+
+
+MAX_DETAIL = 2000
+_KNOWN_CODES = sum(int(c) for c in StopCode)
+
+
+def read_status(adir: AttemptDir) -> dict | None:
+    """How the attempt ended, from ``status.json``, checked as input from the task's account; None: not yet.
+
+    A status that is not there as a small JSON file of the folder's owner, or whose fields
+    are not what the supervisor writes, ends the attempt as failed and says so.
+    """
+    try:
+        raw = adir.read_json(adir.status, limit=1 << 20)
+    except (OSError, ValueError) as exc:
+        return _bad_status(f"its status.json is unreadable ({exc})")
+    if raw is None:
+        return None
+    try:
+        code = raw["stop_code"]
+        life = raw.get("whole_life_state")
+        detail = raw.get("detail", "")
+        nodes = raw.get("failed_nodes", [])
+        if not isinstance(code, int) or isinstance(code, bool) or not 0 < code <= _KNOWN_CODES or code & ~_KNOWN_CODES:
+            raise ValueError(f"stop_code {code!r}")
+        if life is not None and (not isinstance(life, int) or isinstance(life, bool) or not -2**63 <= life < 2**63):
+            raise ValueError(f"whole_life_state {life!r}")
+        if not isinstance(detail, str) or not isinstance(nodes, list) or \
+                not all(isinstance(n, str) and len(n) <= 256 for n in nodes[:1000]) or len(nodes) > 1000:
+            raise ValueError("detail or failed_nodes")
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        return _bad_status(f"its status.json is not a supervisor's ({exc})")
+    return {"stop_code": code, "detail": detail[:MAX_DETAIL], "whole_life_state": life, "failed_nodes": tuple(nodes)}
+
+
+def _bad_status(why: str) -> dict:
+    return {"stop_code": int(StopCode.FAILED), "detail": why[:MAX_DETAIL], "whole_life_state": None,
+            "failed_nodes": ()}
+
+
+def _last_line(adir: AttemptDir) -> str:
+    """The last line the attempt's supervisor logged (why it died without a status), if any."""
+    try:
+        fd = open_owned(adir.logs / "supervisor.log", adir.owner)
+    except OSError:
+        return ""
+    try:
+        size = os.fstat(fd).st_size
+        os.lseek(fd, max(0, size - 4096), os.SEEK_SET)
+        lines = os.read(fd, 4096).decode(errors="replace").strip().splitlines()
+    finally:
+        os.close(fd)
+    return lines[-1][:MAX_DETAIL] if lines else ""
 
 
 # ---------------------------------------------------------------------- the process

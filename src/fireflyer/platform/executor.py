@@ -64,6 +64,9 @@ class Launch:
     timeouts: Timeouts = field(default_factory=Timeouts)
     prolog: tuple[str, ...] = ()
     """A node health check run once per node before its ranks start (empty: none)."""
+    account: Mapping[str, Any] | None = None
+    """The Unix account the attempt runs as (:meth:`Account.to_json
+    <fireflyer.platform.accounts.Account.to_json>`); None: the daemon's own."""
 
     @property
     def world_size(self) -> int:
@@ -72,6 +75,7 @@ class Launch:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["env"] = dict(self.env)
+        data["account"] = None if self.account is None else dict(self.account)
         return data
 
     @classmethod

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fireflyer.fsutil import open_beneath, read_owned
+from fireflyer.platform.accounts import Account
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, Home
 
@@ -29,23 +31,43 @@ def _start_time(pid: int) -> str | None:
     return fields[19]
 
 
+def _uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def _belongs_to(pid: int, adir: AttemptDir) -> bool:
-    """Whether ``pid`` is a rank of this attempt (its environment names the attempt's directory)."""
+    """Whether ``pid`` is a rank of this attempt: it runs as the attempt's account, and its
+    environment names the attempt's directory (a pid read from a file the task could write
+    must not make the daemon kill anybody else's process)."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
+        owner = adir.owner
     except OSError:
         return False
-    return f"FIREFLYER_TASK_DIR={adir.root}".encode() in environ.split(b"\0")
+    return _uid(pid) == owner and f"FIREFLYER_TASK_DIR={adir.root}".encode() in environ.split(b"\0")
+
+
+def _is_supervisor(pid: int, adir: AttemptDir) -> bool:
+    """Whether ``pid`` is this attempt's supervisor (as :func:`_belongs_to`, by its command line)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        owner = adir.owner
+    except OSError:
+        return False
+    return _uid(pid) == owner and b"fireflyer.platform.supervisor" in argv and str(adir.root).encode() in argv
 
 
 def kill_ranks(adir: AttemptDir) -> int:
     """SIGKILL every rank of the attempt still running here (each is its own process group)."""
     killed = 0
-    if not adir.started.is_dir():
+    if not adir.started.is_dir() or adir.started.is_symlink():
         return 0
     for marker in adir.started.glob("rank*"):
-        try:
-            pid = int(marker.read_text().split()[0])
+        try:  # written by the rank, so by the task's account: a file of theirs, and small
+            pid = int(read_owned(marker, adir.owner, limit=4096).split()[0])
         except (OSError, ValueError, IndexError):
             continue
         if _start_time(pid) is not None and _belongs_to(pid, adir):
@@ -65,11 +87,19 @@ class LocalExecutor:
 
     def launch(self, launch: Launch, attempt_dir: str) -> str:
         adir = AttemptDir(attempt_dir)
-        adir.create()
-        with open(adir.logs / "supervisor.log", "ab") as log:
+        how: dict = {}
+        if launch.account is not None:  # as the task's account, with nothing of the daemon's environment
+            account = Account.from_json(launch.account)
+            how = {"env": account.env(), **account.popen()}
+        else:
+            adir.create()
+        log = open_beneath(adir.root, "logs/supervisor.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
             proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.supervisor", str(adir.root)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=adir.root)
+                                    start_new_session=True, cwd=adir.root, **how)
+        finally:
+            os.close(log)
         self._children[proc.pid] = proc
         started = _start_time(proc.pid) or "0"
         return f"{proc.pid}:{started}:{adir.root}"
@@ -104,13 +134,16 @@ class LocalExecutor:
 
     def find(self, task_id: int, attempt_dir: str) -> str | None:
         """The handle of an attempt launched before the daemon could record it, if its supervisor runs."""
-        from fireflyer.platform.layout import read_json
-
-        info = read_json(AttemptDir(attempt_dir).supervisor)
-        if not info:
+        adir = AttemptDir(attempt_dir)
+        try:
+            info = adir.read_json(adir.supervisor)
+            pid = int(info["pid"])
+        except (OSError, ValueError, TypeError, KeyError):
             return None
-        started = _start_time(int(info["pid"]))
-        return None if started is None else f"{info['pid']}:{started}:{attempt_dir}"
+        started = _start_time(pid)
+        if started is None or not _is_supervisor(pid, adir):
+            return None
+        return f"{pid}:{started}:{attempt_dir}"
 
 
 def kill_active(home: Home) -> int:

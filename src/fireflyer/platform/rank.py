@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     env = rank_env(dict(os.environ))
     rank = int(env["RANK"])
     adir.logs.mkdir(parents=True, exist_ok=True)
-    log = os.open(adir.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(adir.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)

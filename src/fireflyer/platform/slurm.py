@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fireflyer.platform.accounts import Account
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir
 from fireflyer.platform.policy import Node
@@ -64,16 +65,20 @@ class SlurmError(RuntimeError):
     """A Slurm command failed, timed out, printed something unexpected, or is not installed."""
 
 
-def run_slurm(argv: Sequence[str], *, timeout: float = TIMEOUT_S, ok_errors: Sequence[str] = ()) -> str:
+def run_slurm(argv: Sequence[str], *, timeout: float = TIMEOUT_S, ok_errors: Sequence[str] = (),
+              account: Account | None = None) -> str:
     """Run one Slurm command; its stdout, or :class:`SlurmError`.
 
     ``ok_errors``: substrings of stderr that mean "nothing to do" (a job already gone),
-    for which a non-zero exit returns ``""`` instead of raising.
+    for which a non-zero exit returns ``""`` instead of raising. ``account``: run it as
+    that Unix account, with its environment from scratch (munge then vouches for that
+    user, and ``sbatch`` exports that environment to the job).
     """
     cmd = shlex.join(argv)
+    how = {} if account is None else {"env": account.env(), **account.popen()}
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, check=False)
+                              stdin=subprocess.DEVNULL, check=False, **how)
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]!r} not found: Slurm's client is not installed "
                          "(apt-get install slurm-client) or not on PATH") from None
@@ -172,12 +177,16 @@ class SlurmExecutor:
 
     # ------------------------------------------------------------ the Executor protocol
     def launch(self, launch: Launch, attempt_dir: str) -> str:
+        """Submit the attempt's job; as the task's account when it has one, so Slurm runs it as that user."""
         adir = AttemptDir(attempt_dir)
-        adir.create()
+        account = None if launch.account is None else Account.from_json(launch.account)
+        if account is None:
+            adir.create()
         script = adir.root / "slurm.sh"
-        script.write_text(self.batch_script(launch, adir))
-        script.chmod(0o755)
-        out = run_slurm(self.sbatch_argv(launch, adir, script), timeout=self.timeout).strip()
+        script.unlink(missing_ok=True)
+        with os.fdopen(adir.open_new("slurm.sh", 0o700), "w") as f:
+            f.write(self.batch_script(launch, adir))
+        out = run_slurm(self.sbatch_argv(launch, adir, script), timeout=self.timeout, account=account).strip()
         # --parsable prints "jobid" or "jobid;cluster"
         job = out.splitlines()[-1].split(";")[0].strip() if out else ""
         if not job.isdigit():

@@ -207,6 +207,15 @@ class Store:
         return group == "default" or self._db.execute(
             "SELECT 1 FROM members WHERE user=? AND grp=?", (user, group)).fetchone() is not None
 
+    def unix_accounts(self) -> dict[str, str]:
+        """User -> the Unix account their tasks run as, from the server's ``users`` table (none: empty)."""
+        try:
+            return dict(self._db.execute("SELECT name, unix FROM users WHERE unix IS NOT NULL"))
+        except sqlite3.OperationalError as exc:
+            if "no such" in str(exc):  # no server user yet, or a table from before Unix accounts
+                return {}
+            raise
+
     def quotas(self) -> dict[tuple[str, str, Priority], int]:
         return {(u, g, Priority(p)): n for u, g, p, n in self._db.execute("SELECT user, grp, priority, nodes FROM quotas")}
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable
+import shutil
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from fireflyer.platform.accounts import Account
 
 NOBODY = 65534
 
@@ -30,3 +37,71 @@ def refused_as(uid: int, attempt: Callable[[], object], refusal: type[BaseExcept
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 3
+
+
+# ---------------------------------------------------------------------- real accounts (root only)
+ACCOUNT_TIMEOUT_S = 30.0
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=ACCOUNT_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+
+
+def accounts_unavailable() -> str | None:
+    """Why this machine cannot make test accounts (a reason to skip), or None when it can."""
+    if os.geteuid() != 0:
+        return "needs root (to create Unix accounts with useradd)"
+    for tool in ("useradd", "userdel", "setfacl"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} ({'the acl package' if tool == 'setfacl' else 'the passwd package'})"
+    return None
+
+
+@contextlib.contextmanager
+def unix_accounts(homes: Path, *tags: str) -> Iterator[dict[str, "Account"]]:
+    """Real Unix accounts, one per tag (``ff{tag}{pid}``), each with a private home under ``homes``.
+
+    Every process of theirs is killed and the accounts deleted afterwards.
+    """
+    from fireflyer.platform.accounts import Account
+
+    homes.mkdir(parents=True, exist_ok=True)
+    os.chmod(homes, 0o755)
+    made: list[str] = []
+    try:
+        for tag in tags:
+            name = f"ff{tag}{os.getpid() % 100000}"
+            done = _run("useradd", "--create-home", "--home-dir", str(homes / name), "--shell", "/usr/sbin/nologin",
+                        "--user-group", name)
+            if done.returncode != 0:
+                raise RuntimeError(f"useradd {name} failed: {done.stderr.strip()}")
+            made.append(name)
+            os.chmod(homes / name, 0o700)
+        yield {tag: Account.lookup(name) for tag, name in zip(tags, made)}
+    finally:
+        for name in made:
+            _run("pkill", "-KILL", "-u", name)
+            _run("userdel", "--remove", "--force", name)
+
+
+@contextlib.contextmanager
+def reachable(paths: Iterable[str | os.PathLike], accounts: Iterable["Account"]) -> Iterator[None]:
+    """Let ``accounts`` enter every folder on the way to ``paths`` (an ACL entry where the mode does not),
+    as a site does when it installs the platform where every user can run it; undone afterwards."""
+    granted: list[tuple[str, str]] = []
+    try:
+        for target in paths:
+            p = Path(os.path.realpath(target))
+            for folder in [*reversed(p.parents), p]:
+                if not folder.is_dir() or os.stat(folder).st_mode & 0o001:
+                    continue
+                for account in accounts:
+                    done = _run("setfacl", "-m", f"u:{account.name}:x", str(folder))
+                    if done.returncode != 0:
+                        raise RuntimeError(f"setfacl on {folder} failed: {done.stderr.strip()}")
+                    granted.append((account.name, str(folder)))
+        yield
+    finally:
+        for name, folder in granted:
+            _run("setfacl", "-x", f"u:{name}", folder)

@@ -30,7 +30,7 @@ RESERVED_NAMES = frozenset({"public"})
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS users (
     name TEXT PRIMARY KEY, admin INTEGER NOT NULL DEFAULT 0, token_hash TEXT NOT NULL,
-    created REAL NOT NULL, revoked REAL);
+    created REAL NOT NULL, revoked REAL, unix TEXT);
 """
 
 
@@ -44,6 +44,8 @@ class User:
     admin: bool
     created: float
     revoked: float | None = None
+    unix: str | None = None
+    """The Unix account the user's tasks run as (see :mod:`fireflyer.platform.accounts`)."""
 
     @property
     def active(self) -> bool:
@@ -87,6 +89,9 @@ class Users:
         if create:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(users)")}
+            if "unix" not in columns:  # a platform made before users had Unix accounts
+                self._db.execute("ALTER TABLE users ADD COLUMN unix TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -97,13 +102,18 @@ class Users:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def add(self, name: str, *, admin: bool = False) -> str:
-        """Create a user; returns their token (the only time it is seen)."""
+    def add(self, name: str, *, admin: bool = False, unix: str | None = None) -> str:
+        """Create a user; returns their token (the only time it is seen).
+
+        ``unix``: the Unix account their tasks run as; it must exist on this machine.
+        """
         check_name(name)
+        if unix is not None:
+            _check_account(unix)
         token = new_token()
         try:
-            self._db.execute("INSERT INTO users(name, admin, token_hash, created) VALUES (?,?,?,?)",
-                             (name, int(admin), token_hash(token), self._clock()))
+            self._db.execute("INSERT INTO users(name, admin, token_hash, created, unix) VALUES (?,?,?,?,?)",
+                             (name, int(admin), token_hash(token), self._clock(), unix))
         except sqlite3.IntegrityError:
             raise UserProblem(f"user {name!r} exists already; 'user token {name}' gives them a new token") from None
         return token
@@ -122,9 +132,16 @@ class Users:
                             (self._clock(), name)).rowcount != 1:
             raise self._unknown(name)
 
+    def set_unix(self, name: str, unix: str | None) -> None:
+        """Map ``name`` to a Unix account (None: to none; their next tasks run as the platform decides)."""
+        if unix is not None:
+            _check_account(unix)
+        if self._db.execute("UPDATE users SET unix=? WHERE name=?", (unix, name)).rowcount != 1:
+            raise self._unknown(name)
+
     def list(self) -> list[User]:
-        return [User(n, bool(a), c, r) for n, a, c, r in
-                self._db.execute("SELECT name, admin, created, revoked FROM users ORDER BY name")]
+        return [User(n, bool(a), c, r, x) for n, a, c, r, x in
+                self._db.execute("SELECT name, admin, created, revoked, unix FROM users ORDER BY name")]
 
     def count(self, *, active: bool = True) -> int:
         where = " WHERE revoked IS NULL" if active else ""
@@ -154,6 +171,15 @@ class Users:
     def _unknown(self, name: str) -> UserProblem:
         known = [u.name for u in self.list()][:8]
         return UserProblem(f"no user {name!r}; users are {', '.join(known) or 'none yet'}")
+
+
+def _check_account(unix: str) -> None:
+    from fireflyer.platform.accounts import Account, AccountProblem
+
+    try:
+        Account.lookup(unix)
+    except AccountProblem as exc:
+        raise UserProblem(str(exc)) from None
 
 
 class FailedLogins:

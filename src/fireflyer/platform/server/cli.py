@@ -42,10 +42,15 @@ def _user(argv: list[str]) -> int:
     from fireflyer.platform.server.auth import UserProblem, Users
 
     p = ArgumentParser(prog="fireflyer platform user", description="The HTTP server's users and their tokens.")
-    sub = p.add_subparsers(dest="action", required=True, metavar="add|list|revoke|token")
+    sub = p.add_subparsers(dest="action", required=True, metavar="add|list|revoke|token|unix")
     add = sub.add_parser("add", help="add a user and print their token (shown only this once)")
     add.add_argument("name")
     add.add_argument("--admin", action="store_true", help="may see and control every task, and drain nodes")
+    add.add_argument("--unix", metavar="ACCOUNT", help="the Unix account their tasks run as (mapping a user to an "
+                                                       "account not the daemon's makes the platform isolate users)")
+    unix = sub.add_parser("unix", help="map a user to the Unix account their tasks run as ('-': to none)")
+    unix.add_argument("name")
+    unix.add_argument("account")
     lst = sub.add_parser("list", help="the users (never their tokens)")
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
     revoke = sub.add_parser("revoke", help="the user's token stops working at once")
@@ -53,15 +58,16 @@ def _user(argv: list[str]) -> int:
     token = sub.add_parser("token", help="a new token for the user (the old one stops working; re-enables "
                                          "a revoked user)")
     token.add_argument("name")
-    for s in (add, lst, revoke, token):
+    for s in (add, lst, revoke, token, unix):
         _home_arg(s)
     args = p.parse_args(argv)
     home = _home(args)
     try:
         with Users(home.db) as users:
             if args.action == "add":
-                secret = users.add(args.name, admin=args.admin)
-                print(f"user {args.name} added{' (admin)' if args.admin else ''}; their token follows, shown "
+                secret = users.add(args.name, admin=args.admin, unix=args.unix)
+                runs = f", running tasks as Unix account {args.unix}" if args.unix else ""
+                print(f"user {args.name} added{' (admin)' if args.admin else ''}{runs}; their token follows, shown "
                       "only this once (clients send it as 'Authorization: Bearer TOKEN'; the CLI reads "
                       "FIREFLYER_TOKEN)", file=sys.stderr)
                 print(secret)
@@ -69,13 +75,18 @@ def _user(argv: list[str]) -> int:
                 secret = users.rotate(args.name)
                 print(f"user {args.name}: new token follows (the old one no longer works)", file=sys.stderr)
                 print(secret)
+            elif args.action == "unix":
+                account = None if args.account == "-" else args.account
+                users.set_unix(args.name, account)
+                print(f"user {args.name}: tasks run as " + (f"Unix account {account}" if account else
+                                                            "the platform decides (no account of their own)"))
             elif args.action == "revoke":
                 users.revoke(args.name)
                 print(f"user {args.name}: token revoked ('fireflyer platform user token {args.name}' gives a new one)")
             else:
                 rows = users.list()
-                data = [{"name": u.name, "admin": u.admin, "created": u.created, "revoked": u.revoked}
-                        for u in rows]
+                data = [{"name": u.name, "admin": u.admin, "created": u.created, "revoked": u.revoked,
+                         "unix": u.unix} for u in rows]
                 if args.json:
                     print(json.dumps(data, indent=1))
                 elif not rows:
@@ -83,9 +94,9 @@ def _user(argv: list[str]) -> int:
                 else:
                     from fireflyer.platform.cli import table
 
-                    print(table([(u.name, "admin" if u.admin else "user", _when(u.created),
+                    print(table([(u.name, "admin" if u.admin else "user", u.unix or "-", _when(u.created),
                                   f"revoked {_when(u.revoked)}" if u.revoked else "active") for u in rows],
-                                ["USER", "ROLE", "CREATED", "TOKEN"]))
+                                ["USER", "ROLE", "UNIX", "CREATED", "TOKEN"]))
     except UserProblem as exc:
         raise UserError(str(exc)) from None
     return 0
