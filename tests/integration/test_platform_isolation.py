@@ -16,7 +16,6 @@ import os
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ pytest.importorskip("uvicorn")
 
 from fireflyer.platform.layout import Home  # noqa: E402
 from fireflyer.platform.local import kill_active  # noqa: E402
-from fireflyer.testing.users import accounts_unavailable, reachable, unix_accounts  # noqa: E402
+from fireflyer.testing.users import account_site, accounts_unavailable  # noqa: E402
 
 from test_platform_server import Server, call, ok  # noqa: E402
 
@@ -77,20 +76,10 @@ os.symlink("/etc/shadow", log)
 
 
 @pytest.fixture()
-def site(tmp_path):
-    """Two real accounts, a platform home (private) and a runs folder they can reach."""
-    base = Path(tempfile.mkdtemp(prefix="ff-isolation-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    try:
-        with unix_accounts(base / "homes", "a", "b") as accounts:
-            code = Path(__file__).resolve().parents[2]
-            import fireflyer
-
-            with reachable([sys.executable, os.path.realpath(sys.executable), Path(fireflyer.__file__).parent,
-                            code], accounts.values()):
-                yield base, accounts
-    finally:
-        subprocess.run(["rm", "-rf", str(base)], timeout=60)
+def site():
+    """Two real accounts, and a folder for the platform's home and runs that they can enter."""
+    with account_site("a", "b") as (base, accounts):
+        yield base, accounts
 
 
 def _cli(home: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import pytest
 
 from fireflyer.platform.daemon import daemon_pid
 from fireflyer.platform.executor import Launch, Timeouts
-from fireflyer.platform.layout import AttemptDir, Home, read_json, write_json_atomic
+from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir, read_json, write_json_atomic
 from fireflyer.platform.slurm import (
     SlurmError,
     SlurmExecutor,
@@ -33,6 +33,7 @@ from fireflyer.platform.slurm import (
     undrain,
 )
 from fireflyer.platform.store import StopCode, Store
+from fireflyer.testing.users import account_site, accounts_unavailable
 
 SETUP_STATUS = Path("/run/fireflyer-slurm.status")
 WAIT_S = 40.0
@@ -202,6 +203,55 @@ def test_launch_runs_every_rank_through_the_supervisor(nodes, run_attempt, tmp_p
     assert ex.state(handle) == "COMPLETED"
     assert {p.name: p.read_text() for p in adir.rank_logs()} == before
     assert read_json(adir.status) == status
+
+
+WHO = """
+    import json, os
+    print("WHO " + json.dumps({"uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups()),
+                               "rank": os.environ.get("RANK"), "cwd": os.getcwd(),
+                               "canary": os.environ.get("FIREFLYER_TEST_DAEMON_CANARY")}), flush=True)
+"""
+
+
+@pytest.mark.skipif(accounts_unavailable() is not None, reason=str(accounts_unavailable()))
+def test_an_attempt_of_a_mapped_user_is_their_slurm_job(nodes, monkeypatch):
+    """The daemon (root) submits with sbatch as the task's account, so slurmd starts the job as that user:
+    the job, its supervisor and every rank run with the account's uid and groups, nothing of the daemon's
+    environment, and every file of the attempt is the account's."""
+    monkeypatch.setenv("FIREFLYER_TEST_DAEMON_CANARY", "the daemon's own secret")
+    with account_site("s") as (base, accounts):
+        account = accounts["s"]
+        runs = base / "runs"
+        open_runs_dir(runs)
+        who = Path(account.home) / "who.py"
+        who.write_text(textwrap.dedent(WHO))
+        os.chown(who, account.uid, account.gid)
+        task_id = 950_000 + os.getpid() % 1000
+        launch = Launch(task_id=task_id, chain_id=task_id, attempt=0, name="as-user", user="sam",
+                        command=(sys.executable, str(who)), nodes=tuple(nodes), ranks_per_node=1,
+                        master_port=29900 + task_id % 100, cwd=account.home, account=account.to_json(),
+                        timeouts=Timeouts(suspend_ack=5, suspend_grace=20, unschedulable=60))
+        adir = AttemptDir(runs / str(task_id))
+        adir.prepare(launch.to_json(), account.uid, account.gid)
+        ex = SlurmExecutor()
+        handle = ex.launch(launch, str(adir.root))
+        try:
+            owner = run_slurm(["squeue", "-h", "-j", handle, "--states=all", "-o", "%u"]).strip()
+            assert owner in (account.name, ""), f"job {handle} belongs to {owner!r}"  # "" once it is gone
+            wait_for(f"job {handle} to end", lambda: not ex.alive(handle))
+            status = adir.read_json(adir.status)  # a file of the account's, or this raises
+            assert status is not None and status["stop_code"] == StopCode.STOP, _logs(adir)
+            seen = [json.loads(line[4:]) for log in adir.rank_logs() for line in log.read_text().splitlines()
+                    if line.startswith("WHO ")]
+            assert sorted(int(w["rank"]) for w in seen) == list(range(len(nodes))), _logs(adir)
+            for w in seen:
+                assert (w["uid"], w["gid"]) == (account.uid, account.gid) and set(w["groups"]) == set(account.groups)
+                assert w["cwd"] == account.home and w["canary"] is None
+            for path in [adir.status, adir.logs / f"slurm-{handle}.out", *adir.rank_logs()]:
+                st = os.lstat(path)
+                assert st.st_uid == account.uid and not st.st_mode & 0o077, (path, st.st_uid, oct(st.st_mode))
+        finally:
+            ex.kill(handle)
 
 
 def test_a_failed_rank_stops_its_peers(nodes, run_attempt, tmp_path):

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
@@ -105,3 +106,23 @@ def reachable(paths: Iterable[str | os.PathLike], accounts: Iterable["Account"])
     finally:
         for name, folder in granted:
             _run("setfacl", "-x", f"u:{name}", folder)
+
+
+@contextlib.contextmanager
+def account_site(*tags: str) -> Iterator[tuple[Path, dict[str, "Account"]]]:
+    """A fresh folder under /tmp that every account can enter, real accounts with homes in it, and the
+    interpreter and the fireflyer package reachable by them: what a site with the platform installed for
+    all its users looks like. Everything is removed afterwards."""
+    import sys
+
+    import fireflyer
+
+    base = Path(tempfile.mkdtemp(prefix="ff-accounts-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    try:
+        with unix_accounts(base / "homes", *tags) as accounts:
+            with reachable([sys.executable, os.path.realpath(sys.executable), Path(fireflyer.__file__).parent],
+                           accounts.values()):
+                yield base, accounts
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
