@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.daemon import Daemon
 from fireflyer.platform.layout import Home, write_json_atomic
 from fireflyer.platform.store import StopCode, Store
+from fireflyer.testing.users import NOBODY
 
 
 class StandIn:
@@ -91,3 +94,29 @@ def test_a_failed_health_check_drains_the_node(daemon):
     assert {n.name: n.drained for n in daemon.store.nodes()}[node]
     restarted = daemon.store.latest(a)
     assert cycle.started == [restarted.id] and node not in restarted.assigned
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to give the attempt's folder to another account)")
+def test_a_health_check_failure_reported_by_the_tasks_own_account_drains_nothing(daemon):
+    """A supervisor that ran as the task's account could have written any status: it can end its own
+    task, but not take nodes away from everybody else."""
+    a = daemon.store.submit(user="u", nodes=1, command=["true"])
+    daemon.tick()
+    node = daemon.store.task(a).assigned[0]
+    adir = daemon.home.attempt(a)
+    write_json_atomic(adir.status, {"stop_code": int(StopCode.HOOK_RESTART), "detail": "ECC", "failed_nodes": [node]})
+    for path in (adir.root, adir.status):
+        os.chown(path, NOBODY, NOBODY)
+    daemon.tick()
+    assert not {n.name: n.drained for n in daemon.store.nodes()}[node]
+    first = daemon.store.chain(a)[0]
+    assert first.stop_code & StopCode.FAILED and "not drained" in first.detail and "restart 1 of 1" in first.detail
+
+
+def test_an_unreadable_status_fails_the_attempt_with_the_reason(daemon):
+    a = daemon.store.submit(user="u", nodes=1, command=["true"])
+    daemon.tick()
+    daemon.home.attempt(a).status.write_text("{half a status")
+    daemon.tick()
+    first = daemon.store.chain(a)[0]
+    assert first.stop_code & StopCode.FAILED and "status.json is unreadable" in first.detail
