@@ -777,6 +777,8 @@ def test_the_cli_serves_and_talks_to_the_server_with_the_same_output_as_locally(
     try:
         url = _wait("the server's URL", lambda: (m := re.search(r"on (http://[\d.]+:\d+) ", log.read_text()))
                     and "startup complete" in log.read_text() and m.group(1), timeout=START_TIMEOUT_S)
+        # users with no Unix account of their own, under a root daemon: said at start
+        assert ("every user's tasks run as root" in log.read_text()) == (os.geteuid() == 0)
         as_alice = {"FIREFLYER_TOKEN": alice}
         done = _fireflyer("submit", "--server", url, "-n", "1", "--name", "remote", "--", "true", env=as_alice)
         assert done.returncode == 0 and "submitted task 1 (remote)" in done.stdout, done.stderr

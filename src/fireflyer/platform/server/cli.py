@@ -10,6 +10,7 @@ import errno
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -166,8 +167,14 @@ def _serve(argv: list[str]) -> int:
     from fireflyer.platform.daemon import daemon_pid
     from fireflyer.platform.server.auth import Users
 
+    from fireflyer.platform import config as platform_config
+    from fireflyer.platform.accounts import isolating
+
     with Users(home.db) as users:
         active = users.count()
+        mapping = {u.name: u.unix for u in users.list() if u.unix}
+    cfg = platform_config.load(home)
+    as_root = os.geteuid() == 0 and not isolating(mapping, isolate=bool(cfg and cfg.isolate))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -177,6 +184,9 @@ def _serve(argv: list[str]) -> int:
         print("warning: no users yet, so every API call is refused: add one with "
               f"'fireflyer platform user add NAME --admin{'' if args.home is None else f' --home {args.home}'}' "
               "(no restart needed)", file=sys.stderr, flush=True)
+    if as_root and active:
+        print("warning: every user's tasks run as root (the platform's own account): map each user to a Unix "
+              "account of their own with 'fireflyer platform user unix NAME ACCOUNT'", file=sys.stderr, flush=True)
     if daemon_pid(home) is None:
         print(f"warning: no platform daemon runs for {home.root}: tasks stay queued until "
               "'fireflyer platform start'", file=sys.stderr, flush=True)
