@@ -11,13 +11,12 @@ maps to an account other than the daemon's own, or when ``isolate`` is set in
   read ``state.db`` and every user's tasks), does not run;
 * nor does one as root, unless ``allow_root_tasks`` says so.
 
-Switching users needs root (or ``CAP_SETUID`` and ``CAP_SETGID``). Without isolation (the
+Switching users needs root (or the capabilities in :data:`SWITCHING_CAPS`). Without isolation (the
 embedded default, ``make demo``) a task runs as whoever runs the daemon, as before.
 """
 
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 import subprocess
@@ -28,7 +27,10 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 PASSED_ON = ("LANG", "LC_ALL", "TZ", "PYTHONPATH")
 """The daemon's variables an isolated task still gets (how to find the platform's own code,
 and the locale); nothing else of the daemon's environment reaches it."""
-CAP_SETGID, CAP_SETUID = 6, 7
+SWITCHING_CAPS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_DAC_READ_SEARCH": 2, "CAP_KILL": 5, "CAP_SETGID": 6,
+                  "CAP_SETUID": 7}
+"""What a daemon that is not root needs to run tasks as other accounts: start them as those
+accounts, hand them their folders, write and read in those folders, and stop their processes."""
 CHECK_TIMEOUT_S = 10.0
 
 
@@ -89,7 +91,7 @@ class Account:
 
 
 def can_switch_users() -> bool:
-    """Whether this process may start processes as other users (root, or CAP_SETUID and CAP_SETGID)."""
+    """Whether this process may run tasks as other users: root, or every one of :data:`SWITCHING_CAPS`."""
     if os.geteuid() == 0:
         return True
     try:
@@ -97,7 +99,7 @@ def can_switch_users() -> bool:
             caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
     except OSError:
         return False
-    return bool(caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1)
+    return all(caps >> bit & 1 for bit in SWITCHING_CAPS.values())
 
 
 def isolating(mapping: Mapping[str, str], *, isolate: bool = False, daemon_uid: int | None = None) -> bool:
@@ -137,7 +139,7 @@ def run_as(owner: str, mapping: Mapping[str, str], *, isolate: bool = False, all
                              f"tasks and state: map {owner} to an account of their own")
     if account.uid != me and not can_switch_users():
         raise AccountProblem(f"running tasks as {unix} needs the platform's daemon to run as root (or with "
-                             f"CAP_SETUID and CAP_SETGID); it runs as {_name(me)}")
+                             f"{', '.join(SWITCHING_CAPS)}); it runs as {_name(me)}")
     return account
 
 
@@ -146,10 +148,3 @@ def _name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"uid {uid}"
-
-
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
