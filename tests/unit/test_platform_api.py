@@ -169,3 +169,54 @@ def test_a_task_id_too_large_for_sqlite_is_a_clear_error(home):
         for call in (api.describe, api.stop):
             with pytest.raises(ApiError, match="a task id is a number from 1 to"):
                 call(10**23)
+
+
+def test_a_users_default_quota_holds_when_another_user_needs_the_nodes(tmp_path):
+    from fireflyer.platform.daemon import Daemon
+
+    class Executor:
+        name = "stand-in"
+
+        def launch(self, launch, attempt_dir):
+            return f"h{launch.task_id}"
+
+        def alive(self, handle):
+            return True
+
+        def kill(self, handle):
+            pass
+
+    h = Home(tmp_path)
+    cfg = PlatformConfig(nodes=2)  # the default quota: half the nodes, 1
+    store = Store(h.db)
+    store.add_nodes(cfg.emulated_nodes())
+    platform_config.save(h, cfg)
+    daemon = Daemon(h, cfg, executor=Executor(), store=store)
+    with PlatformApi(h, user="alice", admin=False) as alice:
+        big = alice.submit(nodes=2, command=["true"], cwd="/tmp")["id"]
+        daemon.tick()
+        assert alice.describe(big)["state"] == "running"  # alone, alice borrows the other node
+        assert alice.overview()["quota_use"] == [{"user": "alice", "group": "default", "priority": "NORMAL",
+                                                  "used": 2, "quota": 1}]
+    with PlatformApi(h, user="bob", admin=False) as bob:
+        small = bob.submit(nodes=1, command=["true"], cwd="/tmp")["id"]
+    assert daemon.tick().suspending == [big]
+    reasons = [d for _, kind, d in store.events(big) if kind == "suspending"]
+    assert reasons == ["beyond alice's default quota of 1 node(s): another task needs the nodes it borrowed"]
+    assert store.task(small).state == "queued"  # it starts once alice's task has saved and stopped
+    store.close()
+
+
+def test_no_default_quota_leaves_a_running_task_alone(tmp_path):
+    from fireflyer.platform.policy import schedule
+
+    h = Home(tmp_path)
+    cfg = PlatformConfig(nodes=2, default_quota=None)
+    store = Store(h.db)
+    store.add_nodes(cfg.emulated_nodes())
+    big = store.submit(user="alice", nodes=2, command=["true"])
+    store.apply(Decisions(starts=[Start(big, ("node0", "node1"))]))
+    store.submit(user="bob", nodes=1, command=["true"])
+    decisions = schedule(store.nodes(), store.policy_tasks(), store.quotas(), cfg.policy(len(store.nodes())))
+    assert not decisions.suspends and not decisions.starts  # bob waits for turn-taking (4 h) instead
+    store.close()

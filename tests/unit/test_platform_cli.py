@@ -141,3 +141,16 @@ def test_groups_are_kept_by_an_admin(home, capsys):
     assert code == 0 and "vision" in out and "alice bob" in out
     code, out, _ = run(capsys, "platform", "group", "vision", "remove", "bob", "--json")
     assert code == 0 and json.loads(out) == [{"group": "vision", "users": ["alice"]}]
+
+
+def test_quota_says_what_a_user_without_a_row_gets(home, capsys):
+    code, out, _ = run(capsys, "platform", "quota")
+    assert code == 0 and "no quota rows: a user without a row holds half the nodes for sure" in out
+    platform_config.save(home, PlatformConfig(nodes=3, default_quota=None))
+    assert "every user may hold every node" in run(capsys, "platform", "quota")[1]
+
+
+@pytest.mark.parametrize("value", ["-1", "all", "1.5"])
+def test_a_bad_default_quota_is_one_line(home, capsys, value):
+    code, _, err = run(capsys, "platform", "start", "--default-quota", value)
+    assert code == 2 and "default_quota must be a node count" in err and err.count("\n") == 1

@@ -157,6 +157,7 @@ def test_priority_names_and_bad_values():
         PolicyConfig(time_share_after=-1)
 
 
+@pytest.mark.parametrize("cfg", [PolicyConfig(), PolicyConfig(default_quota=2)], ids=["no default", "default 2"])
 @settings(max_examples=150, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 6), min_size=1, max_size=25),
@@ -165,7 +166,7 @@ def test_priority_names_and_bad_values():
     n_nodes=st.integers(1, 16),
     zones=st.integers(1, 3),
 )
-def test_invariants(sizes, prios, running, n_nodes, zones):
+def test_invariants(cfg, sizes, prios, running, n_nodes, zones):
     ns = nodes(n_nodes, zones)
     free = [n.name for n in ns]
     tasks = []
@@ -176,7 +177,7 @@ def test_invariants(sizes, prios, running, n_nodes, zones):
             free = free[size:]
         else:
             tasks.append(Task(i, f"u{i % 3}", size, prios[i]))
-    dec = schedule(ns, tasks)
+    dec = schedule(ns, tasks, cfg=cfg)
     busy = {n for t in tasks if t.state != QUEUED for n in t.assigned}
     got = [n for s in dec.starts for n in s.nodes]
     assert len(got) == len(set(got)) and not set(got) & busy  # no node twice, none already in use
@@ -188,4 +189,53 @@ def test_invariants(sizes, prios, running, n_nodes, zones):
     # a suspended task is never of higher priority than every task that claimed its place
     for sus in dec.suspends:
         assert by_id[sus.task_id].state == RUNNING
-    assert order_tasks(tasks, PolicyConfig())  # ordering is total
+    assert len(order_tasks(tasks, cfg)) == len(tasks)  # ordering is total
+
+
+# ---------------------------------------------------------------------- the default quota
+def test_a_user_alone_may_borrow_every_node_beyond_the_default_quota():
+    dec = schedule(nodes(4), [Task(1, "a", 4), Task(2, "a", 1, P.LOW)], cfg=PolicyConfig(default_quota=2))
+    assert set(started(dec)) == {1} and not dec.suspends
+
+
+def test_another_users_task_takes_back_borrowed_nodes_at_once():
+    ns = nodes(4)
+    cfg = PolicyConfig(default_quota=2)  # time_share_after: 4 h, so without the default a would keep all four
+    a = Task(1, "a", 4, state=RUNNING, assigned=tuple(n.name for n in ns), run_seconds=60)
+    dec = schedule(ns, [a, Task(2, "b", 2)], cfg=cfg)
+    assert [s.task_id for s in dec.suspends] == [1] and "default quota of 2" in dec.suspends[0].reason
+    assert "waiting for preempted" in dec.waiting[2]
+    assert not schedule(ns, [a, Task(2, "b", 2)], cfg=PolicyConfig()).suspends  # None: no default, no borrowing
+
+
+def test_a_task_within_the_default_quota_is_never_preempted_by_a_borrower():
+    ns = nodes(4)
+    cfg = PolicyConfig(default_quota=2)
+    a = Task(1, "a", 2, state=RUNNING, assigned=("n000", "n001"), run_seconds=60)
+    dec = schedule(ns, [a, Task(2, "b", 4)], cfg=cfg)  # b's 4 nodes are beyond its quota: it only borrows
+    assert not dec.suspends and "only borrows" in dec.waiting[2]
+    dec = schedule(ns, [a, Task(2, "b", 2), Task(3, "a", 2)], cfg=cfg)  # a's second task would borrow
+    assert set(started(dec)) == {2} and 3 in dec.waiting
+
+
+def test_borrowers_do_not_block_each_other():
+    dec = schedule(nodes(2), [Task(1, "a", 2), Task(2, "b", 2)], cfg=PolicyConfig(default_quota=1))
+    assert len(dec.starts) == 1
+
+
+def test_a_quota_row_is_a_hard_limit_not_a_default():
+    quotas = {("a", "default", P.NORMAL): 1}
+    dec = schedule(nodes(4), [Task(1, "a", 2), Task(2, "c", 4)], quotas, PolicyConfig(default_quota=2))
+    assert "over quota: a may hold 1" in dec.waiting[1] and set(started(dec)) == {2}  # c borrows what is idle
+
+
+def test_the_platforms_default_quota_is_half_its_nodes_rounded_up():
+    from fireflyer.platform.config import PlatformConfig
+
+    assert PlatformConfig(nodes=5).policy().default_quota == 3
+    assert PlatformConfig(nodes=5).policy(nodes=8).default_quota == 4  # Slurm: the nodes the store has
+    assert PlatformConfig(default_quota=None).policy().default_quota is None
+    assert PlatformConfig(default_quota=1).policy().default_quota == 1
+    for bad in (-1, "all", 1.5, True):
+        with pytest.raises(ValueError, match="default_quota"):
+            PlatformConfig(default_quota=bad)

@@ -11,7 +11,9 @@ or a request the task's state does not allow.
 from __future__ import annotations
 
 import codecs
+import functools
 import getpass
+import inspect
 import json
 import os
 import shutil
@@ -26,7 +28,8 @@ from fireflyer.platform.accounts import DEFAULT_PATH, AccountProblem, run_as
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Priority
-from fireflyer.platform.store import ACTIVE, FINISHED, HELD, STATES, StopCode, Store, TaskRow, UnknownTask, stop_text
+from fireflyer.platform.store import (ACTIVE, FINISHED, HELD, STATES, StopCode, Store, StoreUnavailable, TaskRow,
+                                      UnknownTask, stop_text)
 
 MAX_LIMIT = 10_000
 ENV_PASSED = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
@@ -49,6 +52,39 @@ class Forbidden(ApiError):
 
 class Conflict(ApiError):
     status = 409
+
+
+class Unavailable(ApiError):
+    """The platform's state cannot be used now (a full or failing disk, a database held too long): retry later."""
+
+    status = 503
+
+
+def _answers_503(cls: type) -> type:
+    """Every public method (and the constructor) raises :class:`Unavailable` where the store could not be used."""
+
+    def guard(method):
+        if inspect.isgeneratorfunction(method):
+            @functools.wraps(method)
+            def stream(*args, **kwargs):
+                try:
+                    yield from method(*args, **kwargs)
+                except StoreUnavailable as exc:
+                    raise Unavailable(str(exc)) from None
+            return stream
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except StoreUnavailable as exc:
+                raise Unavailable(str(exc)) from None
+        return call
+
+    for name, value in list(vars(cls).items()):
+        if inspect.isfunction(value) and (name == "__init__" or not name.startswith("_")):
+            setattr(cls, name, guard(value))
+    return cls
 
 
 def outcome(t: TaskRow) -> str:
@@ -122,6 +158,7 @@ def check_text(field: str, value: object, least: int, most: int) -> None:
         raise ApiError(f"{field} must not contain control characters")
 
 
+@_answers_503
 class PlatformApi:
     def __init__(self, home: Home, *, user: str | None = None, admin: bool = True) -> None:
         if not home.db.exists():
@@ -398,9 +435,10 @@ class PlatformApi:
             if t.state in (RUNNING, SUSPENDING):
                 used[(t.user, t.group, t.priority)] = used.get((t.user, t.group, t.priority), 0) + t.nodes
         quotas = self.store.quotas()
+        default = self._config().policy(len(nodes)).default_quota
         keys = sorted(set(used) | set(quotas), key=lambda k: (k[0], k[1], -k[2]))
         quota_use = [{"user": u, "group": g, "priority": p.name, "used": used.get((u, g, p), 0),
-                      "quota": quotas.get((u, g, p), quotas.get(("public", g, p)))}
+                      "quota": quotas.get((u, g, p), quotas.get(("public", g, p), default))}
                      for u, g, p in keys if self.admin or u == self.user]
         now = time.time()
         start = now - hours * 3600

@@ -226,7 +226,7 @@ def measure_cycle(cfg: PlatformBenchConfig, work: Path) -> dict[str, Any]:
         pure.append(time.perf_counter() - t)
     template = _build_store(state, work / "template")
     setup_s = time.perf_counter() - t0
-    pcfg = PlatformConfig(nodes=cfg.nodes, zones=cfg.zones)
+    pcfg = PlatformConfig(nodes=cfg.nodes, zones=cfg.zones, default_quota=None)  # the pure cycle's policy
     ticks, decide, steady, started, suspended = [], [], [], [], []
     for k in range(cfg.cycles):
         root = work / f"cycle{k}"

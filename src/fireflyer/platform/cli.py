@@ -25,11 +25,11 @@ from fireflyer.errors import UserError
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Timeouts
-from fireflyer.platform.layout import HOME_ENV, Home, read_json
+from fireflyer.platform.layout import HOME_ENV, Home
 from fireflyer.platform.policy import Priority
-from fireflyer.platform.api import ENV_PASSED, MAX_GROUP, MAX_TASK_ID, ApiError, PlatformApi, check_text
+from fireflyer.platform.api import ENV_PASSED, MAX_GROUP, MAX_TASK_ID, ApiError, PlatformApi, Unavailable, check_text
 from fireflyer.platform.remote import SERVER_ENV, TOKEN_ENV, RemoteApi
-from fireflyer.platform.store import ACTIVE, FINISHED, Store
+from fireflyer.platform.store import ACTIVE, FINISHED, Store, StoreUnavailable
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -110,6 +110,8 @@ class _Api:
                     raise UserError(f"no platform in {home.root}: start one with 'fireflyer platform start'"
                                     + ("" if args.home else f" (or point --home/{HOME_ENV} at one)"))
                 self.api = PlatformApi(home)
+        except Unavailable as exc:
+            raise RuntimeError(str(exc)) from None
         except ApiError as exc:
             raise UserError(str(exc)) from None
         self.remote = bool(args.server)
@@ -120,6 +122,8 @@ class _Api:
         def call(*a: Any, **kw: Any) -> Any:
             try:
                 return method(*a, **kw)
+            except Unavailable as exc:  # not the user's mistake: exit 1, try again later
+                raise RuntimeError(str(exc)) from None
             except ApiError as exc:
                 raise UserError(str(exc)) from None
 
@@ -156,6 +160,9 @@ def _platform(argv: list[str]) -> int:
     start.add_argument("--suspend-grace", type=float, help="seconds to save after acknowledging (60)")
     start.add_argument("--watchdog", type=float, help="seconds of log silence that count as a hang (1800)")
     start.add_argument("--unschedulable-after", type=float, help="seconds for all ranks to start (180)")
+    start.add_argument("--default-quota", metavar="NODES|half|none",
+                       help="nodes a user without a quota row holds for sure per group and priority; beyond them "
+                            "their tasks only borrow idle nodes (default half, rounded up; none: no default)")
     start.add_argument("--prolog", help="node health check run before a task's ranks start on it (a command line)")
     start.add_argument("--partition", help="Slurm partition (slurm executor)")
     start.add_argument("--runs-dir", help="where attempt folders live (default HOME/tasks); an isolating platform "
@@ -208,9 +215,13 @@ def _quota(args: Any) -> int:
     finally:
         store.close()
     data = [{"user": u, "group": g, "priority": p.name, "nodes": n} for (u, g, p), n in rows]
+    default = (platform_config.load(Home(args.home)) or PlatformConfig()).default_quota
+    held = "half the nodes" if default == "half" else f"{default} node(s)"
+    fallback = ("every user may hold every node" if default is None else f"a user without a row holds {held} for "
+                "sure per group and priority, and beyond that only borrows idle nodes (default_quota)")
     return _emit(args, data, lambda: table([(d["user"], d["group"], d["priority"], d["nodes"]) for d in data],
-                                           ["USER", "GROUP", "PRIORITY", "NODES"]) if data else
-                 "no quotas: every user may use every node at every priority")
+                                           ["USER", "GROUP", "PRIORITY", "NODES"]) + f"\n{fallback}" if data else
+                 f"no quota rows: {fallback}")
 
 
 def _group(args: Any) -> int:
@@ -254,6 +265,10 @@ def _configure(home: Home, args: Any) -> PlatformConfig:
             "runs_dir": os.path.abspath(args.runs_dir) if args.runs_dir else None,
             "prolog": tuple(shlex.split(args.prolog)) if args.prolog else None}.items() if v is not None}
         cfg = cfg.replace(timeouts=timeouts, **changes)
+        if args.default_quota is not None:
+            text = args.default_quota.strip().lower()
+            cfg = cfg.replace(default_quota=None if text == "none" else text if text == "half" else
+                              int(text) if text.isdigit() else args.default_quota)
     except (TypeError, ValueError) as exc:
         raise UserError(str(exc)) from None
     return cfg
@@ -336,33 +351,45 @@ def _stop_daemon(home: Home) -> int:
 
 
 def _status(home: Home, args: Any) -> int:
-    from fireflyer.platform.daemon import daemon_pid
+    """One line (or JSON) on the daemon and the tasks; exit 1 when the daemon is unhealthy or the state unreadable."""
+    from fireflyer.platform.daemon import daemon_pid, read_heartbeat, why_unhealthy
 
     pid = daemon_pid(home)
     cfg = platform_config.load(home)
-    beat = read_json(home.heartbeat) if home.heartbeat.exists() else None
+    beat = read_heartbeat(home)
+    problem = why_unhealthy(beat, cfg.tick if cfg else 1.0, time.time()) if pid else None
     counts: dict[str, int] = {}
     nodes = 0
+    unreadable = None
     if home.db.exists():
-        store = Store(home.db)
         try:
-            for t in store.tasks(ACTIVE):
-                counts[t.state] = counts.get(t.state, 0) + 1
-            nodes = len(store.nodes())
-        finally:
-            store.close()
+            store = Store(home.db)
+            try:
+                for t in store.tasks(ACTIVE):
+                    counts[t.state] = counts.get(t.state, 0) + 1
+                nodes = len(store.nodes())
+            finally:
+                store.close()
+        except StoreUnavailable as exc:
+            unreadable = str(exc)
     data = {"home": str(home.root), "daemon_pid": pid, "running": pid is not None,
+            "healthy": None if pid is None else problem is None, "problem": problem,
             "last_cycle": beat.get("at") if beat else None, "executor": cfg.executor if cfg else None,
-            "nodes": nodes, "tasks": counts}
+            "nodes": nodes, "tasks": None if unreadable else counts, "unreadable": unreadable}
 
     def render() -> str:
         up = f"up (pid {pid}, last cycle {_ago(time.time() - beat['at'])} ago)" if pid and beat else \
             ("up (pid %s)" % pid if pid else "down")
+        if problem:
+            up = f"unhealthy: {problem} (pid {pid})"
         states = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tasks"
+        if unreadable:
+            states = f"tasks unknown: {unreadable}"
         return (f"platform {home.root}: daemon {up}; {cfg.executor if cfg else 'not configured'} executor, "
                 f"{nodes} nodes; {states}")
 
-    return _emit(args, data, render)
+    _emit(args, data, render)
+    return 1 if problem or unreadable else 0
 
 
 # ---------------------------------------------------------------------- tasks

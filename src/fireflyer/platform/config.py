@@ -36,6 +36,10 @@ class PlatformConfig:
     max_cross_zone: int = 1
     demote_after: float | None = 30 * 60.0
     """Seconds after which a running ABOVE_NORMAL task counts as NORMAL (HAI: 30 minutes); None: never."""
+    default_quota: int | str | None = "half"
+    """Nodes a user without a quota row (their own or ``public``) holds for sure per group and priority;
+    beyond them their tasks only borrow idle nodes, and are the first suspended when another task needs
+    them. ``"half"``: half the platform's nodes, rounded up; None: no default (anyone may hold every node)."""
     prolog: tuple[str, ...] = ()
     """A health check run for each node before a task's ranks start there; a node that fails it is drained."""
     partition: str | None = None
@@ -68,6 +72,9 @@ class PlatformConfig:
             raise ValueError(f"tick must be positive seconds, got {self.tick!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        quota = self.default_quota
+        if quota not in (None, "half") and (type(quota) is not int or quota < 0):
+            raise ValueError(f"default_quota must be a node count, 'half' or none (no default), got {quota!r}")
         if self.runs_dir is not None and (not isinstance(self.runs_dir, str) or not os.path.isabs(self.runs_dir)):
             raise ValueError(f"runs_dir must be an absolute path, got {self.runs_dir!r}")
         for name in ("isolate", "allow_root_tasks"):
@@ -79,9 +86,13 @@ class PlatformConfig:
         """The most ranks per node a task may ask for."""
         return self.slots_per_node or max(os.cpu_count() or 1, self.ranks_per_node)
 
-    def policy(self) -> PolicyConfig:
+    def policy(self, nodes: int | None = None) -> PolicyConfig:
+        """The scheduler's settings for a platform of ``nodes`` nodes (default: the emulated ones)."""
+        quota = self.default_quota
+        if quota == "half":
+            quota = -(-(self.nodes if nodes is None else nodes) // 2)
         return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone,
-                            demote_after=self.demote_after)
+                            demote_after=self.demote_after, default_quota=quota)
 
     def emulated_nodes(self) -> list[Node]:
         width = len(str(self.nodes - 1))

@@ -22,12 +22,14 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fireflyer.fsutil import open_owned, private_dir
 from fireflyer.platform import config as platform_config
@@ -36,12 +38,15 @@ from fireflyer.platform.executor import Executor, Launch
 from fireflyer.platform.accounts import AccountProblem, run_as
 from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir
 from fireflyer.platform.policy import RUNNING, SUSPENDING, schedule
-from fireflyer.platform.store import Store, StopCode, TaskRow
+from fireflyer.platform.store import STORAGE_ERRNOS, Store, StoreUnavailable, StopCode, TaskRow
 from fireflyer.ports import free_port
 
 log = logging.getLogger("fireflyer.platform")
 NODE_SYNC_S = 10.0
 """How often the daemon re-reads node health from Slurm (slurm executor)."""
+MIN_FREE_BYTES = 1 << 20
+"""Below this much free space on the home's or the attempts' disk the daemon reports itself unhealthy:
+the next state change, status file or log line may not fit."""
 
 
 def make_executor(cfg: PlatformConfig) -> Executor:
@@ -62,6 +67,8 @@ class Cycle:
     started: list[int] = field(default_factory=list)
     suspending: list[int] = field(default_factory=list)
     decide_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    """Storage faults the cycle met and went on past (a control file it could not write, a full disk)."""
 
 
 class Daemon:
@@ -71,6 +78,8 @@ class Daemon:
         self.store = store or Store(home.db)
         self.executor = executor or make_executor(cfg)
         self._node_sync_at = 0.0
+        self._unrecorded: dict[int, tuple] = {}
+        """Attempts whose end is known but the store could not take yet: task id -> _finish's arguments."""
 
     def _sync_slurm_nodes(self, now: float) -> None:
         """Slurm is the source of truth for node health: a node it marks DOWN or DRAIN is not used."""
@@ -96,6 +105,13 @@ class Daemon:
     # ------------------------------------------------------------------ 1. watch
     def _finish(self, t: TaskRow, code: StopCode, detail: str, *, life: int | None = None,
                 failed_nodes: tuple[str, ...] = (), restart: bool = True) -> int | None:
+        adir = self.home.attempt(t.id)
+        if code & (StopCode.FAILED | StopCode.INIT_FAILED) and not adir.status.exists():
+            problem = unwritable(adir.root)
+            if problem:  # its supervisor (or its launch) may have failed for want of space: not the task's fault
+                code, restart = StopCode.UNSCHEDULABLE, True
+                detail += f"; its end could not be recorded ({problem}): requeued, not counted as a failure"
+        self._unrecorded[t.id] = (code, detail, life, failed_nodes, restart)  # until the store has it
         for node in failed_nodes:
             self._drain(node, f"failed its health check in task {t.id}")
             self.store.event(t.id, "drained", node)
@@ -113,6 +129,7 @@ class Daemon:
             else:
                 detail += f"; no restarts left ({self.cfg.max_restarts} used)"
         new = self.store.finish(t.id, code, detail=detail, whole_life_state=life)
+        del self._unrecorded[t.id]
         log.info("task %s finished: %s %s%s", t.id, StopCode(code), detail,
                  f"; chain continues as task {new}" if new else "")
         return new
@@ -201,28 +218,98 @@ class Daemon:
     def tick(self, now: float | None = None) -> Cycle:
         now = time.time() if now is None else now
         cycle = Cycle()
+        # A StoreUnavailable (a full disk) ends the cycle where it is raised: whatever it could not
+        # record rolled back, nothing after it is decided or launched, and the next cycle starts again
+        # from what the store holds.
         try:
             self._sync_slurm_nodes(now)
+        except StoreUnavailable:
+            raise
         except (RuntimeError, OSError) as exc:  # the controller is away: keep the last known state
             log.warning("could not read nodes from Slurm: %s", exc)
-        for t in self.store.tasks((RUNNING, SUSPENDING)):
+        running = self.store.tasks((RUNNING, SUSPENDING))
+        ids = {t.id for t in running}
+        self._unrecorded = {i: end for i, end in self._unrecorded.items() if i in ids}
+        for t in running:
             try:
-                self._watch(t, now, cycle)
+                if t.id in self._unrecorded:  # its end is known: record that, not what its files say now
+                    code, detail, life, failed_nodes, restart = self._unrecorded[t.id]
+                    self._finish(t, code, detail, life=life, failed_nodes=failed_nodes, restart=restart)
+                    cycle.finished.append((t.id, detail))
+                else:
+                    self._watch(t, now, cycle)
+            except StoreUnavailable:
+                raise
             except (RuntimeError, OSError) as exc:  # e.g. squeue timed out: look again next cycle
                 log.warning("task %s: could not check it this cycle: %s", t.id, exc)
+                _note(cycle, exc, f"task {t.id}")
+        full = low_space(self.home.root, self.home.runs)
+        cycle.problems += full
         t0 = time.perf_counter()
-        decisions = schedule(self.store.nodes(), self.store.policy_tasks(now), self.store.quotas(),
-                             self.cfg.policy())
+        nodes = self.store.nodes()
+        decisions = schedule(nodes, self.store.policy_tasks(now), self.store.quotas(), self.cfg.policy(len(nodes)))
         cycle.decide_s = time.perf_counter() - t0
+        if full:  # a new attempt's files would not fit, nor could its end be told: none starts
+            decisions.waiting.update((s.task_id, "waiting for free disk space") for s in decisions.starts)
+            decisions.starts = []
         started = self.store.apply(decisions, now=time.time())
         cycle.suspending = [s.task_id for s in decisions.suspends]
         for s in decisions.suspends:
             log.info("task %s: suspending (%s)", s.task_id, s.reason)
-            self.home.attempt(s.task_id).raise_flag("suspend", s.reason)
+            try:
+                self.home.attempt(s.task_id).raise_flag("suspend", s.reason)
+            except OSError as exc:  # recorded as suspending: the next cycle's watch raises the flag again
+                _note(cycle, exc, f"task {s.task_id}'s suspend")
+                if exc.errno not in STORAGE_ERRNOS:
+                    raise
         for task_id in started:
             self._launch(task_id)
         cycle.started = started
         return cycle
+
+
+def _note(cycle: Cycle, exc: BaseException, what: str) -> None:
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        cycle.problems.append(f"{what}: {exc.strerror} ({exc.filename or 'a file'})")
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why a task's supervisor could not write in ``folder`` (or its nearest existing parent) now: a full
+    or failing disk; None when a small file can be written and made durable there (or fails for another
+    reason). A disk full but for root's reserve counts as full: supervisors may not run as root."""
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    full = low_space(folder)
+    if full:
+        return full[0]
+    # The folder may be the task's own: a new file of a name it cannot guess, never through a link.
+    probe = folder / f".probe.{secrets.token_hex(8)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"x")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        return f"{exc.strerror} in {folder}" if exc.errno in STORAGE_ERRNOS else None
+    return None
+
+
+def low_space(*folders: Path) -> list[str]:
+    """A problem for each disk of ``folders`` with under :data:`MIN_FREE_BYTES` free (none where it cannot tell)."""
+    problems, disks = [], set()
+    for folder in folders:
+        try:
+            disk, st = os.stat(folder).st_dev, os.statvfs(folder)
+        except OSError:
+            continue
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_BYTES and disk not in disks:
+            problems.append(f"the disk of {folder} is full ({free // 1024} KiB free)")
+        disks.add(disk)
+    return problems
 
 
 MAX_DETAIL = 2000
@@ -316,6 +403,83 @@ def daemon_pid(home: Home) -> int | None:
         os.close(fd)
 
 
+HEARTBEAT_BYTES = 1024
+HEALTH_LOG_S = 60.0
+"""While the daemon stays unhealthy, it repeats the reason in its log this often (not every cycle)."""
+STALE_AFTER_S = 60.0
+"""A heartbeat older than this (or ten ticks, if longer) means the daemon's cycles have stalled."""
+
+
+@dataclass
+class Health:
+    """Whether the daemon's cycles do their work: what the heartbeat tells ``platform status``."""
+
+    problem: str | None = None
+    since: float | None = None
+    logged_at: float = 0.0
+
+    def update(self, problem: str | None, now: float, trace: str | None = None) -> None:
+        """Log a change of health in one line (a traceback only for an unexpected error, once)."""
+        if problem is None:
+            if self.problem is not None:
+                log.info("daemon healthy again after %.0f s", now - (self.since or now))
+            self.problem = self.since = None
+            return
+        new = self.problem is None or (trace is not None and problem != self.problem)
+        if new or now - self.logged_at >= HEALTH_LOG_S:
+            log.error("daemon unhealthy: %s%s", problem, f"\n{trace}" if trace and new else "")
+            self.logged_at = now
+        self.since = self.since or now
+        self.problem = problem
+
+    def to_json(self) -> dict:
+        return {"healthy": self.problem is None, "problem": self.problem, "since": self.since}
+
+
+def write_heartbeat(home: Home, beat: dict) -> None:
+    """The daemon's pulse and health, rewritten in place at a fixed size: overwriting blocks the file
+    already has needs no free space, so a daemon on a full disk can still say that it is."""
+    while True:
+        data = json.dumps(beat).encode()
+        if len(data) < HEARTBEAT_BYTES or not beat.get("problem"):
+            break
+        beat = {**beat, "problem": beat["problem"][: len(beat["problem"]) // 2] + "..."}
+    fd = os.open(home.heartbeat, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data.ljust(HEARTBEAT_BYTES - 1) + b"\n", 0)
+    finally:
+        os.close(fd)
+
+
+def read_heartbeat(home: Home) -> dict | None:
+    """The last heartbeat, or None (no daemon has written one, or it cannot be read)."""
+    for _ in range(3):
+        try:
+            text = home.heartbeat.read_text()
+        except OSError:
+            return None
+        try:
+            beat = json.loads(text)
+            return beat if isinstance(beat, dict) else None
+        except ValueError:  # read while it was being rewritten
+            time.sleep(0.01)
+    return None
+
+
+def why_unhealthy(beat: dict | None, tick: float, now: float) -> str | None:
+    """Why a running daemon is unhealthy, from its heartbeat; None when it is well (or has not cycled yet)."""
+    if beat is None:
+        return None
+    if beat.get("healthy") is False:
+        since = beat.get("since")
+        return str(beat.get("problem") or "unknown") + (f" (for {now - since:.0f} s)" if since else "")
+    stale = max(STALE_AFTER_S, 10 * tick)
+    if now - beat.get("at", now) > stale:
+        return (f"no cycle for {now - beat['at']:.0f} s (a cycle is stuck, or the daemon cannot write its "
+                "heartbeat)")
+    return None
+
+
 def serve(home: Home, stop: threading.Event | None = None) -> None:
     """Run cycles until SIGTERM/SIGINT (or ``stop`` is set)."""
     cfg = platform_config.load(home)
@@ -329,16 +493,28 @@ def serve(home: Home, stop: threading.Event | None = None) -> None:
     daemon = Daemon(home, cfg)
     log.info("daemon %s up: %s executor, %s nodes, tick %s s", os.getpid(), cfg.executor,
              len(daemon.store.nodes()), cfg.tick)
+    health, beat_failed = Health(), False
     try:
         while not stop.is_set():
             t0 = time.monotonic()
+            trace = None
             try:
                 cycle = daemon.tick()
+                problem = "; ".join(cycle.problems) or None
                 if cycle.started or cycle.finished or cycle.suspending:
                     log.debug("cycle: %s", cycle)
-            except Exception:  # a bad cycle (a locked database, a failing executor) must not end the daemon
-                log.error("cycle failed:\n%s", traceback.format_exc())
-            home.heartbeat.write_text(json.dumps({"pid": os.getpid(), "at": time.time()}))
+            except StoreUnavailable as exc:  # a full disk: nothing was recorded, the next cycle retries
+                problem = f"its cycles cannot be recorded: {exc}"
+            except Exception as exc:  # a bad cycle (a failing executor, a bug) must not end the daemon
+                problem, trace = f"a cycle failed: {type(exc).__name__}: {exc}", traceback.format_exc()
+            health.update(problem, time.time(), trace)
+            try:
+                write_heartbeat(home, {"pid": os.getpid(), "at": time.time(), **health.to_json()})
+                beat_failed = False
+            except OSError as exc:  # status then sees the heartbeat's age and says the daemon stalled
+                if not beat_failed:
+                    log.error("cannot write the heartbeat %s: %s", home.heartbeat, exc.strerror)
+                beat_failed = True
             stop.wait(max(0.0, cfg.tick - (time.monotonic() - t0)))
     finally:
         log.info("daemon %s down", os.getpid())

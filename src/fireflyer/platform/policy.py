@@ -9,7 +9,10 @@ wait. The rules follow HAI Platform's:
 * **Chains keep their place.** A suspended task comes back as a new attempt of the same
   chain, ordered by the chain's first submission, so preemption never sends it to the back.
 * **Quotas** cap the nodes a user may hold at once per (group, priority); a user's own
-  row overrides the ``public`` row.
+  row overrides the ``public`` row. A user with neither holds ``default_quota`` nodes
+  for sure; beyond it their tasks only borrow: they come after every other task of
+  their priority, so they run on nodes no one else there is waiting for and are the
+  first suspended when someone is.
 * **Demotion**: a running ABOVE_NORMAL attempt counts as NORMAL after ``demote_after``
   (HAI: 30 minutes), so a new ABOVE_NORMAL task may take its nodes.
 * **Turn-taking** among users at the same priority: a running task is safe from
@@ -107,7 +110,8 @@ class PolicyConfig:
     max_cross_zone: int = 1
     """Tasks that may span zones at once."""
     default_quota: int | None = None
-    """Nodes a user may hold per (group, priority) without a quota row; None: no limit."""
+    """Nodes a user without a quota row (their own or ``public``) holds for sure per (group, priority);
+    their tasks beyond it borrow idle nodes and give them back first. None: no default, no borrowing."""
     demote_after: float | None = 30 * 60.0
     """Seconds after which a running ABOVE_NORMAL attempt counts as NORMAL (HAI's rule); None: never."""
 
@@ -146,12 +150,35 @@ Quotas = Mapping[tuple[str, str, Priority], int]
 """(user, group, priority) -> nodes; the user ``public`` is everyone's default."""
 
 
-def _quota(quotas: Quotas, user: str, group: str, priority: Priority, default: int | None) -> int | None:
+def _quota(quotas: Quotas, user: str, group: str, priority: Priority) -> int | None:
+    """The quota row that limits the user (their own, else ``public``), or None."""
     for who in (user, "public"):
         q = quotas.get((who, group, priority))
         if q is not None:
             return q
-    return default
+    return None
+
+
+def borrowing(tasks: Sequence[Task], quotas: Quotas, cfg: PolicyConfig) -> set[int]:
+    """The tasks beyond their user's default quota, counting each user's tasks in ``tasks``' order.
+
+    Only users without a quota row for the task's (group, priority) have a default quota;
+    a row is a hard limit instead. Suspending tasks are on their way out and do not count.
+    Tasks count at the priority they claim nodes at (:func:`effective_priority`), so a user's
+    running task is counted before their queued ones and never gives way to them.
+    """
+    if cfg.default_quota is None:
+        return set()
+    held: dict[tuple[str, str, Priority], int] = defaultdict(int)
+    out = set()
+    for t in tasks:
+        if t.state == SUSPENDING or _quota(quotas, t.user, t.group, t.priority) is not None:
+            continue
+        key = (t.user, t.group, effective_priority(t, cfg))
+        held[key] += t.nodes
+        if held[key] > cfg.default_quota:
+            out.add(t.id)
+    return out
 
 
 def effective_priority(task: Task, cfg: PolicyConfig) -> Priority:
@@ -166,20 +193,26 @@ def _protected(task: Task, cfg: PolicyConfig) -> bool:
     return task.state != QUEUED and task.run_seconds < cfg.time_share_after
 
 
-def order_tasks(tasks: Sequence[Task], cfg: PolicyConfig) -> list[Task]:
+def order_tasks(tasks: Sequence[Task], cfg: PolicyConfig, quotas: Quotas | None = None) -> list[Task]:
     """The order in which tasks claim capacity: priority, then protection, then turns, then queue position.
 
     Within a priority, running tasks still inside their time-share window come first;
     then everyone else, users holding fewer nodes at that priority first (so users take
     turns), each user's tasks in queue order, and a user's running tasks before that
     user's queued ones (never interrupted for the same user at the same priority).
+    Tasks beyond their user's default quota (:func:`borrowing`) come last in their priority.
     """
+    return _order(tasks, cfg, quotas or {})[0]
+
+
+def _order(tasks: Sequence[Task], cfg: PolicyConfig, quotas: Quotas) -> tuple[list[Task], set[int]]:
+    """:func:`order_tasks`, and the ids of the borrowing tasks."""
     prio = {t.id: effective_priority(t, cfg) for t in tasks}
     held: dict[tuple[str, Priority], int] = defaultdict(int)
     for t in tasks:
         if t.state != QUEUED:
             held[(t.user, prio[t.id])] += t.nodes
-    return sorted(tasks, key=lambda t: (
+    order = sorted(tasks, key=lambda t: (
         -int(prio[t.id]),
         0 if _protected(t, cfg) else 1,
         held[(t.user, prio[t.id])] if not _protected(t, cfg) else 0,
@@ -188,6 +221,10 @@ def order_tasks(tasks: Sequence[Task], cfg: PolicyConfig) -> list[Task]:
         t.order,
         t.id,
     ))
+    lent = borrowing(order, quotas, cfg)
+    if lent:  # a stable sort: the borrowers keep their order among themselves
+        order.sort(key=lambda t: (-int(prio[t.id]), t.id in lent))
+    return order, lent
 
 
 def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None = None,
@@ -206,7 +243,7 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
     zone_of = {n.name: n.zone for n in node_list}
     usable = {n.name for n in node_list if n.usable}
     tasks = list(tasks)
-    order = order_tasks(tasks, cfg)
+    order, lent = _order(tasks, cfg, quotas)
     out = Decisions()
 
     # Who holds each node now, and how dear it is to take: free 0, leaving 1, else later in the order is cheaper.
@@ -236,7 +273,7 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
         if t.state == RUNNING and t.id in leaving:
             out.suspends.append(Suspend(t.id, "a node it runs on was drained or failed"))
             continue
-        q = _quota(quotas, t.user, t.group, t.priority, cfg.default_quota)
+        q = _quota(quotas, t.user, t.group, t.priority)
         key = (t.user, t.group, t.priority)
         if q is not None and used[key] + t.nodes > q:
             if t.state == QUEUED:
@@ -254,6 +291,9 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
                 pool.take(t.assigned)
                 used[key] += t.nodes
                 cross_used += crosses
+            elif t.id in lent:
+                out.suspends.append(Suspend(t.id, f"beyond {t.user}'s default quota of {cfg.default_quota} node(s): "
+                                                  "another task needs the nodes it borrowed"))
             else:
                 out.suspends.append(Suspend(t.id, "preempted by a task of higher priority or a user's turn"))
             continue
@@ -263,7 +303,8 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
         placed = pool.claim(t.nodes, allow_cross=cross_used < cfg.max_cross_zone)
         if placed is None:
             blocked.add(t.priority)
-            out.waiting[t.id] = "waiting for nodes"
+            out.waiting[t.id] = "waiting for nodes" if t.id not in lent else \
+                f"waiting for idle nodes: beyond {cfg.default_quota} node(s) (the default quota) {t.user} only borrows"
             continue
         pool.take(placed)
         used[key] += t.nodes

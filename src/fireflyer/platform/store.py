@@ -14,6 +14,8 @@ chain's ``whole_life_state`` carried over; a user's stop or a normal exit ends i
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import sqlite3
 import time
@@ -111,6 +113,58 @@ class UnknownTask(LookupError):
     """No such task; the message names it."""
 
 
+class StoreUnavailable(RuntimeError):
+    """The platform's state cannot be written (or read) now: its disk is full or failing, or another process
+    held the database past the timeout. The change was not made (its transaction rolled back); retry once
+    the message's cause is fixed."""
+
+
+_STORAGE_CODES = {sqlite3.SQLITE_FULL: "free space on its disk, then retry",
+                  sqlite3.SQLITE_IOERR: "check its disk, then retry",
+                  sqlite3.SQLITE_BUSY: "another process held it too long; retry",
+                  sqlite3.SQLITE_LOCKED: "another process held it too long; retry",
+                  sqlite3.SQLITE_READONLY: "its disk or files are read-only",
+                  sqlite3.SQLITE_CANTOPEN: "check its disk's free space and its files' permissions"}
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
+"""OS errors that mean the disk, not the request, is at fault."""
+
+
+def storage_problem(exc: BaseException, path: str | Path) -> StoreUnavailable | None:
+    """``exc`` (from SQLite or the OS) as a :class:`StoreUnavailable` naming ``path``; None for any other error."""
+    if isinstance(exc, sqlite3.OperationalError):
+        why, advice = str(exc), _STORAGE_CODES.get(getattr(exc, "sqlite_errorcode", 0) & 0xFF)
+    elif isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        why, advice = exc.strerror or str(exc), "free space on its disk or check the disk, then retry"
+    else:
+        return None
+    if advice is None:
+        return None
+    return StoreUnavailable(f"the platform's state ({path}) cannot be used now: {why}; {advice}")
+
+
+def _answers_unavailable(cls: type) -> type:
+    """Every public method of the store (and its constructor) raises :class:`StoreUnavailable` for
+    a storage failure, instead of SQLite's own error: callers tell "retry later" from a bug."""
+
+    def guard(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except (sqlite3.OperationalError, OSError) as exc:
+                problem = storage_problem(exc, getattr(self, "path", "?"))
+                if problem is None:
+                    raise
+                raise problem from exc
+        return guarded
+
+    for name, value in list(vars(cls).items()):
+        if callable(value) and (name == "__init__" or not name.startswith("_")):
+            setattr(cls, name, guard(value))
+    return cls
+
+
+@_answers_unavailable
 class Store:
     """One SQLite database file. Safe for one scheduler process and many readers."""
 
@@ -473,4 +527,18 @@ class _Transaction:
         return self.db
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error:
+                self._rollback()  # a COMMIT that failed (a full disk) may leave the transaction open
+                raise
+        self._rollback()
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:
+            try:
+                self.db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite undoes an unfinished transaction itself (at the latest when next opened)

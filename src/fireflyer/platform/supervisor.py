@@ -98,7 +98,10 @@ class Supervisor:
     # ------------------------------------------------------------------ edges
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signalled = signal.Signals(signum).name
-        self.adir.raise_flag("suspend", f"signal {self._signalled}")
+        try:
+            self.adir.raise_flag("suspend", f"signal {self._signalled}")
+        except OSError:  # a full disk: the watch takes the signal itself as the request
+            pass
 
     def _prologs(self) -> tuple[StopCode, str, list[str]] | None:
         if not self.launch.prolog:
@@ -162,7 +165,7 @@ class Supervisor:
                     self.exit_codes[label] = p.returncode
             if self.adir.has_flag("stop"):
                 return StopCode.MANUAL_STOP, "stopped by its user"
-            if suspend_at is None and self.adir.has_flag("suspend"):
+            if suspend_at is None and (self._signalled or self.adir.has_flag("suspend")):
                 suspend_at = now
             received = self.adir.has_flag("received")
             if suspend_at is not None:
@@ -203,33 +206,62 @@ class Supervisor:
 
     def run(self) -> dict:
         started_at = time.time()
-        self.adir.create()
-        write_json_atomic(self.adir.supervisor, {"pid": os.getpid(), "host": socket.gethostname(),
-                                                 "started_at": started_at})
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        failed_nodes: list[str] = []
-        prolog = self._prologs()
-        if prolog is not None:
-            code, detail, failed_nodes = prolog
-        else:
-            try:
-                self.procs = self.starter(self.launch, self.adir)
-            except (OSError, ValueError, subprocess.SubprocessError) as exc:
-                self.procs = []
-                code, detail = StopCode.INIT_FAILED | StopCode.UNSCHEDULABLE, f"ranks could not start: {exc}"
-            else:
-                try:
-                    code, detail = self._watch()
-                finally:
-                    self._stop_ranks()
+        code, detail, failed_nodes = self._run_attempt(started_at)
         status = {
             "stop_code": int(code), "stop": stop_text(code), "detail": detail, "exit_codes": self.exit_codes,
             "failed_nodes": failed_nodes, "whole_life_state": read_whole_life_state(self.adir),
             "started_at": started_at, "finished_at": time.time(), "signal": self._signalled,
         }
-        write_json_atomic(self.adir.status, status)
+        record_status(self.adir, status)
         return status
+
+    def _run_attempt(self, started_at: float) -> tuple[StopCode, str, list[str]]:
+        try:
+            self.adir.create()
+            write_json_atomic(self.adir.supervisor, {"pid": os.getpid(), "host": socket.gethostname(),
+                                                     "started_at": started_at})
+        except OSError as exc:  # a full disk: nothing ran, so nothing counts against the task
+            return StopCode.UNSCHEDULABLE, f"could not record its start: {exc.strerror}", []
+        prolog = self._prologs()
+        if prolog is not None:
+            return prolog
+        try:
+            self.procs = self.starter(self.launch, self.adir)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self.procs = []
+            return StopCode.INIT_FAILED | StopCode.UNSCHEDULABLE, f"ranks could not start: {exc}", []
+        try:
+            code, detail = self._watch()
+        finally:
+            self._stop_ranks()
+        return code, detail, []
+
+
+RECORD_RETRY_S = 2.0
+
+
+def record_status(adir: AttemptDir, status: dict) -> None:
+    """Write how the attempt ended, however long the disk stays full.
+
+    The ranks have stopped already; the daemon waits for a supervisor that is alive, so
+    the end is recorded as it was once there is room, never turned into a lost attempt.
+    """
+    told = False
+    while True:
+        try:
+            write_json_atomic(adir.status, status)
+            return
+        except OSError as exc:
+            if not told:
+                try:  # stderr is the supervisor's log, on the same disk
+                    print(f"fireflyer supervisor: cannot write {adir.status} ({exc.strerror}); retrying every "
+                          f"{RECORD_RETRY_S:g} s", file=sys.stderr, flush=True)
+                except OSError:
+                    pass
+                told = True
+            time.sleep(RECORD_RETRY_S)
 
 
 _SIGNALS = {s.value for s in signal.Signals}
@@ -266,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # already ended (a Slurm requeue of a finished attempt): nothing to do
     spec = read_json(adir.spec)
     if spec is None:
-        write_json_atomic(adir.status, {"stop_code": int(StopCode.FAILED | StopCode.INIT_FAILED),
-                                        "detail": f"no spec.json in {adir.root}", "exit_codes": {},
-                                        "failed_nodes": [], "whole_life_state": None})
+        record_status(adir, {"stop_code": int(StopCode.FAILED | StopCode.INIT_FAILED),
+                             "detail": f"no spec.json in {adir.root}", "exit_codes": {}, "failed_nodes": [],
+                             "whole_life_state": None})
         return 1
     Supervisor(adir, Launch.from_json(spec), starter).run()
     return 0

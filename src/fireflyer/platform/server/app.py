@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from fireflyer.platform.layout import Home
 from fireflyer.platform.server import models as m
 from fireflyer.platform.server.auth import FailedLogins, User, Users
 from fireflyer.platform.server.sse import log_events
+from fireflyer.platform.store import storage_problem
 
 log = logging.getLogger("fireflyer.platform.server")
 
@@ -69,11 +71,12 @@ SECURITY_HEADERS = {
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     words = {400: "bad input", 401: "no valid token", 403: "not allowed for this user", 404: "no such task or node",
              409: "the task's state does not allow it",
-             429: "too many failed logins from this address, or too many open log streams for this user"}
+             429: "too many failed logins from this address, or too many open log streams for this user",
+             503: "the platform's state cannot be used now (a full or failing disk): retry later"}
     return {c: {"model": m.Error, "description": words[c]} for c in codes}
 
 
-AUTH = (401, 429)
+AUTH = (401, 429, 503)
 SSE_EVENT = {
     "type": "object", "required": ["data"],
     "description": "one event (Open API 3.1: the schema describes each event): a log line, or the end",
@@ -106,7 +109,7 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse({"detail": str(exc.args[0]) if exc.args else type(exc).__name__},
-                            status_code=exc.status)
+                            status_code=exc.status, headers={"Retry-After": "5"} if exc.status == 503 else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -129,6 +132,15 @@ def create_app(home: Home, *, failed_logins: FailedLogins | None = None, stream_
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return JSONResponse({"detail": "internal error; the server's log has the traceback"}, status_code=500)
+
+    @app.exception_handler(sqlite3.OperationalError)
+    async def storage(request: Request, exc: Exception) -> JSONResponse:
+        """A full or failing disk under the users table (the API's own store answers 503 itself): 503 too."""
+        problem = storage_problem(exc, home.db)
+        if problem is None:
+            return await unexpected(request, exc)
+        log.warning("%s %s: %s", request.method, request.url.path, problem)
+        return JSONResponse({"detail": str(problem)}, status_code=503, headers={"Retry-After": "5"})
 
     app.add_middleware(_SecurityHeaders, docs=(app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url))
     app.add_middleware(_BodyLimit, max_body=max_body)

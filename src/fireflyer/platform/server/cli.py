@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import socket
+import sqlite3
 import sys
 from datetime import datetime
 from typing import Any
@@ -100,6 +101,8 @@ def _user(argv: list[str]) -> int:
                                 ["USER", "ROLE", "UNIX", "CREATED", "TOKEN"]))
     except UserProblem as exc:
         raise UserError(str(exc)) from None
+    except sqlite3.Error as exc:  # a full disk, a locked or unreadable database
+        raise UserError(f"the platform's database in {home.root} cannot be used now: {exc}") from None
     return 0
 
 

@@ -158,7 +158,8 @@ class QuotaUse(BaseModel):
     group: str
     priority: str
     used: int = Field(description="nodes the user's running tasks hold at this priority")
-    quota: int | None = Field(description="the user's quota (or the public one); null: unlimited")
+    quota: int | None = Field(description="the user's quota (or the public one), else the platform's default "
+                                          "quota, beyond which tasks only borrow idle nodes; null: unlimited")
 
 
 class Bucket(BaseModel):
