@@ -28,7 +28,9 @@ from fireflyer.platform.layout import Home  # noqa: E402
 from fireflyer.platform.local import kill_active  # noqa: E402
 from fireflyer.testing.users import account_site, accounts_unavailable  # noqa: E402
 
-from test_platform_server import Server, call, ok  # noqa: E402
+from test_platform_server import call, ok  # noqa: E402
+
+from fireflyer.testing.server import Server  # noqa: E402
 
 needs_accounts = pytest.mark.skipif(accounts_unavailable() is not None, reason=str(accounts_unavailable()))
 

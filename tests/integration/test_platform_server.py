@@ -34,9 +34,8 @@ from fireflyer.platform.layout import Home  # noqa: E402
 from fireflyer.platform.local import kill_active  # noqa: E402
 from fireflyer.platform.server.auth import Users  # noqa: E402
 from fireflyer.platform.store import Store  # noqa: E402
+from fireflyer.testing.server import REQUEST_TIMEOUT_S, START_TIMEOUT_S, Server  # noqa: E402
 
-START_TIMEOUT_S = 60.0
-REQUEST_TIMEOUT_S = 20.0
 UNKNOWN = "ff_" + "A" * 43
 SEEN_TOKENS: set[str] = set()
 """Every token a test sent; none may show up in a server's log."""
@@ -59,41 +58,6 @@ def add_users(home: Home) -> dict[str, str]:
         users.revoke("carol")
     SEEN_TOKENS.update(tokens.values())
     return tokens
-
-
-class Server:
-    """``serve --port 0`` in a subprocess; its URL comes from its first line of output."""
-
-    def __init__(self, home: Home, log: Path, *flags: str) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.server", "serve", "--home",
-                                          str(home.root), "--port", "0", *flags], stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            text = log.read_text(errors="replace")
-            found = re.search(r"on http://([\d.]+):(\d+) ", text)
-            if found and "Application startup complete" in text:
-                self.host, self.port = found.group(1), int(found.group(2))
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise AssertionError(f"the server did not start: {text[-2000:]}")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def connection(self, source: str | None = None, timeout: float = REQUEST_TIMEOUT_S) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout,
-                                          source_address=(source, 0) if source else None)
 
 
 @dataclass

@@ -10,13 +10,10 @@ Needs root (to mount the tmpfs); skipped otherwise.
 from __future__ import annotations
 
 import errno
-import http.client
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from platform_harness import Platform
 from fireflyer.platform.daemon import read_heartbeat
 from fireflyer.platform.layout import Home
 from fireflyer.platform.server.auth import Users
+from fireflyer.testing.server import Server
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting the small tmpfs this test fills needs root")
 
@@ -76,45 +74,15 @@ def fill(mnt: Path) -> None:
     assert os.statvfs(mnt).f_bavail == 0
 
 
-class Server:
-    """``fireflyer platform serve --port 0`` in a subprocess, logging outside the full disk."""
-
-    def __init__(self, home: Path, log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.server", "serve", "--home",
-                                          str(home), "--port", "0"], stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            text = log.read_text(errors="replace")
-            found = re.search(r"on http://([\d.]+):(\d+) ", text)
-            if found and "Application startup complete" in text:
-                self.host, self.port = found.group(1), int(found.group(2))
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise AssertionError(f"the server did not start: {text[-2000:]}")
-            time.sleep(0.05)
-
-    def post(self, path: str, token: str, body: dict | None = None) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            conn.request("POST", path, body=json.dumps(body or {}),
-                         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read() or b"{}")
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+def post(server: Server, path: str, token: str, body: dict | None = None) -> tuple[int, dict]:
+    conn = server.connection()
+    try:
+        conn.request("POST", path, body=json.dumps(body or {}),
+                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
 
 
 def one_line_failure(done: subprocess.CompletedProcess) -> str:
@@ -122,16 +90,6 @@ def one_line_failure(done: subprocess.CompletedProcess) -> str:
     assert done.returncode == 1, (done.returncode, done.stdout, err)
     assert err.count("\n") == 1 and "Traceback" not in err, err
     return err
-
-
-def wait(what: str, pred, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def heartbeat(home: Path) -> dict:
@@ -153,22 +111,22 @@ def test_a_full_disk_fails_safely(disk, tmp_path):
         first = platform.submit(*waiter, user="alice", name="first")
         second = platform.submit(*waiter, user="alice", name="second")  # waits for the only node
         platform.wait_state(first, "running")
-        rank = wait("the first task's rank to start", lambda: (home / "tasks" / str(first) / "started" / "rank0")
+        rank = platform.wait("the first task's rank to start", lambda: (home / "tasks" / str(first) / "started" / "rank0")
                     .read_text().split()[0] if (home / "tasks" / str(first) / "started" / "rank0").exists() else None)
 
         fill(disk)
         err = one_line_failure(platform.cli("submit", "-n", "1", "--", "true", check=False))
         assert "database or disk is full" in err
         assert "database or disk is full" in one_line_failure(platform.cli("stop", str(first), check=False))
-        status, reply = server.post("/api/tasks", token, {"nodes": 1, "command": ["true"], "cwd": "/"})
+        status, reply = post(server, "/api/tasks", token, {"nodes": 1, "command": ["true"], "cwd": "/"})
         assert status == 503 and "database or disk is full" in reply["detail"], (status, reply)
-        status, reply = server.post(f"/api/tasks/{first}/stop", token)
+        status, reply = post(server, f"/api/tasks/{first}/stop", token)
         assert status == 503 and "detail" in reply, (status, reply)
 
         go.touch()  # the first task ends now, while nothing can be written
-        wait("the first task's rank to exit", lambda: not Path(f"/proc/{rank}").exists())
+        platform.wait("the first task's rank to exit", lambda: not Path(f"/proc/{rank}").exists())
         seen = heartbeat(home)["at"]
-        wait("ten more cycles", lambda: heartbeat(home)["at"] > seen + 1.0)
+        platform.wait("ten more cycles", lambda: heartbeat(home)["at"] > seen + 1.0)
         done = platform.cli("platform", "status", check=False)
         assert done.returncode == 1 and "daemon unhealthy: " in done.stdout, done.stdout
         beat = json.loads(platform.cli("platform", "status", "--json", check=False).stdout)
@@ -187,7 +145,7 @@ def test_a_full_disk_fails_safely(disk, tmp_path):
         # the first task succeeded while the disk was full: its supervisor kept its end until it could
         # write it, so it is recorded once, as it was, and not run again
         assert len(platform.describe(first)["attempts"]) == 1, platform.describe(first)["attempts"]
-        wait("a healthy status", lambda: platform.cli("platform", "status", check=False).returncode == 0)
+        platform.wait("a healthy status", lambda: platform.cli("platform", "status", check=False).returncode == 0)
         assert "daemon up" in platform.cli("platform", "status").stdout
         assert json.loads(platform.cli("submit", "-n", "1", "--json", "--", "true").stdout)["state"] == "queued"
         assert "Traceback" not in (tmp_path / "server.log").read_text(errors="replace")
