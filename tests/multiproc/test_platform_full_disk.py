@@ -28,7 +28,6 @@ from fireflyer.testing.server import Server
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting the small tmpfs this test fills needs root")
 
 DISK = "16m"
-WAIT_S = 60.0
 # A task that waits for a file outside the full disk, then exits 0 (and gives up after two minutes).
 WAITER = ("import os, sys, time\n"
           "deadline = time.monotonic() + 120\n"
