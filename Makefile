@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-dev
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt $(wildcard src/fireflyer/hfreduce/_core/*.[ch])
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -25,4 +25,4 @@ bench: $(STAMP)
 	$(BIN)/fireflyer bench pp
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info src/fireflyer/hfreduce/_core.*.so

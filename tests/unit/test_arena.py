@@ -122,6 +122,8 @@ def test_attach_sees_the_same_bytes_and_flags(arenas) -> None:
     assert b.pid(1) == 123456
     a.write_descriptor(0, b"descriptor-bytes")
     assert b.descriptor(0, 16) == b"descriptor-bytes"
+    a.write_descriptor(1, b"in another slot", buf=1)
+    assert b.descriptor(1, 15, buf=1) == b"in another slot" and b.descriptor(0, 16) == b"descriptor-bytes"
 
 
 @pytest.mark.parametrize(
@@ -342,7 +344,7 @@ def test_shape_regions_do_not_overlap(local_size: int, chunk_bytes: int, depth: 
         (0, 24),  # header
         (s.flags_offset, s.pid_offset),
         (s.pid_offset, s.pid_offset + 8 * local_size),
-        (s.desc_offset, s.desc_offset + 64 * local_size),
+        (s.desc_offset, s.desc_offset + 64 * local_size * depth),
         (s.abort_offset, s.abort_offset + 64 + 2048),
     ]
     regions += [(s.in_offset(b, k), s.in_offset(b, k) + chunk_bytes) for b in range(depth) for k in range(local_size)]

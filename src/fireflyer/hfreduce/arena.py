@@ -70,9 +70,18 @@ class ArenaShape:
     def desc_offset(self) -> int:
         return self.pid_offset + self.local_size * 8
 
+    def desc_slot(self, buf: int, local_rank: int) -> int:
+        """Where a local rank's descriptor of the collective whose first chunk is in ``buf`` lives.
+
+        One slot per pipeline buffer: a rank writes its next collective's descriptor into the
+        slot of that collective's first buffer, which its peers have finished with (it waited
+        for that before staging in), so a fast rank never overwrites a descriptor a slow peer
+        has yet to check, and no call needs a trailing barrier."""
+        return self.desc_offset + (buf * self.local_size + local_rank) * _DESC_BYTES
+
     @cached_property
     def abort_offset(self) -> int:
-        return _align(self.desc_offset + self.local_size * _DESC_BYTES, _LINE)
+        return _align(self.desc_offset + self.depth * self.local_size * _DESC_BYTES, _LINE)
 
     @cached_property
     def control_bytes(self) -> int:
@@ -270,13 +279,13 @@ class Arena:
     def pid(self, local_rank: int) -> int:
         return struct.unpack_from("<q", self._mm, self.shape.pid_offset + 8 * local_rank)[0]
 
-    def write_descriptor(self, local_rank: int, desc: bytes) -> None:
+    def write_descriptor(self, local_rank: int, desc: bytes, buf: int = 0) -> None:
         assert len(desc) <= _DESC_BYTES
-        off = self.shape.desc_offset + local_rank * _DESC_BYTES
+        off = self.shape.desc_slot(buf, local_rank)
         self._mm[off : off + len(desc)] = desc
 
-    def descriptor(self, local_rank: int, size: int) -> bytes:
-        off = self.shape.desc_offset + local_rank * _DESC_BYTES
+    def descriptor(self, local_rank: int, size: int, buf: int = 0) -> bytes:
+        off = self.shape.desc_slot(buf, local_rank)
         return bytes(self._mm[off : off + size])
 
     # -- abort -----------------------------------------------------------------------

@@ -20,6 +20,16 @@ class HFReduceConfig:
     """Seconds a collective may take before every rank raises CollectiveTimeout."""
     ifaddr: str | None = None
     """IPv4 address to listen on for other nodes. Default: the address that routes to MASTER_ADDR."""
+    oneshot_bytes: int = 256 << 10
+    """On one node, collectives up to this size (and one chunk) run one-shot: every rank stages its whole
+    input in and reduces all of it into its own result, with no second handoff. Every rank of a group must
+    use the same value (as with chunk_bytes). At most one chunk counts, whatever this says."""
+    core: bool = True
+    """Run the node stage in the compiled core when it is built (``False``: the pure-Python reference)."""
+    spin: int = 256
+    """Busy polls of a flag before a waiting rank yields its core (compiled core)."""
+    yield_us: int = 50
+    """Microseconds a waiting rank yields (sched_yield) before it sleeps on the flag's futex (compiled core)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
@@ -28,12 +38,17 @@ class HFReduceConfig:
             raise ValueError(f"depth must be at least 2, got {self.depth}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+        if not 0 <= self.oneshot_bytes <= 1 << 40:
+            raise ValueError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
+        if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yield_us <= 1_000_000:
+            raise ValueError(f"spin must be 0..{1 << 24} and yield_us 0..1000000, got {self.spin} and {self.yield_us}")
 
     @classmethod
     def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
         kw: dict = {}
         env = os.environ
-        for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str)):
+        for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
+                           ("oneshot_bytes", int), ("core", _flag), ("spin", int), ("yield_us", int)):
             raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
             if raw:
                 try:
@@ -44,6 +59,17 @@ class HFReduceConfig:
             kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
+
+
+def _flag(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_flag.__name__ = "flag (0 or 1)"
 
 
 def node_key() -> str:

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 
 from fireflyer.hfreduce import collectives, fdshare, futex
-from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
+from fireflyer.hfreduce.arena import NAME_PREFIX, STAGES, Arena, ArenaShape
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.errors import (
     CollectiveMismatch,
@@ -51,6 +51,7 @@ from fireflyer.hfreduce.procs import pid_alive
 from fireflyer.hfreduce.shared import SharedBuffers
 from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
+    DTYPES,
     Descriptor,
     Op,
     Plan,
@@ -68,7 +69,23 @@ _log = logging.getLogger("fireflyer.hfreduce")
 _SLICE = 0.05  # seconds between liveness checks while waiting
 _OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree stage's own deadline
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
-_SHARED = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
+_SHARED = struct.Struct("<qq")
+_COMM = struct.Struct("<14q")  # _core/node.h: hfr_comm
+_JOB = struct.Struct("<16q")  # _core/node.h: hfr_job
+_PIPELINE, _NODE_STAGE, _ONESHOT = 1, 2, 3
+_CORE_DONE, _CORE_NEED_PYTHON, _CORE_TIMEOUT, _CORE_ABORTED, _CORE_PEER_DEAD = 0, 1, 2, 3, 4
+try:
+    from fireflyer.hfreduce import _core  # the compiled core, when pip could build it
+except ImportError:  # pragma: no cover - a machine without a C compiler: the Python reference runs
+    _core = None
+if not hasattr(_core, "node_run"):  # not built: the import found the _core/ source folder
+    _core = None
+_CORE_DTYPES = frozenset(DTYPES)
+
+
+def _core_error(rc: int) -> str:
+    return {-1: "unknown dtype", -2: "an op the dtype cannot take", -3: "bad output dtype", -4: "bad argument",
+            -5: "a misaligned pointer"}.get(rc, "unknown")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
 _IN_PLACE = 1 << 62
 
 
@@ -138,6 +155,7 @@ class Communicator(Trees, Diagnosis):
         self._out_queue: queue.Queue | None = None
         self._out_thread: threading.Thread | None = None
         self._copy_stream = None
+        self._core_comm: bytes | None = None
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
         self._tree_lock = threading.Lock()
@@ -254,6 +272,7 @@ class Communicator(Trees, Diagnosis):
         if store.add(f"{key}/attached", 1) == self.local_size:
             self._arena.unlink()
         self._shape = shape
+        self._core_comm = self._pack_comm() if self.config.core and _core is not None else None
         self._shared = SharedBuffers(store=store, node=self.node, local_rank=self.local_rank,
                                      local_size=self.local_size, secret=self._secret,
                                      timeout=self.config.timeout, enabled=private)
@@ -472,17 +491,21 @@ class Communicator(Trees, Diagnosis):
             self._check()
             left = deadline - time.monotonic()
             if left <= 0:
-                whom = f"{self.describe(self.members[k])} to finish '{stage}' of chunk {target - 1 - job.first_chunk} " \
-                       f"of {job.nchunks}"
-                behind = [w for w in self.waited_on(job.seq) if self.members[k] not in w[0]]
-                if behind:  # what this rank's other threads (its trees) were stuck on: closer to the cause
-                    whom += "; its tree stage was waiting for " + "; ".join(
-                        f"{', '.join(self.describe(r) for r in rs)} ({what})" for rs, what in behind)
-                raise CollectiveTimeout(
-                    f"{job.plan.desc} (#{job.seq}) timed out after {job.plan.timeout or self.config.timeout:g}s "
-                    f"on {self.describe(self.rank)} waiting for {whom}"
-                )
+                raise self._timed_out(job, stage, k, target)
             futex.wait(addr, value, min(_SLICE, left))
+
+    def _timed_out(self, job: Job, stage: str, k: int, target: int) -> CollectiveTimeout:
+        """The timeout of a wait for local rank ``k``'s ``stage`` to reach ``target``, naming whom it waited for."""
+        whom = f"{self.describe(self.members[k])} to finish '{stage}' of chunk {target - 1 - job.first_chunk} " \
+               f"of {job.nchunks}"
+        behind = [w for w in self.waited_on(job.seq) if self.members[k] not in w[0]]
+        if behind:  # what this rank's other threads (its trees) were stuck on: closer to the cause
+            whom += "; its tree stage was waiting for " + "; ".join(
+                f"{', '.join(self.describe(r) for r in rs)} ({what})" for rs, what in behind)
+        return CollectiveTimeout(
+            f"{job.plan.desc} (#{job.seq}) timed out after {job.plan.timeout or self.config.timeout:g}s "
+            f"on {self.describe(self.rank)} waiting for {whom}"
+        )
 
     # ------------------------------------------------------------------ the pipeline
     def _run(self) -> None:
@@ -551,28 +574,37 @@ class Communicator(Trees, Diagnosis):
         L, lr = self.local_size, self.local_rank
         all_local = range(L)
         rails = range(self.rails)
-        for c in range(job.nchunks):
+        # One node, one small chunk, no registered buffer anywhere (known once every local
+        # rank's descriptor is in): one shot. Every rank stages in all of its input and
+        # reduces all of it into its own result, with no second handoff.
+        oneshot = self.num_nodes == 1 and job.plan.dense and job.nchunks == 1 and \
+            desc.numel * desc.dtype.itemsize <= min(self.config.oneshot_bytes, self.config.chunk_bytes)
+        staged = self._run_core(job, oneshot) if self._core_comm is not None else None
+        for c in range(job.nchunks if staged != "done" else 0):
             g = job.first_chunk + c
-            self._wait("red", all_local, g - depth + 1, job, "stage-in")
-            if c == 0:
-                index, offset, in_place = job.shared or (-1, 0, False)
-                ext = _SHARED.pack((index + 1) | (_IN_PLACE if in_place else 0), offset)
-                self._arena.write_descriptor(lr, job.seq.to_bytes(8, "little") + desc.pack() + ext)
-            self._stage_in(job, c)
-            self._arena.publish("in", lr, g + 1)
-            self._wait("in", all_local, g + 1, job, "reduce")
+            if not (c == 0 and staged == "chunk 0 staged in"):
+                self._wait("red", all_local, g - depth + 1, job, "stage-in")
+                if c == 0:
+                    self._write_descriptor(job)
+                self._stage_in(job, c, whole=oneshot)
+                self._arena.publish("in", lr, g + 1)
+                self._wait("in", all_local, g + 1, job, "reduce")
             if c == 0:
                 self._check_descriptors(job)
-            if self.num_nodes == 1:
+                oneshot = oneshot and job.peer_in is None
+            if oneshot:
+                self._reduce_oneshot(job)
+                self._arena.publish("red", lr, g + 1)  # done reading this buffer's slots
+                self._arena.publish("done", lr, g + 1)  # and never wrote its out buffer
+            elif self.num_nodes == 1:
                 self._wait("done", all_local, g - depth + 1, job, "reduce")
                 self._reduce(job, c, final=True)
                 self._arena.publish("red", lr, g + 1)  # on one node "red" also means "out" is ready
+                self._stage_out(job, c)
             else:
                 self._wait("out", rails, g - depth + 1, job, "reduce", late=True)
                 self._reduce(job, c, final=False)
                 self._arena.publish("red", lr, g + 1)
-            if self.num_nodes == 1:
-                self._stage_out(job, c)
         while not staged_out.is_set() and self.num_nodes > 1:
             self._check()
             if time.monotonic() > job.tree_deadline + 2 * _OUT_GRACE:  # the stage-out's own waits give up first
@@ -633,14 +665,23 @@ class Communicator(Trees, Diagnosis):
             and plan.sinks[0][1].numel() == src.numel() and plan.sinks[0][1].dtype == src.dtype
         return found[0], found[1], in_place
 
-    def _stage_in(self, job: Job, c: int) -> None:
+    def _write_descriptor(self, job: Job) -> None:
+        """This rank's view of the collective, in the slot of its first buffer (see ArenaShape.desc_slot)."""
+        index, offset, in_place = job.shared or (-1, 0, False)
+        ext = _SHARED.pack((index + 1) | (_IN_PLACE if in_place else 0), offset)
+        self._arena.write_descriptor(self.local_rank, job.seq.to_bytes(8, "little") + job.plan.desc.pack() + ext,
+                                     self._buf(job, 0))
+
+    def _stage_in(self, job: Job, c: int, *, whole: bool = False) -> None:
+        """Copy this rank's part of chunk ``c`` into its slot: all of it (``whole``: one shot, where every
+        rank reads every slot), else all but its own slice, which its reduce reads from the source."""
         if job.shared is not None:
             return  # the other local ranks read this rank's registered buffer directly
         c0, c1 = self._chunk_range(job, c)
         slot = self._shape.in_offset(self._buf(job, c), self.local_rank)
         dtype = job.plan.desc.dtype
         own = job.own
-        if own is not None:
+        if own is not None and not whole:
             # Only the other local ranks read this slot; our own slice goes straight into the reduce.
             s0, s1 = split(c1 - c0, self.local_size, self.local_rank)
             if s0 > 0:
@@ -707,6 +748,76 @@ class Communicator(Trees, Diagnosis):
                 if dst is not None:
                     dst[c0 + s0 : c0 + s1].copy_(target)
 
+    def _reduce_oneshot(self, job: Job) -> None:
+        """One shot: reduce the whole chunk from every slot into this rank's own result, then its sinks."""
+        desc, b = job.plan.desc, self._buf(job, 0)
+        n = desc.numel
+        inputs = [self._view(self._shape.in_offset(b, k), desc.dtype, 0, n) for k in range(self.local_size)]
+        if job.own is not None:
+            inputs[self.local_rank] = job.own
+        acc = acc_dtype(desc.dtype, desc.op)
+        result = torch.empty(n, dtype=desc.dtype)  # never an input: the reference reduces input by input
+        if acc != desc.dtype or desc.op == Op.AVG:
+            work = self._reducer.acc_scratch(n) if acc != desc.dtype else result
+            self._reducer.reduce_into(work, inputs, desc.op)
+            self._reducer.finish(result, work, desc.op, self.world_size)
+        else:
+            self._reducer.reduce_into(result, inputs, desc.op)
+        for off, dst in job.plan.sinks:
+            self._copy(dst, result[off : off + dst.numel()])
+        self._cuda_sync()
+
+    # ------------------------------------------------------------------ the compiled core
+    def _pack_comm(self) -> bytes:
+        shape, base = self._shape, self._arena._base
+        return _COMM.pack(base, self.local_size, self.local_rank, shape.depth, shape.chunk_bytes, shape.control_bytes,
+                          shape.red_bytes, shape.flags_offset, shape.pid_offset, shape.desc_offset, shape.abort_offset,
+                          self.rails, self.config.spin, self.config.yield_us * 1000)
+
+    def _run_core(self, job: Job, oneshot: bool) -> str | None:
+        """Run the node stage of ``job`` in the compiled core, when its plan is one the core takes.
+
+        Returns None (not taken: the Python loop runs it all), ``"done"``, or ``"chunk 0 staged in"``
+        (a descriptor the core does not judge, or a registered buffer: the Python loop goes on from
+        there, as if it had staged chunk 0 in itself)."""
+        plan, desc = job.plan, job.plan.desc
+        own = job.own
+        if own is None or job.shared is not None or job.stream_event is not None or desc.dtype not in _CORE_DTYPES \
+                or own.numel() != desc.numel or own.dtype != desc.dtype or not own.is_contiguous():
+            return None
+        if self.num_nodes == 1:
+            sink = plan.sinks[0][1] if len(plan.sinks) == 1 and plan.sinks[0][0] == 0 else None
+            if sink is None or sink.numel() != desc.numel or sink.dtype != desc.dtype or sink.is_cuda or \
+                    not sink.is_contiguous():
+                return None
+            mode, dst = (_ONESHOT if oneshot else _PIPELINE), sink.data_ptr()
+        else:
+            mode, dst = _NODE_STAGE, 0
+        acc = acc_dtype(desc.dtype, desc.op)
+        divisor = self.world_size if desc.op == Op.AVG and self.num_nodes == 1 else 0
+        late = job.tree_deadline + (_OUT_GRACE if self.num_nodes > 1 else 0.0)
+        spec = _JOB.pack(mode, job.first_chunk, job.nchunks, job.elems, desc.numel, DTYPES[desc.dtype], int(desc.op),
+                         DTYPES[acc], divisor, own.data_ptr(), dst, int(job.deadline * 1e9), int(late * 1e9),
+                         job.seq, DESCRIPTOR_BYTES, _SHARED.size)
+        self._write_descriptor(job)
+        self._waiting(job, [r for r in self.members if r != self.rank], "the node stage (compiled core)")
+        rc, stage, k, chunk, was_late = _core.node_run(self._core_comm, spec)
+        self._done_waiting()
+        if rc == _CORE_DONE:
+            return "done"
+        if rc == _CORE_NEED_PYTHON:
+            return "chunk 0 staged in"
+        stage_name = STAGES[stage] if 0 <= stage < len(STAGES) else "?"
+        if rc == _CORE_ABORTED:
+            raise error_from_text(self._arena.abort_message(), HFReduceError)
+        if rc == _CORE_PEER_DEAD:
+            r = self.members[k]
+            self.flight.waiting(job.seq, [r], f"rank {r} (pid {self._pids[r]}) died")
+            raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
+        if rc == _CORE_TIMEOUT:
+            raise self._timed_out(job, stage_name, k, job.first_chunk + chunk + 1)
+        raise HFReduceError(f"hfreduce's compiled core failed on {desc}: error {rc} ({_core_error(rc)})")
+
     def _gather_slice(self, job: Job, b: int, c0: int, s0: int, s1: int, target: torch.Tensor) -> None:
         """Collectives with one contributor per element: copy each owner's range, zero what other nodes own."""
         dtype = job.plan.desc.dtype
@@ -722,11 +833,11 @@ class Communicator(Trees, Diagnosis):
                 piece.view(torch.uint8).zero_()
 
     def _check_descriptors(self, job: Job) -> None:
-        size = 8 + DESCRIPTOR_BYTES
-        mine = self._arena.descriptor(self.local_rank, size)
+        size, b = 8 + DESCRIPTOR_BYTES, self._buf(job, 0)
+        mine = self._arena.descriptor(self.local_rank, size, b)
         registered = []
         for k in range(self.local_size):
-            raw = self._arena.descriptor(k, size + _SHARED.size)
+            raw = self._arena.descriptor(k, size + _SHARED.size, b)
             theirs = raw[:size]
             their_seq = int.from_bytes(theirs[:8], "little")
             if theirs != mine and their_seq <= job.seq:  # a rank ahead of us already checked against us
@@ -737,7 +848,7 @@ class Communicator(Trees, Diagnosis):
         desc = job.plan.desc
         job.peer_in, job.peer_out = [None] * self.local_size, [None] * self.local_size
         for k, (word, offset) in enumerate(registered):
-            if word and self._arena.descriptor(k, 8) != job.seq.to_bytes(8, "little"):
+            if word and self._arena.descriptor(k, 8, b) != job.seq.to_bytes(8, "little"):
                 raise HFReduceError(f"{self.describe(self.members[k])} moved past collective #{job.seq} before this "
                                     "rank read where its registered input lives")
             if word:

@@ -1,0 +1,268 @@
+/* hfreduce's node stage in C; see node.h for the protocol. */
+#define _GNU_SOURCE
+#include "node.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kernels.h"
+
+#define LINE 64
+#define DESC_SLOT 64
+#define NSTAGES 4
+#define SLICE_NS 50000000LL    /* futex sleeps at most this long between checks */
+#define LIVENESS_NS 50000000LL /* how often the local peers' processes are looked at */
+#define MAX_LOCAL 256
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline volatile int32_t *flag(const hfr_comm *c, int stage, int64_t k) {
+    return (volatile int32_t *)(c->base + c->flags_offset + (stage * c->local_size + k) * LINE);
+}
+
+static inline int reached(int32_t value, int64_t target) {
+    return (uint32_t)((uint32_t)value - (uint32_t)target) < 0x80000000u;
+}
+
+static void publish(const hfr_comm *c, int stage, int64_t value) {
+    volatile int32_t *w = flag(c, stage, c->local_rank);
+    __atomic_store_n((int32_t *)w, (int32_t)(uint32_t)value, __ATOMIC_RELEASE);
+    syscall(SYS_futex, (int32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline int aborted(const hfr_comm *c) {
+    return __atomic_load_n((int32_t *)(c->base + c->abort_offset), __ATOMIC_ACQUIRE) != 0;
+}
+
+/* Dead, or a zombie; a process we may not signal counts as alive (as procs.pid_alive). */
+static int pid_dead(int64_t pid) {
+    if (pid <= 0)
+        return 0;
+    if (kill((pid_t)pid, 0) != 0)
+        return errno == ESRCH;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+typedef struct {
+    const hfr_comm *comm;
+    const hfr_job *job;
+    hfr_where *where;
+    int64_t next_liveness;
+} run_state;
+
+/* Wait until flag (stage, k) reaches target. 0, or an HFR_* code with *where filled. */
+static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t chunk, int late) {
+    const hfr_comm *c = st->comm;
+    volatile int32_t *w = flag(c, stage, k);
+    int32_t v = __atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE);
+    if (reached(v, target))
+        return 0;
+    for (int64_t i = 0; i < c->spin; i++) {
+        cpu_relax();
+        v = __atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE);
+        if (reached(v, target))
+            return 0;
+    }
+    int64_t deadline = late ? st->job->late_deadline_ns : st->job->deadline_ns;
+    int64_t t = now_ns(), yield_until = t + c->yield_ns;
+    for (;;) {
+        v = __atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE);
+        if (reached(v, target))
+            return 0;
+        st->where->stage = stage;
+        st->where->local_rank = k;
+        st->where->chunk = chunk;
+        st->where->late = late;
+        if (aborted(c))
+            return HFR_ABORTED;
+        t = now_ns();
+        if (t >= st->next_liveness) {
+            st->next_liveness = t + LIVENESS_NS;
+            const int64_t *pids = (const int64_t *)(c->base + c->pid_offset);
+            for (int64_t j = 0; j < c->local_size; j++) {
+                if (j != c->local_rank && pid_dead(__atomic_load_n(&pids[j], __ATOMIC_RELAXED))) {
+                    st->where->local_rank = j;
+                    return HFR_PEER_DEAD;
+                }
+            }
+        }
+        if (t >= deadline)
+            return HFR_TIMEOUT;
+        if (t < yield_until) {
+            sched_yield();
+            continue;
+        }
+        int64_t left = deadline - t;
+        if (left > SLICE_NS)
+            left = SLICE_NS;
+        struct timespec ts = {left / 1000000000LL, left % 1000000000LL};
+        syscall(SYS_futex, (int32_t *)w, FUTEX_WAIT, v, &ts, NULL, 0);
+    }
+}
+
+static int wait_all(run_state *st, int stage, int64_t n, int64_t target, int64_t chunk, int late) {
+    for (int64_t k = 0; k < n; k++) {
+        int rc = wait_one(st, stage, k, target, chunk, late);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static inline char *in_slot(const hfr_comm *c, int64_t b, int64_t k) {
+    return (char *)(c->base + c->control_bytes + (b * c->local_size + k) * c->chunk_bytes);
+}
+
+static inline char *red_buf(const hfr_comm *c, int64_t b) {
+    return (char *)(c->base + c->control_bytes + c->depth * c->local_size * c->chunk_bytes + b * c->red_bytes);
+}
+
+static inline char *out_buf(const hfr_comm *c, int64_t b) {
+    return (char *)(c->base + c->control_bytes + c->depth * (c->local_size * c->chunk_bytes + c->red_bytes) +
+                    b * c->chunk_bytes);
+}
+
+static int64_t itemsize(int64_t dtype) {
+    switch (dtype) {
+    case HFR_F64:
+    case HFR_I64:
+        return 8;
+    case HFR_F32:
+    case HFR_I32:
+        return 4;
+    case HFR_F16:
+    case HFR_BF16:
+    case HFR_I16:
+        return 2;
+    default:
+        return 1;
+    }
+}
+
+/* topology.split: part `index` of `total` items cut into `parts` near-equal pieces. */
+static void split(int64_t total, int64_t parts, int64_t index, int64_t *lo, int64_t *hi) {
+    int64_t base = total / parts, extra = total % parts;
+    *lo = index * base + (index < extra ? index : extra);
+    *hi = *lo + base + (index < extra ? 1 : 0);
+}
+
+/* Every local rank's descriptor matches ours and none uses a registered buffer. Each pipeline buffer
+ * has its own descriptor slots (arena.ArenaShape.desc_slot): those of the collective's first one. */
+static int descriptors_agree(const hfr_comm *c, const hfr_job *j) {
+    const char *base = (const char *)(c->base + c->desc_offset) + (j->first_chunk % c->depth) * c->local_size * DESC_SLOT;
+    const char *mine = base + c->local_rank * DESC_SLOT;
+    int64_t size = 8 + j->desc_bytes;
+    for (int64_t k = 0; k < c->local_size; k++) {
+        const char *theirs = base + k * DESC_SLOT;
+        if (memcmp(theirs, mine, (size_t)size) != 0)
+            return 0; /* a mismatch, or a rank already ahead: the Python side tells them apart */
+        for (int64_t b = 0; b < j->ext_bytes; b++)
+            if (theirs[size + b])
+                return 0;
+    }
+    return 1;
+}
+
+int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where) {
+    if (c->local_size < 1 || c->local_size > MAX_LOCAL || c->local_rank < 0 || c->local_rank >= c->local_size ||
+        c->depth < 1 || j->nchunks < 1 || j->elems < 1 || j->numel < 0)
+        return HFR_EARG;
+    run_state st = {c, j, where, now_ns() + LIVENESS_NS};
+    const int64_t L = c->local_size, lr = c->local_rank, depth = c->depth;
+    const int64_t size = itemsize(j->dtype), acc_size = itemsize(j->acc_dtype);
+    const char *src = (const char *)j->src;
+    char *dst = (char *)j->dst;
+    const void *ins[MAX_LOCAL];
+    int rc;
+    for (int64_t ci = 0; ci < j->nchunks; ci++) {
+        const int64_t g = j->first_chunk + ci, b = g % depth;
+        const int64_t c0 = ci * j->elems;
+        const int64_t n = (j->numel - c0 < j->elems) ? j->numel - c0 : j->elems;
+        /* every local rank has read this buffer's slots the last time round */
+        if ((rc = wait_all(&st, HFR_STAGE_RED, L, g - depth + 1, ci, 0)))
+            return rc;
+        char *slot = in_slot(c, b, lr);
+        int64_t s0, s1;
+        split(n, L, lr, &s0, &s1);
+        if (j->mode == HFR_MODE_ONESHOT) {
+            memcpy(slot, src + c0 * size, (size_t)(n * size)); /* every rank reads all of it */
+        } else {                                              /* the others read all but our own slice */
+            memcpy(slot, src + c0 * size, (size_t)(s0 * size));
+            memcpy(slot + s1 * size, src + (c0 + s1) * size, (size_t)((n - s1) * size));
+        }
+        publish(c, HFR_STAGE_IN, g + 1);
+        if ((rc = wait_all(&st, HFR_STAGE_IN, L, g + 1, ci, 0)))
+            return rc;
+        if (ci == 0 && !descriptors_agree(c, j))
+            return HFR_NEED_PYTHON;
+        if (j->mode == HFR_MODE_ONESHOT) {
+            for (int64_t k = 0; k < L; k++)
+                ins[k] = k == lr ? (const void *)(src + c0 * size) : (const void *)in_slot(c, b, k);
+            rc = hfr_reduce(dst + c0 * size, (int)j->dtype, ins, (int)L, (int)j->dtype, n, (int)j->op, j->divisor);
+            if (rc)
+                return rc;
+            publish(c, HFR_STAGE_RED, g + 1);  /* done reading this buffer's slots */
+            publish(c, HFR_STAGE_DONE, g + 1); /* and never wrote its out buffer */
+            continue;
+        }
+        int final = j->mode == HFR_MODE_PIPELINE;
+        if (final)
+            rc = wait_all(&st, HFR_STAGE_DONE, L, g - depth + 1, ci, 0); /* the out buffer is free */
+        else
+            rc = wait_all(&st, HFR_STAGE_OUT, c->rails, g - depth + 1, ci, 1); /* the trees are done with red */
+        if (rc)
+            return rc;
+        if (s1 > s0) {
+            for (int64_t k = 0; k < L; k++)
+                ins[k] = k == lr ? (const void *)(src + (c0 + s0) * size) : (const void *)(in_slot(c, b, k) + s0 * size);
+            if (final)
+                rc = hfr_reduce(out_buf(c, b) + s0 * size, (int)j->dtype, ins, (int)L, (int)j->dtype, s1 - s0,
+                                (int)j->op, j->divisor);
+            else
+                rc = hfr_reduce(red_buf(c, b) + s0 * acc_size, (int)j->acc_dtype, ins, (int)L, (int)j->dtype, s1 - s0,
+                                (int)j->op, 0);
+            if (rc)
+                return rc;
+        }
+        publish(c, HFR_STAGE_RED, g + 1);
+        if (!final)
+            continue; /* the trees, then the stage-out, take it from here */
+        if ((rc = wait_all(&st, HFR_STAGE_RED, L, g + 1, ci, 0)))
+            return rc;
+        memcpy(dst + c0 * size, out_buf(c, b), (size_t)(n * size));
+        publish(c, HFR_STAGE_DONE, g + 1);
+    }
+    return HFR_DONE;
+}

@@ -1,0 +1,80 @@
+/* hfreduce's node stage in C: one collective's chunks through the node's shared-memory arena.
+ *
+ * The same protocol as the Python engine (engine.py, arena.py), so the two interoperate
+ * flag for flag: per local rank and stage ("in", "red", "out", "done") one monotonically
+ * increasing int32 chunk counter on its own cache line, written only by its owner after
+ * the data it announces (x86-64 keeps stores in order; a release store elsewhere), and
+ * compared modulo 2**32.
+ *
+ * Every wait spins briefly, then yields, then sleeps on the flag's futex in short slices;
+ * between slices it checks the arena's abort word, its deadline and (every 50 ms) that its
+ * local peers' processes are alive, so no failure can leave it waiting forever.
+ */
+#ifndef FIREFLYER_HFREDUCE_NODE_H
+#define FIREFLYER_HFREDUCE_NODE_H
+
+#include <stdint.h>
+
+/* What a communicator's arena looks like (packed by the Python side, int64 fields, in this order). */
+typedef struct {
+    int64_t base;          /* address of the arena's mapping */
+    int64_t local_size;    /* L */
+    int64_t local_rank;
+    int64_t depth;
+    int64_t chunk_bytes;
+    int64_t control_bytes; /* where in[0][0] starts */
+    int64_t red_bytes;
+    int64_t flags_offset;
+    int64_t pid_offset;
+    int64_t desc_offset;
+    int64_t abort_offset;
+    int64_t rails;         /* local ranks that carry a tree rail (several nodes) */
+    int64_t spin;          /* busy polls before yielding */
+    int64_t yield_ns;      /* how long to yield before sleeping on the futex */
+} hfr_comm;
+
+enum { HFR_MODE_PIPELINE = 1, HFR_MODE_NODE_STAGE = 2, HFR_MODE_ONESHOT = 3 };
+
+/* One collective (int64 fields, in this order). */
+typedef struct {
+    int64_t mode;
+    int64_t first_chunk;   /* the group's chunk counter at this collective's first chunk */
+    int64_t nchunks;
+    int64_t elems;         /* elements per chunk */
+    int64_t numel;
+    int64_t dtype;         /* kernels.h codes */
+    int64_t op;
+    int64_t acc_dtype;
+    int64_t divisor;       /* > 0: AVG's finish (one node) */
+    int64_t src;           /* this rank's input, contiguous */
+    int64_t dst;           /* where the result goes, contiguous (may equal src); 0 in NODE_STAGE */
+    int64_t deadline_ns;   /* CLOCK_MONOTONIC */
+    int64_t late_deadline_ns; /* waits on what other nodes produce ("out" of the rails) */
+    int64_t seq;
+    int64_t desc_bytes;    /* how many descriptor bytes every rank must agree on (after the seq) */
+    int64_t ext_bytes;     /* then the registered-buffer words, which must be zero for the C path */
+} hfr_job;
+
+/* Return codes of hfr_node_run (besides the kernels' negative ones). */
+enum {
+    HFR_DONE = 0,
+    HFR_NEED_PYTHON = 1, /* chunk 0 staged in and every local rank's descriptor seen: a mismatch or a
+                            registered buffer, which the Python side handles from there */
+    HFR_TIMEOUT = 2,
+    HFR_ABORTED = 3,     /* the arena's abort word is set: another rank failed */
+    HFR_PEER_DEAD = 4,
+};
+
+enum { HFR_STAGE_IN = 0, HFR_STAGE_RED = 1, HFR_STAGE_OUT = 2, HFR_STAGE_DONE = 3 };
+
+/* Where a run stopped that did not finish: what it was waiting for. */
+typedef struct {
+    int64_t stage;
+    int64_t local_rank;  /* whose flag, or the dead peer */
+    int64_t chunk;       /* index within the collective */
+    int64_t late;        /* the wait used the late deadline */
+} hfr_where;
+
+int hfr_node_run(const hfr_comm *comm, const hfr_job *job, hfr_where *where);
+
+#endif
