@@ -94,7 +94,7 @@ class Job:
     """One collective in flight on this rank: its plan, its place in the chunk sequence, its deadlines."""
 
     plan: Plan
-    future: torch.futures.Future
+    future: torch.futures.Future | None  # None: run by run_now, whose caller takes the outcome
     first_chunk: int = 0
     nchunks: int = 1
     elems: int = 1
@@ -156,6 +156,7 @@ class Communicator(Trees, Diagnosis):
         self._out_thread: threading.Thread | None = None
         self._copy_stream = None
         self._core_comm: bytes | None = None
+        self._elems: dict = {}  # (dtype, op) -> elements per chunk
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
         self._tree_lock = threading.Lock()
@@ -317,6 +318,39 @@ class Communicator(Trees, Diagnosis):
             finally:
                 self._exec_lock.release()
         return fut
+
+    def run_now(self, plan: Plan) -> bool:
+        """Run a small CPU collective in the caller's thread, at once, when nothing is ahead of it.
+
+        True: it ran and its results are in place (its error raised otherwise, as a fresh copy).
+        False: it did not run (too large, CUDA, or the engine is busy); ``submit`` it instead.
+        The cheap door for synchronous small collectives: no future, no handoff to the engine thread.
+        """
+        desc = plan.desc
+        if self._closed or self._error is not None or desc.numel * desc.dtype.itemsize > INLINE_BYTES:
+            return False
+        for _, t in plan.sources:
+            if t.is_cuda:
+                return False
+        for _, t in plan.sinks:
+            if t.is_cuda:
+                return False
+        if plan.timeout is not None and not plan.timeout > 0:
+            raise ValueError(f"a collective's timeout must be positive seconds, got {plan.timeout}")
+        job = Job(plan=plan, future=None)
+        with self._submit_lock:
+            if self._pending:
+                return False
+            job.seq = plan.seq = self._seq
+            self._seq += 1
+            self._record(job)
+            self._pending += 1
+            self._exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
+        try:
+            self._run_job(job)
+        finally:
+            self._exec_lock.release()
+        return True
 
     # Direct API: each returns a torch.futures.Future that completes when the result is in place.
     def allreduce(self, tensor: torch.Tensor, op: Op | str = Op.SUM) -> torch.futures.Future:
@@ -534,11 +568,14 @@ class Communicator(Trees, Diagnosis):
             error = self._fail(exc)
             self._running = None
             self.flight.failed(job.seq, str(error))
+            if job.future is None:  # run_now: the caller raises it
+                raise fresh(error) from None
             job.future.set_exception(fresh(error))
         else:
             self._running = None
             self.flight.completed(job.seq)
-            job.future.set_result(job.plan.result)
+            if job.future is not None:
+                job.future.set_result(job.plan.result)
         finally:
             # Only after the future is settled may a later collective run inline, so futures
             # complete in the order their collectives were submitted.
@@ -547,8 +584,12 @@ class Communicator(Trees, Diagnosis):
 
     def _execute(self, job: Job) -> None:
         desc = job.plan.desc
-        red = self._shape.red_bytes if self.num_nodes > 1 else None
-        job.elems = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op, red_bytes=red)
+        elems = self._elems.get((desc.dtype, desc.op))
+        if elems is None:
+            red = self._shape.red_bytes if self.num_nodes > 1 else None
+            elems = self._elems[desc.dtype, desc.op] = chunk_elems(self.config.chunk_bytes, desc.dtype, desc.op,
+                                                                   red_bytes=red)
+        job.elems = elems
         job.nchunks = max(1, -(-desc.numel // job.elems))
         job.first_chunk = self._chunk
         job.own = self._own_source(job.plan)
@@ -568,8 +609,8 @@ class Communicator(Trees, Diagnosis):
         # One node: stage each chunk out right after reducing it, while it is still in cache.
         # Several nodes: a separate thread stages out what the trees finish, so reducing the
         # next chunks never waits on the network.
-        staged_out = threading.Event()
-        if self.num_nodes > 1:
+        staged_out = threading.Event() if self.num_nodes > 1 else None
+        if staged_out is not None:
             self._out_queue.put((job, staged_out))
         L, lr = self.local_size, self.local_rank
         all_local = range(L)
@@ -605,7 +646,7 @@ class Communicator(Trees, Diagnosis):
                 self._wait("out", rails, g - depth + 1, job, "reduce", late=True)
                 self._reduce(job, c, final=False)
                 self._arena.publish("red", lr, g + 1)
-        while not staged_out.is_set() and self.num_nodes > 1:
+        while staged_out is not None and not staged_out.is_set():
             self._check()
             if time.monotonic() > job.tree_deadline + 2 * _OUT_GRACE:  # the stage-out's own waits give up first
                 raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} waiting for its stage-out")
@@ -800,9 +841,11 @@ class Communicator(Trees, Diagnosis):
                          DTYPES[acc], divisor, own.data_ptr(), dst, int(job.deadline * 1e9), int(late * 1e9),
                          job.seq, DESCRIPTOR_BYTES, _SHARED.size)
         self._write_descriptor(job)
-        self._waiting(job, [r for r in self.members if r != self.rank], "the node stage (compiled core)")
+        if self.num_nodes > 1:  # the trees' threads name what this one waits for in their own timeouts
+            self._waiting(job, [r for r in self.members if r != self.rank], "the node stage (compiled core)")
         rc, stage, k, chunk, was_late = _core.node_run(self._core_comm, spec)
-        self._done_waiting()
+        if self.num_nodes > 1:
+            self._done_waiting()
         if rc == _CORE_DONE:
             return "done"
         if rc == _CORE_NEED_PYTHON:

@@ -158,9 +158,8 @@ class _Entry:
         self.started_ns = self.completed_ns = self.failed_ns = self.waiting_since_ns = None
         self.waiting_on: tuple = ()
         self.waiting_for = self.error = None
-        thread = threading.current_thread()
-        self.thread_id = thread.ident
-        self.thread_name = thread.name
+        self.thread_id = threading.get_ident()
+        self.thread_name = None  # looked up when dumped (a name per collective would cost on the hot path)
         self.frames = frames
 
 
@@ -334,7 +333,7 @@ class FlightRecorder:
             "record_id": e.record_id,
             "pg_id": self.pg_id,
             "process_group": (self._name, self._desc or "undefined"),
-            "thread_name": e.thread_name,
+            "thread_name": e.thread_name or _thread_name(e.thread_id),
             "thread_id": str(e.thread_id),
             "collective_seq_id": e.seq,
             "p2p_seq_id": 0,
@@ -372,6 +371,11 @@ class FlightRecorder:
 
 _EXTRAS = ("op", "group_rank", "waiting_on", "waiting_on_global", "waiting_for", "waiting_since_ns", "error",
            "time_failed_ns")
+
+
+def _thread_name(ident: int) -> str:
+    thread = threading._active.get(ident)  # noqa: SLF001 - the name of a live thread, by its ident
+    return thread.name if thread is not None else f"thread-{ident}"
 
 
 def _frames(frame: Any) -> list[tuple[str, str, int]]:

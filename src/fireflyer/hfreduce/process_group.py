@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from fireflyer.hfreduce import collectives
 from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
-from fireflyer.hfreduce.errors import CollectiveTimeout
+from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.reduce import Op, Plan
-from fireflyer.hfreduce.work import HFReduceWork, seconds
+from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
 
 BACKEND = "hfreduce"
 
@@ -72,8 +72,18 @@ def _unsupported(name: str) -> NotImplementedError:
     )
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _shapes(tensors: list[torch.Tensor]) -> tuple[list[list[int]], list[str]]:
-    return [list(t.shape) for t in tensors], [str(t.dtype).replace("torch.", "") for t in tensors]
+    return [list(t.shape) for t in tensors], [_dtype_name(t.dtype) for t in tensors]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 class HFReduceProcessGroup(dist.ProcessGroup):
@@ -121,6 +131,14 @@ class HFReduceProcessGroup(dist.ProcessGroup):
             if trace is not None:
                 p.trace = trace
         inline = not getattr(opts, "asyncOp", False)
+        if inline and len(plans) == 1:
+            try:
+                if self.comm.run_now(plans[0]):
+                    return DoneWork(result, plans[0].seq, what)
+            except HFReduceError as exc:
+                failed: torch.futures.Future = torch.futures.Future()
+                failed.set_exception(exc)
+                return HFReduceWork(self.comm, [failed], result, seqs=[plans[0].seq], what=what)
         futures = [self.comm.submit(p, inline=inline) for p in plans]
         return HFReduceWork(self.comm, futures, result, seqs=[p.seq for p in plans], what=what)
 

@@ -128,3 +128,48 @@ class HFReduceWork(dist.Work):
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "completed" if self._done.is_set() else "pending"
         return f"HFReduceWork({self._what}, #{','.join(map(str, self._seqs))}, {state})"
+
+
+class DoneWork(dist.Work):
+    """A collective that already succeeded in the caller's thread (``Communicator.run_now``): nothing to wait for."""
+
+    def __init__(self, result: list[torch.Tensor], seq: int, what: str) -> None:
+        super().__init__()
+        self._result = result
+        self._seq = seq
+        self._what = what
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        seconds(timeout)  # still refuses a timeout of the wrong type
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def block_current_stream(self) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._future.set_result(self._result)
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def source_rank(self) -> int:
+        raise NotImplementedError("hfreduce has no receive-from-any-source, so its Work has no source rank")
+
+    def __repr__(self) -> str:
+        return f"HFReduceWork({self._what}, #{self._seq}, completed)"
