@@ -15,7 +15,7 @@ import sysconfig
 
 import pytest
 import torch
-from hfr_cases import ALL_DTYPES, Case, ops_for, run_case
+from hfr_cases import ALL_DTYPES, Case, ops_for, registered_allreduce, run_case
 
 from fireflyer.testing.cluster import LocalCluster
 
@@ -77,6 +77,18 @@ def test_the_core_and_the_reference_give_the_same_bits(clusters):
     for rank, ((_, mine), (_, theirs)) in enumerate(zip(got, want)):
         for case, a, b in zip(cases, mine, theirs):
             assert _same_bytes(a, b), (rank, case)
+
+
+@pytest.mark.parametrize("who", ["all", "odd"])
+def test_registered_buffers_too(clusters, who):
+    """shared_empty buffers: the core reads peers' inputs in place (and writes results home on one node)."""
+    core, reference = clusters
+    for numel, dtype, op in ((3000, torch.float32, "sum"), (20011, torch.bfloat16, "avg"), (50, torch.int64, "max")):
+        got = core.run(registered_allreduce, numel, dtype, op, who, 3, timeout=300)
+        want = reference.run(registered_allreduce, numel, dtype, op, who, 3, timeout=300)
+        for rank, (mine, theirs) in enumerate(zip(got, want)):
+            for a, b in zip(mine, theirs):
+                assert _same_bytes(a, b), (rank, numel, dtype, op, who)
 
 
 def test_through_torch_distributed_too(clusters):

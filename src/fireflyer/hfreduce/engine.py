@@ -19,6 +19,7 @@ failure is broadcast to every rank, which then raises it.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import json
@@ -62,6 +63,7 @@ from fireflyer.hfreduce.reduce import (
 )
 from fireflyer.hfreduce.topology import Layout, split, tree_links
 from fireflyer.hfreduce.transport import Link, Listener
+from fireflyer.hfreduce.exchange import Exchange, for_communicator
 from fireflyer.hfreduce.diagnosis import Diagnosis
 from fireflyer.hfreduce.trees import SELF_GRACE, Trees
 
@@ -71,7 +73,7 @@ _OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree s
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
 _SHARED = struct.Struct("<qq")
 _COMM = struct.Struct("<14q")  # _core/node.h: hfr_comm
-_JOB = struct.Struct("<16q")  # _core/node.h: hfr_job
+_JOB = struct.Struct("<20q")  # _core/node.h: hfr_job
 _PIPELINE, _NODE_STAGE, _ONESHOT = 1, 2, 3
 _CORE_DONE, _CORE_NEED_PYTHON, _CORE_TIMEOUT, _CORE_ABORTED, _CORE_PEER_DEAD = 0, 1, 2, 3, 4
 try:
@@ -81,6 +83,13 @@ except ImportError:  # pragma: no cover - a machine without a C compiler: the Py
 if not hasattr(_core, "node_run"):  # not built: the import found the _core/ source folder
     _core = None
 _CORE_DTYPES = frozenset(DTYPES)
+
+
+def _addresses(tensors: list | None) -> "ctypes.Array | None":
+    """Each local rank's registered buffer as an address (0: none), for the core; None when no rank has one."""
+    if tensors is None or not any(t is not None for t in tensors):
+        return None
+    return (ctypes.c_int64 * len(tensors))(*[0 if t is None else t.data_ptr() for t in tensors])
 
 
 def _core_error(rc: int) -> str:
@@ -141,6 +150,7 @@ class Communicator(Trees, Diagnosis):
         self._arena: Arena | None = None
         self._fd_server: fdshare.FdServer | None = None
         self._shared: SharedBuffers | None = None
+        self.exchange: Exchange | None = None  # send/recv, all_to_all, gather, scatter (exchange.py)
         self._seq = 0
         self._chunk = 0
         self._reducer = Reducer()
@@ -167,6 +177,7 @@ class Communicator(Trees, Diagnosis):
                                      global_ranks=list(global_ranks) if global_ranks else list(range(world_size)))
         try:
             self._setup(node or node_key())
+            self.exchange = for_communicator(self)
         except BaseException:
             self._teardown()
             raise
@@ -432,6 +443,8 @@ class Communicator(Trees, Diagnosis):
                 with cond:
                     cond.notify_all()
             self._dump_flight(exc)
+            if self.exchange is not None:
+                self.exchange.fail(exc)
         return self._error
 
     def _root_cause(self, symptom: HFReduceError, patience: float = 1.0) -> HFReduceError:
@@ -633,6 +646,9 @@ class Communicator(Trees, Diagnosis):
             if c == 0:
                 self._check_descriptors(job)
                 oneshot = oneshot and job.peer_in is None
+                if staged == "chunk 0 staged in" and not oneshot and \
+                        self._run_core(job, False, resume=True) == "done":
+                    break  # registered buffers: the core goes on with them from here
             if oneshot:
                 self._reduce_oneshot(job)
                 self._arena.publish("red", lr, g + 1)  # done reading this buffer's slots
@@ -815,15 +831,15 @@ class Communicator(Trees, Diagnosis):
                           shape.red_bytes, shape.flags_offset, shape.pid_offset, shape.desc_offset, shape.abort_offset,
                           self.rails, self.config.spin, self.config.yield_us * 1000)
 
-    def _run_core(self, job: Job, oneshot: bool) -> str | None:
+    def _run_core(self, job: Job, oneshot: bool, *, resume: bool = False) -> str | None:
         """Run the node stage of ``job`` in the compiled core, when its plan is one the core takes.
 
         Returns None (not taken: the Python loop runs it all), ``"done"``, or ``"chunk 0 staged in"``
-        (a descriptor the core does not judge, or a registered buffer: the Python loop goes on from
-        there, as if it had staged chunk 0 in itself)."""
+        (a descriptor the core does not judge, or a registered buffer: the Python loop checks the
+        descriptors, then hands the rest back with ``resume``, the registered buffers mapped)."""
         plan, desc = job.plan, job.plan.desc
         own = job.own
-        if own is None or job.shared is not None or job.stream_event is not None or desc.dtype not in _CORE_DTYPES \
+        if own is None or job.stream_event is not None or desc.dtype not in _CORE_DTYPES \
                 or own.numel() != desc.numel or own.dtype != desc.dtype or not own.is_contiguous():
             return None
         if self.num_nodes == 1:
@@ -837,10 +853,15 @@ class Communicator(Trees, Diagnosis):
         acc = acc_dtype(desc.dtype, desc.op)
         divisor = self.world_size if desc.op == Op.AVG and self.num_nodes == 1 else 0
         late = job.tree_deadline + (_OUT_GRACE if self.num_nodes > 1 else 0.0)
+        peer_in = _addresses(job.peer_in) if resume else None
+        peer_out = _addresses(job.peer_out) if resume and self.num_nodes == 1 else None
         spec = _JOB.pack(mode, job.first_chunk, job.nchunks, job.elems, desc.numel, DTYPES[desc.dtype], int(desc.op),
                          DTYPES[acc], divisor, own.data_ptr(), dst, int(job.deadline * 1e9), int(late * 1e9),
-                         job.seq, DESCRIPTOR_BYTES, _SHARED.size)
-        self._write_descriptor(job)
+                         job.seq, DESCRIPTOR_BYTES, _SHARED.size, int(resume), int(job.shared is not None),
+                         ctypes.addressof(peer_in) if peer_in is not None else 0,
+                         ctypes.addressof(peer_out) if peer_out is not None else 0)
+        if not resume:
+            self._write_descriptor(job)
         if self.num_nodes > 1:  # the trees' threads name what this one waits for in their own timeouts
             self._waiting(job, [r for r in self.members if r != self.rank], "the node stage (compiled core)")
         rc, stage, k, chunk, was_late = _core.node_run(self._core_comm, spec)
@@ -933,6 +954,8 @@ class Communicator(Trees, Diagnosis):
 
     # ------------------------------------------------------------------ teardown
     def _teardown(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
         for link in self._links:
             link.close()
         self._links = []

@@ -204,29 +204,35 @@ int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where) {
     const int64_t size = itemsize(j->dtype), acc_size = itemsize(j->acc_dtype);
     const char *src = (const char *)j->src;
     char *dst = (char *)j->dst;
+    const int64_t *peer_in = (const int64_t *)j->peer_in, *peer_out = (const int64_t *)j->peer_out;
+    const int own_out = peer_out && peer_out[lr]; /* our result is written home by each slice's owner */
     const void *ins[MAX_LOCAL];
     int rc;
     for (int64_t ci = 0; ci < j->nchunks; ci++) {
         const int64_t g = j->first_chunk + ci, b = g % depth;
         const int64_t c0 = ci * j->elems;
         const int64_t n = (j->numel - c0 < j->elems) ? j->numel - c0 : j->elems;
-        /* every local rank has read this buffer's slots the last time round */
-        if ((rc = wait_all(&st, HFR_STAGE_RED, L, g - depth + 1, ci, 0)))
-            return rc;
-        char *slot = in_slot(c, b, lr);
         int64_t s0, s1;
         split(n, L, lr, &s0, &s1);
-        if (j->mode == HFR_MODE_ONESHOT) {
-            memcpy(slot, src + c0 * size, (size_t)(n * size)); /* every rank reads all of it */
-        } else {                                              /* the others read all but our own slice */
-            memcpy(slot, src + c0 * size, (size_t)(s0 * size));
-            memcpy(slot + s1 * size, src + (c0 + s1) * size, (size_t)((n - s1) * size));
+        if (!(ci == 0 && j->resume)) {
+            /* every local rank has read this buffer's slots the last time round */
+            if ((rc = wait_all(&st, HFR_STAGE_RED, L, g - depth + 1, ci, 0)))
+                return rc;
+            char *slot = in_slot(c, b, lr);
+            if (j->self_registered) {
+                /* the others read our registered buffer directly */
+            } else if (j->mode == HFR_MODE_ONESHOT) {
+                memcpy(slot, src + c0 * size, (size_t)(n * size)); /* every rank reads all of it */
+            } else {                                              /* the others read all but our own slice */
+                memcpy(slot, src + c0 * size, (size_t)(s0 * size));
+                memcpy(slot + s1 * size, src + (c0 + s1) * size, (size_t)((n - s1) * size));
+            }
+            publish(c, HFR_STAGE_IN, g + 1);
+            if ((rc = wait_all(&st, HFR_STAGE_IN, L, g + 1, ci, 0)))
+                return rc;
+            if (ci == 0 && !descriptors_agree(c, j))
+                return HFR_NEED_PYTHON;
         }
-        publish(c, HFR_STAGE_IN, g + 1);
-        if ((rc = wait_all(&st, HFR_STAGE_IN, L, g + 1, ci, 0)))
-            return rc;
-        if (ci == 0 && !descriptors_agree(c, j))
-            return HFR_NEED_PYTHON;
         if (j->mode == HFR_MODE_ONESHOT) {
             for (int64_t k = 0; k < L; k++)
                 ins[k] = k == lr ? (const void *)(src + c0 * size) : (const void *)in_slot(c, b, k);
@@ -245,23 +251,31 @@ int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where) {
         if (rc)
             return rc;
         if (s1 > s0) {
-            for (int64_t k = 0; k < L; k++)
-                ins[k] = k == lr ? (const void *)(src + (c0 + s0) * size) : (const void *)(in_slot(c, b, k) + s0 * size);
-            if (final)
-                rc = hfr_reduce(out_buf(c, b) + s0 * size, (int)j->dtype, ins, (int)L, (int)j->dtype, s1 - s0,
-                                (int)j->op, j->divisor);
-            else
-                rc = hfr_reduce(red_buf(c, b) + s0 * acc_size, (int)j->acc_dtype, ins, (int)L, (int)j->dtype, s1 - s0,
-                                (int)j->op, 0);
+            for (int64_t k = 0; k < L; k++) {
+                if (peer_in && peer_in[k])
+                    ins[k] = (const void *)(peer_in[k] + (c0 + s0) * size);
+                else if (k == lr)
+                    ins[k] = (const void *)(src + (c0 + s0) * size);
+                else
+                    ins[k] = (const void *)(in_slot(c, b, k) + s0 * size);
+            }
+            char *target = final ? out_buf(c, b) + s0 * size : red_buf(c, b) + s0 * acc_size;
+            rc = hfr_reduce(target, (int)(final ? j->dtype : j->acc_dtype), ins, (int)L, (int)j->dtype, s1 - s0,
+                            (int)j->op, final ? j->divisor : 0);
             if (rc)
                 return rc;
+            if (final && peer_out) /* one node, registered in place: the result goes straight home */
+                for (int64_t k = 0; k < L; k++)
+                    if (peer_out[k])
+                        memcpy((char *)peer_out[k] + (c0 + s0) * size, target, (size_t)((s1 - s0) * size));
         }
         publish(c, HFR_STAGE_RED, g + 1);
         if (!final)
             continue; /* the trees, then the stage-out, take it from here */
-        if ((rc = wait_all(&st, HFR_STAGE_RED, L, g + 1, ci, 0)))
+        if ((rc = wait_all(&st, HFR_STAGE_RED, L, g + 1, ci, 0))) /* every slice of the chunk is reduced */
             return rc;
-        memcpy(dst + c0 * size, out_buf(c, b), (size_t)(n * size));
+        if (!own_out) /* else every slice's owner has written it into our buffer already */
+            memcpy(dst + c0 * size, out_buf(c, b), (size_t)(n * size));
         publish(c, HFR_STAGE_DONE, g + 1);
     }
     return HFR_DONE;

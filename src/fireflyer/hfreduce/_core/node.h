@@ -53,6 +53,10 @@ typedef struct {
     int64_t seq;
     int64_t desc_bytes;    /* how many descriptor bytes every rank must agree on (after the seq) */
     int64_t ext_bytes;     /* then the registered-buffer words, which must be zero for the C path */
+    int64_t resume;        /* 1: chunk 0 is staged in and every descriptor checked (the Python side did it) */
+    int64_t self_registered; /* 1: this rank's input is a registered buffer its peers read: no stage-in */
+    int64_t peer_in;       /* 0, or the address of L int64 addresses: local rank k's registered input (0: its slot) */
+    int64_t peer_out;      /* 0, or L addresses: local rank k's registered in-place buffer, written directly (one node) */
 } hfr_job;
 
 /* Return codes of hfr_node_run (besides the kernels' negative ones). */
