@@ -91,15 +91,40 @@ def test_parse_layout() -> None:
 
 def test_build_config() -> None:
     cfg = bench.build_config(["--quick", "--candidate", "gloo", "--layouts", "1x4"])
-    assert [s for s, _, _ in cfg.schedule] == bench.power2_sizes(1 << 20, 16 << 20)
-    assert all(it == 5 and wu == 1 for _, it, wu in cfg.schedule)
+    assert [s for s, _, _ in cfg.schedule] == list(bench.QUICK_SIZES)
+    assert all(it == 5 and wu == 1 for _, it, wu in cfg.schedule) and cfg.rounds == 1
     cfg = bench.build_config([])
-    assert cfg.schedule[-1][0] == 256 << 20 and cfg.dtypes == ("fp32", "bf16")
+    assert [s for s, _, _ in cfg.schedule] == list(bench.TABLE_SIZES)
+    assert cfg.schedule[0][0] == 4 << 10 and cfg.schedule[-1][0] == 256 << 20 and cfg.dtypes == ("fp32", "bf16")
+    assert cfg.rounds == 2 and cfg.systems == ("candidate", "gloo", "openmpi", "deepspeed")
     assert [lay.name for lay in cfg.layouts] == list(bench.DEFAULT_LAYOUTS)
+    # the old sweep flags still work: every power of two between
+    cfg = bench.build_config(["--min-bytes", "1M", "--max-bytes", "16M", "--iters", "3", "--warmup", "0"])
+    assert [s for s, _, _ in cfg.schedule] == bench.power2_sizes(1 << 20, 16 << 20)
+    assert all(it == 3 and wu == 0 for _, it, wu in cfg.schedule)
+    cfg = bench.build_config(["--sizes", "64K,4K,64K", "--systems", "hfreduce,openmpi", "--rounds", "3"])
+    assert [s for s, _, _ in cfg.schedule] == [4 << 10, 64 << 10]
+    assert cfg.systems == ("candidate", "openmpi") and cfg.peers == ("openmpi",) and cfg.rounds == 3
     for bad in (["--bogus"], ["--dtypes", "fp64"], ["--min-bytes", "8M", "--max-bytes", "4M"],
-                ["--iters", "0"], ["--link-mbit", "0"], ["--layouts", ""], ["--min-bytes", "6"]):
+                ["--iters", "0"], ["--link-mbit", "0"], ["--layouts", ""], ["--min-bytes", "6"],
+                ["--sizes", "6"], ["--sizes", "4K", "--max-bytes", "1M"], ["--systems", "nccl"],
+                ["--systems", ","], ["--rounds", "0"]):
         with pytest.raises(UserError):
             bench.build_config(bad)
+
+
+def test_default_schedule_is_issue_15s() -> None:
+    ops = {s: (report.default_ops(s), report.default_warmup(s)) for s in bench.TABLE_SIZES}
+    assert ops[4 << 10] == ops[16 << 20] == (15, 2)
+    assert ops[64 << 20] == (8, 1) and ops[256 << 20] == (3, 1)
+
+
+def test_parse_systems() -> None:
+    assert bench.parse_systems("all", "hfreduce") == report.SYSTEMS
+    assert bench.parse_systems("deepspeed, hfreduce", "hfreduce") == ("candidate", "deepspeed")
+    assert bench.parse_systems("mpi,ds", "hfreduce") == ("openmpi", "deepspeed")
+    # a gloo candidate is "candidate"; plain "gloo" stays the baseline
+    assert bench.parse_systems("candidate,gloo", "gloo") == ("candidate", "gloo")
 
 
 def test_headline_row_prefers_64m_fp32() -> None:

@@ -1,11 +1,21 @@
-"""``fireflyer bench allreduce``: hfreduce against gloo, side by side, in one run.
+"""``fireflyer bench allreduce``: hfreduce against gloo, OpenMPI and DeepSpeed's CPU SHM allreduce, in one run.
 
-For each layout (``NxL``: N emulated nodes of L ranks; ``NxL-shaped``: each node in
-its own network namespace behind a tc-shaped link) it starts N*L real worker
-processes (:mod:`fireflyer.hfreduce.bench_worker`) with torchrun's environment.
-Every worker joins the candidate backend and a gloo group, so both are measured
-in the same processes, interleaved per size. The output is an nccl-tests style
-table per layout, a roofline against measured copy bandwidth, JSON and a PNG.
+For each layout (``NxL``: N emulated nodes of L ranks; ``NxL-shaped``: each node in its
+own network namespace behind a tc-shaped link) it starts up to three process sets of N*L
+ranks: the torch ranks (:mod:`fireflyer.hfreduce.bench_worker`: the candidate backend
+and gloo, in the same processes, with torchrun's environment), DeepSpeed's ranks, and
+OpenMPI's ranks under mpirun (:mod:`fireflyer.hfreduce.bench_peers`). The parent drives
+them all through one control socket: for every dtype and size, each round runs every
+system in turn (the order rotates between rounds), so all are measured under the same
+conditions, and an idle set waits in a socket read, taking no core. Each op's time is its
+slowest rank's, and the figure is the median over rounds x ops. Every system's result is
+checked exact against the expected sum.
+
+It also prints the dispatch floor (``dist.all_reduce`` of 4 bytes on a Python backend
+that does nothing: torch's plugin boundary), the memory floor of every size (each input
+read once and each output written once, 2L x the tensor per node, at the copy bandwidth
+of every core at once, measured in the same run), the candidate's speedup over each peer,
+and writes JSON and a log-log PNG of time against size.
 
 algbw = bytes of one rank's buffer / time; busbw = algbw * 2(n-1)/n; GB = 1e9 B.
 """
@@ -13,31 +23,38 @@ algbw = bytes of one rank's buffer / time; busbw = algbw * 2(n-1)/n; GB = 1e9 B.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
+from fireflyer.hfreduce import bench_peers
 from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for tests and callers
     HEADLINE_BYTES,
+    SYSTEMS,
+    TABLE_SIZES,
     _label,
     aggregate_copy_bw,
     algbw_gbps,
+    build_row,
     busbw_factor,
     default_iters,
+    default_ops,
+    default_warmup,
+    dispatch_floor,
+    format_ms,
     format_size,
     make_console,
+    memory_floor_bytes,
+    median,
+    memory_floor_seconds,
     parse_size,
     pct_of_link,
     pct_of_roofline,
@@ -45,16 +62,21 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
     print_layout,
     ratio,
     roofline_seconds,
+    slowest_per_op,
+    system_label,
     traffic_model,
+    wrong_total,
     write_json,
     write_png,
 )
-from fireflyer.hfreduce.transport import free_port
 
 MiB = 1 << 20
 DEFAULT_LAYOUTS = ("1x4", "2x2", "2x2-shaped")
 DTYPE_ITEMSIZE = {"fp32": 4, "bf16": 2}
-POLL_S = 0.1
+QUICK_SIZES = (4 << 10, 1 * MiB, 16 * MiB)
+COPY_TRIALS = 3  # bench_worker.COPY_TRIALS; not imported, so that --help does not import torch
+OWNER = {"candidate": "torch", "gloo": "torch", "openmpi": bench_peers.OPENMPI, "deepspeed": bench_peers.DEEPSPEED}
+"""Which process set hosts each system."""
 
 # -- configuration ---------------------------------------------------------------
 
@@ -86,60 +108,125 @@ def parse_layout(text: str) -> Layout:
     return lay
 
 
+def parse_systems(text: str, candidate: str) -> tuple[str, ...]:
+    """``hfreduce,gloo,openmpi,deepspeed`` (or ``all``) as the report's system keys, in report order."""
+    names = {candidate: "candidate", "candidate": "candidate", "gloo": "gloo", "openmpi": "openmpi",
+             "mpi": "openmpi", "deepspeed": "deepspeed", "ds": "deepspeed"}
+    if candidate == "gloo":
+        names["gloo"] = "gloo"  # the baseline; the candidate is then "candidate"
+    chosen: set[str] = set()
+    for word in (w.strip().lower() for w in text.split(",")):
+        if not word:
+            continue
+        if word == "all":
+            chosen.update(SYSTEMS)
+        elif word in names:
+            chosen.add(names[word])
+        else:
+            raise UserError(f"unknown system {word!r}; choose from {candidate}, gloo, openmpi, deepspeed, all")
+    if not chosen:
+        raise UserError(f"--systems is empty; choose from {candidate}, gloo, openmpi, deepspeed, all")
+    return tuple(s for s in SYSTEMS if s in chosen)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     layouts: tuple[Layout, ...]
     dtypes: tuple[str, ...]
     schedule: tuple[tuple[int, int, int], ...]
-    """(bytes, iters, warmup) per size."""
+    """(bytes, timed ops per round, untimed ops per round) per size; the first untimed op is checked."""
+    systems: tuple[str, ...] = SYSTEMS
+    """Report keys: "candidate", "gloo", "openmpi", "deepspeed"."""
+    rounds: int = 2
+    """Rounds per size; every system runs once per round, in an order that rotates."""
     candidate: str = "hfreduce"
     link_mbit: float = 1000.0
     timeout_s: float = 300.0
-    """Per-collective timeout in the workers; the parent gives up after 1.5x this without progress."""
+    """Per-collective timeout in the workers; the parent gives up on a round after 1.5x this."""
+    floor_ops: int = 2000
+    """4-byte ops timed for the dispatch floor."""
+    build_timeout_s: float = 900.0
+    """Seconds DeepSpeed's op may take to JIT-build before the peer is skipped."""
     json_path: str = "benchmarks/results/allreduce.json"
     png_path: str = "benchmarks/results/allreduce.png"
 
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise UserError(f"rounds must be >= 1, got {self.rounds}")
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise UserError(f"systems must be some of {', '.join(SYSTEMS)}, got {self.systems}")
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(s for s in self.systems if s in bench_peers.PEERS)
+
+
+def _sizes(a: Any) -> list[int]:
+    if a.sizes and (a.min_bytes or a.max_bytes):
+        raise UserError("give --sizes, or --min-bytes/--max-bytes (powers of two between them), not both")
+    if a.min_bytes or a.max_bytes:
+        min_b, max_b = parse_size(a.min_bytes or "4K"), parse_size(a.max_bytes or "256M")
+        if min_b < 4 or min_b % 4 or min_b > max_b:
+            raise UserError(f"need 4 <= --min-bytes <= --max-bytes and a multiple of 4, got {min_b} and {max_b}")
+        return power2_sizes(min_b, max_b)
+    if a.sizes:
+        sizes = sorted({parse_size(t) for t in a.sizes.split(",") if t.strip()})
+    else:
+        sizes = list(QUICK_SIZES if a.quick else TABLE_SIZES)
+    if not sizes or any(s < 4 or s % 4 for s in sizes):
+        raise UserError(f"--sizes needs sizes of at least 4 bytes, multiples of 4; got {a.sizes!r}")
+    return sizes
 
 
 def build_config(argv: list[str]) -> BenchConfig:
-    p = ArgumentParser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0])
-    p.add_argument("--min-bytes", default=None, help="smallest buffer per rank (default 1M; --quick 1M)")
-    p.add_argument("--max-bytes", default=None, help="largest buffer per rank (default 256M; --quick 16M)")
+    import argparse
+
+    p = ArgumentParser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0],
+                       epilog=bench_peers.INSTALL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=None, help="comma list of buffer sizes per rank "
+                   "(default 4K,64K,256K,1M,4M,16M,64M,256M; --quick 4K,1M,16M)")
+    p.add_argument("--min-bytes", default=None, help="with --max-bytes: every power of two between (default 4K)")
+    p.add_argument("--max-bytes", default=None, help="with --min-bytes: every power of two between (default 256M)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of: " + ", ".join(DTYPE_ITEMSIZE))
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list, e.g. 1x4,2x2,2x2-shaped")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations per size (default: fewer for big sizes)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations per size")
+    p.add_argument("--systems", default="all", help="comma list of: CANDIDATE (hfreduce), gloo, openmpi, deepspeed; "
+                   "or all (default); an absent peer is skipped with a note")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per size, systems alternating (default 2; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed ops per round (default 15, fewer above 16M)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed ops per round, the first checked (default 2)")
+    p.add_argument("--floor-ops", type=int, default=2000, help="4-byte ops timed for the dispatch floor")
     p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped link rate, Mbit/s each way")
-    p.add_argument("--candidate", default="hfreduce", help="backend measured against gloo (default hfreduce)")
+    p.add_argument("--candidate", default="hfreduce", help="backend measured against the others (default hfreduce)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", default=BenchConfig.json_path, metavar="PATH")
     p.add_argument("--png", default=BenchConfig.png_path, metavar="PATH")
-    p.add_argument("--quick", action="store_true", help="1M..16M, 5 iterations: a smoke run")
+    p.add_argument("--quick", action="store_true", help="4K,1M,16M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
-    min_b = parse_size(a.min_bytes or "1M")
-    max_b = parse_size(a.max_bytes or ("16M" if a.quick else "256M"))
     dtypes = tuple(d.strip() for d in a.dtypes.split(",") if d.strip())
     for d in dtypes:
         if d not in DTYPE_ITEMSIZE:
             raise UserError(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_ITEMSIZE)}")
     if not dtypes:
         raise UserError("--dtypes is empty; choose from " + ", ".join(DTYPE_ITEMSIZE))
-    if min_b < 4 or min_b % 4 or min_b > max_b:
-        raise UserError(f"need 4 <= --min-bytes <= --max-bytes and a multiple of 4, got {min_b} and {max_b}")
     if a.iters is not None and a.iters < 1 or a.warmup is not None and a.warmup < 0:
         raise UserError("--iters must be >= 1 and --warmup >= 0")
+    if a.rounds is not None and a.rounds < 1 or a.floor_ops < 1:
+        raise UserError("--rounds and --floor-ops must be >= 1")
     if not a.link_mbit > 0 or not a.timeout > 0:
         raise UserError("--link-mbit and --timeout must be positive")
     layouts = tuple(parse_layout(t) for t in a.layouts.split(",") if t.strip())
     if not layouts:
         raise UserError("--layouts is empty")
     schedule = []
-    for s in power2_sizes(min_b, max_b):
-        iters = a.iters or (5 if a.quick else default_iters(s))
-        warmup = a.warmup if a.warmup is not None else (1 if a.quick else max(1, iters // 5))
-        schedule.append((s, iters, warmup))
-    return BenchConfig(layouts=layouts, dtypes=dtypes, schedule=tuple(schedule), candidate=a.candidate,
-                       link_mbit=a.link_mbit, timeout_s=a.timeout, json_path=a.json, png_path=a.png)
+    for s in _sizes(a):
+        ops = a.iters or (5 if a.quick else default_ops(s))
+        warmup = a.warmup if a.warmup is not None else (1 if a.quick else default_warmup(s))
+        schedule.append((s, ops, warmup))
+    return BenchConfig(layouts=layouts, dtypes=dtypes, schedule=tuple(schedule),
+                       systems=parse_systems(a.systems, a.candidate), rounds=a.rounds or (1 if a.quick else 2),
+                       candidate=a.candidate, link_mbit=a.link_mbit, timeout_s=a.timeout, floor_ops=a.floor_ops,
+                       json_path=a.json, png_path=a.png)
 
 
 # -- running one layout ------------------------------------------------------------
@@ -155,54 +242,26 @@ class LayoutResult:
     skipped: str | None = None
     copy_bw: float | None = None
     """Aggregate copy bandwidth of all ranks at once, bytes read+written per second."""
+    dispatch_floor: dict[str, Any] | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+    """Per system: why it was skipped here, or what it measures on this layout."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     roofline: dict[str, Any] = field(default_factory=dict)
 
 
-_LAYOUT_ENV = ("GLOO_SOCKET_IFNAME", "FIREFLYER_NODE_ID", "FIREFLYER_HFREDUCE_IFADDR")
-"""Set per layout; any other FIREFLYER_* setting passes through to the workers."""
+def _drop_peer(sets: dict[str, bench_peers.ProcessSet], res: LayoutResult, exc: bench_peers.SetFailed, where: str) -> None:
+    """A peer failed: note it, end its processes, and go on without it; the torch ranks' failure is fatal."""
+    if exc.set_name == "torch":
+        raise exc
+    st = sets.pop(exc.set_name)
+    st.kill()
+    for system, owner in OWNER.items():
+        if owner == exc.set_name:
+            res.notes[system] = f"{system_label(system, 'candidate')} failed {where}: {exc}"
 
 
-def _worker_env(lay: Layout, rank: int, master_addr: str, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_ENV and not k.startswith("TORCHELASTIC_")}
-    node = rank // lay.local
-    env.update(RANK=str(rank), WORLD_SIZE=str(lay.world), LOCAL_RANK=str(rank % lay.local),
-               LOCAL_WORLD_SIZE=str(lay.local), GROUP_RANK=str(node), MASTER_ADDR=master_addr,
-               MASTER_PORT=str(port), FIREFLYER_NODE_ID=f"node{node}", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    return env
-
-
-class _Workers:
-    """The worker processes of one layout; kills them all on any way out."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    p.kill()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _last_line(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    return lines[-1][:300] if lines else "(empty log)"
-
-
-def run_layout(cfg: BenchConfig, lay: Layout, progress: Callable[[str], None]) -> LayoutResult:
+def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerStatus],
+               progress: Callable[[str], None]) -> LayoutResult:
     from fireflyer.hfreduce import netns
 
     res = LayoutResult(lay.name, lay.nodes, lay.local, lay.world, cfg.link_mbit if lay.shaped else None)
@@ -210,121 +269,105 @@ def run_layout(cfg: BenchConfig, lay: Layout, progress: Callable[[str], None]) -
         res.skipped = reason
         return res
     tmp = tempfile.mkdtemp(prefix=f"ffr-bench-{lay.name}-")
-    spec_path = os.path.join(tmp, "spec.json")
-    with open(spec_path, "w", encoding="utf-8") as f:
-        json.dump({"events_dir": tmp, "candidate": cfg.candidate, "timeout_s": cfg.timeout_s,
-                   "dtypes": list(cfg.dtypes), "schedule": [list(s) for s in cfg.schedule]}, f)
-    argv = [sys.executable, "-m", "fireflyer.hfreduce.bench_worker", spec_path]
-    workers = _Workers()
+    control = os.path.join(tmp, "control.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(control)
+    server.listen(64)
     link = netns.ShapedLink(rate_mbit=cfg.link_mbit, nodes=lay.nodes) if lay.shaped else None
+    sets: dict[str, bench_peers.ProcessSet] = {}
     keep_logs = False
     try:
         if link is not None:
             link.open()
-        master, port = (link.addrs[0], 29500) if link else ("127.0.0.1", free_port())
-        for rank in range(lay.world):
-            env = _worker_env(lay, rank, master, port)
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "wb")
-            kw: dict[str, Any] = dict(env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
-            if link is None:
-                env["GLOO_SOCKET_IFNAME"] = "lo"
-                workers.procs.append(subprocess.Popen(argv, **kw))
-            else:
-                node = rank // lay.local
-                env.update(GLOO_SOCKET_IFNAME=link.ifname, FIREFLYER_HFREDUCE_IFADDR=link.addrs[node])
-                workers.procs.append(link.popen(node, argv, **kw))
-            log.close()
-        events = _monitor(cfg, lay, workers, tmp, progress)
-        _collect(res, cfg, lay, events)
-    except RuntimeError:
+        bench_peers.start_sets(cfg, lay, tmp, control, link, peers, res, sets)
+        pending: list[Any] = []
+        for _attempt in range(len(sets)):  # each failure drops one peer; the torch ranks' is fatal
+            try:
+                bench_peers.accept(server, sets, max(180.0, cfg.timeout_s), pending)
+                break
+            except bench_peers.SetFailed as exc:
+                _drop_peer(sets, res, exc, "to start")
+        _measure(cfg, lay, sets, res, progress)
+        for st in list(sets.values()):
+            st.finish()
+    except (RuntimeError, OSError) as exc:
         keep_logs = True  # the error message points at them
-        raise
+        raise RuntimeError(f"layout {lay.name}: {exc} (logs in {tmp})") from exc
     finally:
-        workers.kill()
+        for st in sets.values():
+            st.kill()
+        server.close()
         if link is not None:
             link.close()
-        if not keep_logs:
+        if not keep_logs and not any("failed" in n for n in res.notes.values()):
             shutil.rmtree(tmp, ignore_errors=True)
+        elif not keep_logs:
+            for system, note in res.notes.items():
+                if "failed" in note:
+                    res.notes[system] = f"{note} (logs in {tmp})"
     return res
 
 
-def _monitor(cfg: BenchConfig, lay: Layout, workers: _Workers, tmp: str,
-             progress: Callable[[str], None]) -> list[list[dict[str, Any]]]:
-    """Read every rank's events until all are done; raise on a failed or stalled worker."""
-    events: list[list[dict[str, Any]]] = [[] for _ in range(lay.world)]
-    offsets = [0] * lay.world
-    last_progress = time.monotonic()
-    stall_s = 1.5 * cfg.timeout_s + 10
-    while True:
-        for r in range(lay.world):
-            path = os.path.join(tmp, f"rank{r}.jsonl")
-            if not os.path.exists(path):
-                continue
-            with open(path, "rb") as f:
-                f.seek(offsets[r])
-                chunk = f.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            offsets[r] += len(complete)
-            for line in complete.decode().splitlines():
-                ev = json.loads(line)
-                events[r].append(ev)
-                last_progress = time.monotonic()
-                if r == 0 and ev["event"] == "row" and ev["backend"] == "gloo":
-                    cand = next(e for e in reversed(events[0]) if e["event"] == "row" and e["backend"] != "gloo")
-                    progress(f"{lay.name} {ev['dtype']} {format_size(ev['bytes'])}: {_label(cfg.candidate)} "
-                             f"{cand['mean_s'] * 1e3:.2f} ms, gloo {ev['mean_s'] * 1e3:.2f} ms (rank 0)")
-        codes = [p.poll() for p in workers.procs]
-        for r, rc in enumerate(codes):
-            if rc not in (None, 0):
-                workers.kill()
-                raise RuntimeError(f"layout {lay.name}: rank {r} exited with code {rc}: "
-                                   f"{_last_line(os.path.join(tmp, f'rank{r}.log'))} (logs in {tmp})")
-        if all(rc == 0 for rc in codes):
-            if not all(evs and evs[-1]["event"] == "done" for evs in events):
-                raise RuntimeError(f"layout {lay.name}: workers exited before finishing (logs in {tmp})")
-            return events
-        if time.monotonic() - last_progress > stall_s:
-            workers.kill()
-            raise RuntimeError(f"layout {lay.name}: no progress from the workers in {stall_s:.0f} s; "
-                               f"killed them (logs in {tmp})")
-        time.sleep(POLL_S)
+def _measure(cfg: BenchConfig, lay: Layout, sets: dict[str, bench_peers.ProcessSet], res: LayoutResult,
+             progress: Callable[[str], None]) -> None:
+    """Copy bandwidth, the dispatch floor, then every dtype and size in alternating rounds."""
+    torch_set = sets["torch"]
+    call_s = 1.5 * cfg.timeout_s + 10
+    copies = [c for r in torch_set.call({"cmd": "copy", "first_trial": 0}, call_s) for c in r["copies"]]
+    floor = torch_set.call({"cmd": "floor", "ops": cfg.floor_ops}, call_s)
+    res.dispatch_floor = dispatch_floor([r["times"] for r in floor])
+    measured: list[tuple[str, int, dict[str, tuple[list[float], int]], dict[str, str]]] = []
+    for di, dtype in enumerate(cfg.dtypes):
+        for si, (nbytes, ops, warmup) in enumerate(cfg.schedule):
+            runnable, na = [], {}
+            for system in cfg.systems:
+                st = sets.get(OWNER[system])
+                if st is None:
+                    continue
+                note = st.dtype_note(system, dtype)
+                if note:
+                    na[system] = note
+                else:
+                    runnable.append(system)
+            samples: dict[str, list[float]] = {s: [] for s in runnable}
+            wrong = dict.fromkeys(runnable, 0)
+            cmd = {"cmd": "round", "dtype": dtype, "bytes": nbytes, "ops": ops, "warmup": warmup,
+                   "size_index": si, "dtype_index": di}
+            for rnd in range(cfg.rounds):
+                k = rnd % max(1, len(runnable))
+                for system in runnable[k:] + runnable[:k]:
+                    if OWNER[system] not in sets:
+                        continue
+                    try:
+                        replies = sets[OWNER[system]].call({**cmd, "system": system}, call_s)
+                    except bench_peers.SetFailed as exc:
+                        _drop_peer(sets, res, exc, f"at {dtype} {format_size(nbytes)}")
+                        continue
+                    samples[system] += slowest_per_op([r["times"] for r in replies])
+                    wrong[system] += sum(r["wrong"] for r in replies)
+            done = {s: (samples[s], wrong[s]) for s in runnable if OWNER[s] in sets}
+            measured.append((dtype, nbytes, done, na))
+            progress(f"{lay.name} {dtype} {format_size(nbytes)}: " + ", ".join(
+                f"{system_label(s, cfg.candidate)} {format_ms(median(v[0]))} ms" for s, v in done.items()))
+    copies += [c for r in torch_set.call({"cmd": "copy", "first_trial": COPY_TRIALS}, call_s) for c in r["copies"]]
+    _collect(res, cfg, lay, copies, measured)
 
 
-def _collect(res: LayoutResult, cfg: BenchConfig, lay: Layout, events: list[list[dict[str, Any]]]) -> None:
-    res.copy_bw = aggregate_copy_bw([e for evs in events for e in evs if e["event"] == "copy"])
+def _collect(res: LayoutResult, cfg: BenchConfig, lay: Layout, copies: list[dict[str, Any]],
+             measured: list[tuple[str, int, dict[str, tuple[list[float], int]], dict[str, str]]]) -> None:
+    res.copy_bw = aggregate_copy_bw(copies)
     model, source = traffic_model()
-    factor = busbw_factor(lay.world)
-    by_key: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-    for evs in events:
-        for e in evs:
-            if e["event"] == "row":
-                by_key.setdefault((e["dtype"], e["bytes"], e["backend"]), []).append(e)
-    for dtype in cfg.dtypes:
-        for nbytes, iters, _ in cfg.schedule:
-            row: dict[str, Any] = {"layout": lay.name, "dtype": dtype, "bytes": nbytes,
-                                   "count": nbytes // DTYPE_ITEMSIZE[dtype], "iters": iters}
-            for backend in ("candidate", "gloo"):
-                evs = by_key[(dtype, nbytes, backend)]
-                t = max(e["mean_s"] for e in evs)
-                alg = algbw_gbps(nbytes, t)
-                row[backend] = {"time_s": t, "algbw": alg, "busbw": alg * factor,
-                                "wrong": sum(e["wrong"] for e in evs)}
-            row["ratio"] = ratio(row["candidate"]["algbw"], row["gloo"]["algbw"])
-            traffic = model(nbytes, lay.local, lay.nodes, DTYPE_ITEMSIZE[dtype])
-            # Every emulated node shares this one host's memory.
-            host_mem = traffic["mem_bytes"] * lay.nodes
-            link_rate = cfg.link_mbit * 1e6 / 8 if lay.shaped else None
-            row["roofline_s"] = roofline_seconds(host_mem, res.copy_bw, traffic["link_bytes"], link_rate)
-            row["pct_roofline"] = pct_of_roofline(row["roofline_s"], row["candidate"]["time_s"])
-            if lay.shaped:
-                row["pct_link"] = pct_of_link(row["candidate"]["algbw"], cfg.link_mbit)
-                row["gloo_pct_link"] = pct_of_link(row["gloo"]["algbw"], cfg.link_mbit)
-            res.rows.append(row)
-    head = headline_row(res.rows)
-    res.roofline = {"model": source, "copy_bw": res.copy_bw, "copy_ranks": min(lay.world, os.cpu_count() or 1), "copy_bytes_per_rank": 64 * MiB,
+    for dtype, nbytes, done, na in measured:
+        traffic = model(nbytes, lay.local, lay.nodes, DTYPE_ITEMSIZE[dtype])
+        res.rows.append(build_row(layout=lay.name, nodes=lay.nodes, local=lay.local, dtype=dtype,
+                                  itemsize=DTYPE_ITEMSIZE[dtype], nbytes=nbytes, measured=done, na=na,
+                                  copy_bw=res.copy_bw, traffic=traffic,
+                                  link_mbit=cfg.link_mbit if lay.shaped else None))
+    res.roofline = {"model": source, "copy_bw": res.copy_bw, "copy_ranks": min(lay.world, os.cpu_count() or 1),
+                    "copy_bytes_per_rank": 64 * MiB,
                     "host_mem_note": "memory traffic summed over the emulated nodes sharing this host"}
-    if head is not None:
+    head = headline_row([r for r in res.rows if r.get("candidate")])
+    if head is not None and "roofline_s" in head:
         traffic = model(head["bytes"], lay.local, lay.nodes, DTYPE_ITEMSIZE[head["dtype"]])
         res.roofline.update(headline_bytes=head["bytes"], headline_dtype=head["dtype"], traffic=traffic,
                             roofline_s=head["roofline_s"], measured_s=head["candidate"]["time_s"],
@@ -356,31 +399,46 @@ def _check_candidate(name: str) -> None:
                         f"until the engine registers it, use --candidate gloo")
 
 
-def main(argv: list[str]) -> int:
-    """Run the benchmark; returns 0, or 1 when any row had wrong results."""
-    cfg = build_config(list(argv))
-    _check_candidate(cfg.candidate)
-    console, errcon = make_console(), make_console(stderr=True)
-    results = []
-    for lay in cfg.layouts:
-        res = run_layout(cfg, lay, lambda msg: errcon.print(f"[dim]  {msg}[/dim]"))
-        print_layout(console, cfg, res)
-        results.append(res)
-    doc = {
+def build_doc(cfg: BenchConfig, peers: dict[str, bench_peers.PeerStatus], results: list[LayoutResult]) -> dict[str, Any]:
+    """The JSON document of one run."""
+    return {
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
         "machine": machine_info(),
         "candidate": cfg.candidate,
-        "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "link_mbit": cfg.link_mbit},
+        "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
+                   "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops,
+                   "timing": "each op's time is its slowest rank's; figures are medians over rounds x ops"},
+        "peers": {name: st.to_json() for name, st in peers.items()},
         "layouts": [{k: v for k, v in asdict(r).items() if k not in ("rows", "roofline")} for r in results],
+        "dispatch_floor": {r.layout: r.dispatch_floor for r in results if r.dispatch_floor},
         "rooflines": {r.layout: r.roofline for r in results if not r.skipped},
         "ratios": {r.layout: {f"{row['dtype']}/{row['bytes']}": row["ratio"] for row in r.rows} for r in results},
+        "speedups": {r.layout: {f"{row['dtype']}/{row['bytes']}": row["speedup"] for row in r.rows} for r in results},
         "rows": [row for r in results for row in r.rows],
     }
-    write_json(cfg.json_path, doc)
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; returns 0, or 1 when any row had wrong results."""
+    cfg = build_config(list(argv))
+    if "candidate" in cfg.systems:
+        _check_candidate(cfg.candidate)
+    console, errcon = make_console(), make_console(stderr=True)
+    say = lambda msg: errcon.print(f"[dim]  {msg}[/dim]")  # noqa: E731
+    peers = bench_peers.probe(cfg.peers, cfg.build_timeout_s, say)
+    for st in peers.values():
+        console.print(f"{system_label(st.name, cfg.candidate)}: {st.version}" if st.available
+                      else f"[yellow]{st.note}[/yellow]", soft_wrap=True)
+    results = []
+    for lay in cfg.layouts:
+        res = run_layout(cfg, lay, peers, say)
+        print_layout(console, cfg, res)
+        results.append(res)
+    write_json(cfg.json_path, build_doc(cfg, peers, results))
     write_png(cfg.png_path, cfg, results)
     console.print(f"wrote {cfg.json_path} and {cfg.png_path}", highlight=False)
-    wrong = sum(row[b]["wrong"] for r in results for row in r.rows for b in ("candidate", "gloo"))
+    wrong = wrong_total([row for r in results for row in r.rows])
     if wrong:
         console.print(f"[red]{wrong} wrong elements in total; see the #wrong columns[/red]")
         return 1

@@ -4,7 +4,6 @@ report, JSON and the PNG. Pure functions first (unit-tested), writers after."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -119,6 +118,146 @@ def traffic_model() -> tuple[Callable[..., dict[str, float]], str]:
 
 
 
+# -- the peers' run: rounds, medians, floors (unit-tested) ------------------------------
+
+TABLE_SIZES = tuple(k << 10 for k in (4, 64, 256)) + tuple(m * MiB for m in (1, 4, 16, 64, 256))
+"""The sizes of issue 15's table: 4 KiB to 256 MiB."""
+SYSTEMS = ("candidate", "gloo", "openmpi", "deepspeed")
+PEER_SYSTEMS = SYSTEMS[1:]
+COLORS = {"candidate": "tab:red", "gloo": "tab:blue", "openmpi": "tab:green", "deepspeed": "tab:purple"}
+LABELS = {"gloo": "gloo", "openmpi": "OpenMPI", "deepspeed": "DeepSpeed SHM"}
+SHORT = {"gloo": "gloo", "openmpi": "OpenMPI", "deepspeed": "DS-SHM"}
+"""Column headers; the notes under the table say what each is."""
+
+
+def system_label(system: str, candidate: str, short: bool = False) -> str:
+    if system == "candidate":
+        return _label(candidate)
+    return (SHORT if short else LABELS).get(system, system)
+
+
+def default_ops(nbytes: int) -> int:
+    """Timed ops per round: 15 up to 16 MiB (issue 15's 2 rounds x 15), fewer above."""
+    return max(3, min(15, (512 * MiB) // max(nbytes, 1)))
+
+
+def default_warmup(nbytes: int) -> int:
+    """Untimed ops per round, the first of them checked: 2, or 1 from 64 MiB."""
+    return 1 if nbytes >= 64 * MiB else 2
+
+
+def median(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def slowest_per_op(per_rank: list[list[float]]) -> list[float]:
+    """Each op's time is its slowest rank's: the element-wise max over ranks' per-op seconds."""
+    if not per_rank:
+        return []
+    n = len(per_rank[0])
+    if any(len(t) != n for t in per_rank):
+        raise ValueError(f"ranks timed different numbers of ops: {[len(t) for t in per_rank]}")
+    return [max(col) for col in zip(*per_rank)]
+
+
+def memory_floor_bytes(nbytes: int, local: int, nodes: int = 1) -> int:
+    """Each rank's input read once and output written once: 2L x the tensor per node, and
+    every emulated node shares this host's memory."""
+    return 2 * local * nodes * nbytes
+
+
+def memory_floor_seconds(nbytes: int, local: int, nodes: int, copy_bw: float | None) -> float:
+    """The memory floor at ``copy_bw`` (bytes read + written per second, all cores at once)."""
+    return memory_floor_bytes(nbytes, local, nodes) / copy_bw if copy_bw else float("nan")
+
+
+def speedup(peer_s: float | None, candidate_s: float | None) -> float:
+    """How many times faster the candidate is than a peer (peer time / candidate time)."""
+    if not peer_s or not candidate_s or peer_s != peer_s or candidate_s != candidate_s:
+        return float("nan")
+    return peer_s / candidate_s
+
+
+def summarize(samples: list[float], wrong: int, nbytes: int, world: int) -> dict[str, Any]:
+    """One system at one size: the median of its slowest-rank op times, and what follows."""
+    t = median(samples)
+    alg = algbw_gbps(nbytes, t)
+    return {"time_s": t, "min_s": min(samples) if samples else float("nan"),
+            "mean_s": sum(samples) / len(samples) if samples else float("nan"), "ops": len(samples),
+            "algbw": alg, "busbw": alg * busbw_factor(world), "wrong": wrong}
+
+
+def build_row(*, layout: str, nodes: int, local: int, dtype: str, itemsize: int, nbytes: int,
+              measured: dict[str, tuple[list[float], int]], na: dict[str, str], copy_bw: float | None,
+              traffic: dict[str, float] | None = None, link_mbit: float | None = None) -> dict[str, Any]:
+    """A table row from every system's slowest-rank op times and wrong counts.
+
+    ``na``: the systems that could not run this dtype here, with why. Ratios are the
+    candidate's speedup over each peer (peer time / candidate time; > 1: the candidate is
+    faster); ``ratio`` is the candidate's algbw over gloo's, as before."""
+    world = nodes * local
+    row: dict[str, Any] = {"layout": layout, "dtype": dtype, "bytes": nbytes, "count": nbytes // itemsize,
+                           "na": dict(na)}
+    for system, (samples, wrong) in measured.items():
+        row[system] = summarize(samples, wrong, nbytes, world)
+    for system in na:
+        row[system] = None
+    cand = row.get("candidate")
+    cand_s = cand["time_s"] if cand else None
+    row["iters"] = cand["ops"] if cand else max((m[1]["ops"] for m in _measured(row)), default=0)
+    row["floor_s"] = memory_floor_seconds(nbytes, local, nodes, copy_bw)
+    for system, m in _measured(row):
+        m["pct_floor"] = pct_of_roofline(row["floor_s"], m["time_s"])
+    row["pct_floor"] = cand["pct_floor"] if cand else float("nan")
+    row["speedup"] = {p: speedup(row[p]["time_s"] if row.get(p) else None, cand_s) for p in PEER_SYSTEMS
+                      if p in row}
+    row["ratio"] = ratio(cand["algbw"], row["gloo"]["algbw"]) if cand and row.get("gloo") else float("nan")
+    if traffic is not None and copy_bw:
+        link_rate = link_mbit * 1e6 / 8 if link_mbit else None
+        host_mem = traffic["mem_bytes"] * nodes  # every emulated node shares this host's memory
+        row["roofline_s"] = roofline_seconds(host_mem, copy_bw, traffic["link_bytes"], link_rate)
+        row["pct_roofline"] = pct_of_roofline(row["roofline_s"], cand_s) if cand_s else float("nan")
+    if link_mbit:
+        for system, m in _measured(row):
+            m["pct_link"] = pct_of_link(m["algbw"], link_mbit)
+        row["pct_link"] = cand["pct_link"] if cand else float("nan")
+        if row.get("gloo"):
+            row["gloo_pct_link"] = row["gloo"]["pct_link"]
+    return row
+
+
+def _measured(row: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(s, row[s]) for s in SYSTEMS if isinstance(row.get(s), dict)]
+
+
+def dispatch_floor(per_rank: list[list[float]]) -> dict[str, Any]:
+    """The median of the slowest rank's 4-byte ``dist.all_reduce`` on the do-nothing backend."""
+    ops = slowest_per_op(per_rank)
+    return {"time_s": median(ops), "ops": len(ops), "backend": "a Python backend whose allreduce does nothing"}
+
+
+def wrong_total(rows: list[dict[str, Any]]) -> int:
+    return sum(m["wrong"] for row in rows for _, m in _measured(row))
+
+
+def format_ms(seconds: float | None) -> str:
+    """Milliseconds to 3 significant figures (0.0612, 1.08, 24.0, 382)."""
+    if seconds is None or seconds != seconds:
+        return "-"
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
+    if ms >= 1:
+        return f"{ms:.2f}"
+    return f"{ms:.3g}"
+
+
 # -- report --------------------------------------------------------------------
 
 
@@ -136,8 +275,13 @@ def make_console(stderr: bool = False) -> Any:
     return Console(width=max(132, Console().width), highlight=False, stderr=stderr)
 
 
+def _present(res: LayoutResult) -> list[str]:
+    return [s for s in SYSTEMS if any(s in row for row in res.rows)]
+
+
 def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
-    """nccl-tests style table of one layout, then its roofline and link lines."""
+    """One table per layout: each system's median time, the memory floor, the candidate's
+    share of it and its speedup over each peer; then the floors and the peers' notes."""
     from rich.table import Table
 
     title = f"{res.layout}: {res.nodes} node(s) x {res.local} ranks, world {res.world}"
@@ -146,32 +290,54 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
     if res.skipped:
         console.print(f"[yellow]{title}: skipped: {res.skipped}[/yellow]")
         return
+    systems = _present(res)
     cand = _label(cfg.candidate)
-    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("size(B)", "count", "type"):
+    t = Table(title=title + " - median ms of the slowest rank per op", title_justify="left", show_edge=False,
+              pad_edge=False)
+    for col in ("size", "type"):
         t.add_column(f"\n{col}", justify="right")
-    for name in (cand, "gloo"):
-        for i, col in enumerate(("time(us)", "algbw", "busbw", "#wrong")):
-            t.add_column(f"{name if i == 0 else ''}\n{col}", justify="right")
-    t.add_column("ratio\nalgbw", justify="right")
+    for s in systems:
+        t.add_column(f"{system_label(s, cfg.candidate, short=True)}\nms", justify="right")
+    t.add_column("floor\nms", justify="right")
+    if "candidate" in systems:
+        t.add_column("%\nfloor", justify="right")
+        for p in systems:
+            if p != "candidate":
+                t.add_column(f"x\n{system_label(p, cfg.candidate, short=True)}", justify="right")
     if res.link_mbit:
         t.add_column("% of\nlink", justify="right")
+    t.add_column("\n#wrong", justify="right")
     for row in res.rows:
-        cells = [str(row["bytes"]), str(row["count"]), row["dtype"]]
-        for b in ("candidate", "gloo"):
-            m = row[b]
-            wrong = str(m["wrong"]) if not m["wrong"] else f"[red]{m['wrong']}[/red]"
-            cells += [_fmt(m["time_s"] * 1e6, ".1f"), _fmt(m["algbw"], ".3f"), _fmt(m["busbw"], ".3f"), wrong]
-        cells.append(_fmt(row["ratio"], ".2f"))
+        cells = [format_size(row["bytes"]), row["dtype"]]
+        cells += [format_ms(row[s]["time_s"]) if row.get(s) else ("n/a" if s in row["na"] else "-")
+                  for s in systems]
+        cells.append(format_ms(row["floor_s"]))
+        if "candidate" in systems:
+            pct = row["pct_floor"]
+            cells.append(_fmt(pct, ".0f" if pct == pct and pct >= 10 else ".2g"))
+            cells += [_fmt(row["speedup"].get(p), ".2f") for p in systems if p != "candidate"]
         if res.link_mbit:
             cells.append(_fmt(row.get("pct_link"), ".1f"))
+        wrong = sum(m["wrong"] for _, m in _measured(row))
+        cells.append(str(wrong) if not wrong else f"[red]{wrong}[/red]")
         t.add_row(*cells)
     console.print(t)
-    console.print(f"  GB/s = 1e9 B/s; ratio = {cand} algbw / gloo algbw"
-                  + (f"; % of link = {cand} algbw / link rate" if res.link_mbit else ""))
+    console.print(f"  x PEER = {cand}'s speedup over PEER (its time / {cand}'s); DS-SHM = DeepSpeed's CPU SHM "
+                  f"allreduce; every op's result is checked exact against the expected sum", soft_wrap=True)
+    console.print(f"  floor = the memory floor: each input read once and each output written once "
+                  f"({2 * res.local}x the tensor per node x {res.nodes} node(s) on this host) at the copy bandwidth "
+                  f"below; % floor = floor / {cand}'s time", soft_wrap=True)
+    na = {(s, note) for row in res.rows for s, note in row["na"].items()}
+    for s, note in sorted(na):
+        console.print(f"  {system_label(s, cfg.candidate)} {note}", soft_wrap=True)
     rf = res.roofline
-    console.print(f"  copy bandwidth, {rf['copy_ranks']} cores copying at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
-                  f"(read+written); traffic model: {rf['model']}")
+    if rf.get("copy_bw"):
+        console.print(f"  copy bandwidth, {rf['copy_ranks']} cores copying at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
+                      f"(read+written); traffic model: {rf['model']}", soft_wrap=True)
+    if res.dispatch_floor:
+        console.print(f"  dispatch floor: dist.all_reduce of 4 bytes on a Python backend that does nothing: "
+                      f"[bold]{res.dispatch_floor['time_s'] * 1e6:.1f} us[/bold] (torch's plugin boundary; "
+                      f"median of {res.dispatch_floor['ops']} ops, slowest rank)", soft_wrap=True)
     if "roofline_s" in rf:
         tr = rf["traffic"]
         console.print(f"  roofline at {format_size(rf['headline_bytes'])} {rf['headline_dtype']}: "
@@ -182,6 +348,8 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
         if res.link_mbit and rf.get("pct_link") is not None:
             console.print(f"  {cand} algbw at {format_size(rf['headline_bytes'])} {rf['headline_dtype']} = "
                           f"[bold]{rf['pct_link']:.0f}% of link rate[/bold] ({res.link_mbit:g} Mbit/s)")
+    for note in dict.fromkeys(res.notes.values()):  # each note names its system; one line each
+        console.print(f"  [yellow]{note}[/yellow]", soft_wrap=True)
     console.print()
 
 
@@ -203,33 +371,56 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(clean(doc), indent=1).encode() + b"\n"))
 
 
+def plot_series(res: LayoutResult, dtype: str) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, seconds) per system of one layout and dtype, plus the memory floor: what the PNG draws."""
+    rows = [r for r in res.rows if r["dtype"] == dtype]
+    out: dict[str, list[tuple[int, float]]] = {}
+    for s in SYSTEMS:
+        pts = [(r["bytes"], r[s]["time_s"]) for r in rows if r.get(s) and r[s]["time_s"] == r[s]["time_s"]]
+        if pts:
+            out[s] = pts
+    floor = [(r["bytes"], r["floor_s"]) for r in rows if r["floor_s"] == r["floor_s"]]
+    if floor:
+        out["memory floor"] = floor
+    return out
+
+
 def write_png(path: str, cfg: BenchConfig, results: list[LayoutResult]) -> None:
-    """algbw against size, one panel per layout, candidate against gloo, log-x."""
+    """Time against size, log-log: one panel per layout and dtype, every system, the memory
+    floor and the dispatch floor."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = [r for r in results if not r.skipped]
-    fig, axes = plt.subplots(1, max(1, len(shown)), figsize=(5 * max(1, len(shown)), 4), squeeze=False)
-    for ax, res in zip(axes[0], shown):
-        for b, color in (("candidate", "tab:red"), ("gloo", "tab:blue")):
-            for dtype, style in zip(cfg.dtypes, ("-", "--", ":")):
-                rows = [r for r in res.rows if r["dtype"] == dtype]
-                label = f"{cfg.candidate if b == 'candidate' else 'gloo'} {dtype}"
-                ax.plot([r["bytes"] for r in rows], [r[b]["algbw"] for r in rows], style, color=color,
-                        marker="o", ms=3, label=label)
-        if res.link_mbit:
-            ax.axhline(res.link_mbit * 1e6 / 8 / 1e9, color="gray", lw=0.8, ls=":", label="link rate")
-        ax.set_xscale("log", base=2)
-        ax.set_title(res.layout)
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("algbw (GB/s)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"allreduce: {cfg.candidate} vs gloo")
+    ncols = max(1, len(cfg.dtypes))
+    nrows = max(1, len(shown))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for i, res in enumerate(shown):
+        for j, dtype in enumerate(cfg.dtypes):
+            ax = axes[i][j]
+            for name, pts in plot_series(res, dtype).items():
+                xs, ys = [p[0] for p in pts], [p[1] * 1e3 for p in pts]
+                if name == "memory floor":
+                    ax.plot(xs, ys, ls="--", color="gray", lw=1, label="memory floor")
+                else:
+                    ax.plot(xs, ys, "-o", ms=3, color=COLORS[name], label=system_label(name, cfg.candidate))
+            if res.dispatch_floor and res.dispatch_floor["time_s"] == res.dispatch_floor["time_s"]:
+                ax.axhline(res.dispatch_floor["time_s"] * 1e3, color="gray", ls=":", lw=1, label="dispatch floor")
+            ax.set_xscale("log", base=2)
+            sizes = sorted({r["bytes"] for r in res.rows if r["dtype"] == dtype})
+            if sizes:
+                ax.set_xticks(sizes, [format_size(b) for b in sizes])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set_yscale("log")
+            ax.set_title(f"{res.layout} {dtype}")
+            ax.set_xlabel("bytes per rank")
+            ax.set_ylabel("time per allreduce (ms)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("allreduce, median of the slowest rank per op")
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
-
-

@@ -2,10 +2,19 @@
 
 Started by :mod:`fireflyer.hfreduce.bench` with the environment torchrun gives (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
-FIREFLYER_NODE_ID. It joins the candidate backend as the default group and a gloo
-group as the baseline, measures copy bandwidth, then every (dtype, size) for both
-backends in turn, and appends one JSON line per result to its own events file,
-which the parent reads as progress.
+FIREFLYER_NODE_ID. SPEC's ``set`` says which process set the rank belongs to:
+
+- ``torch``: joins the candidate backend as the default group, a gloo group (measured,
+  and used for barriers) and a backend that does nothing (:class:`NoopProcessGroup`), whose
+  4-byte all_reduce is the dispatch floor: what torch's plugin boundary costs;
+- ``deepspeed``: ``deepspeed.init_distributed(dist_backend="gloo")`` and DeepSpeed's CPU
+  shared-memory allreduce (:mod:`fireflyer.hfreduce.bench_peers`).
+
+Every rank connects to the parent's control socket and runs what the parent asks, one
+round at a time (:func:`serve`), so systems that live in different processes alternate.
+Between rounds a rank blocks in a socket read, so an idle system takes no core from the
+one being measured. The OpenMPI ranks (:mod:`fireflyer.hfreduce.bench_mpi_worker`) speak
+the same protocol.
 """
 
 from __future__ import annotations
@@ -13,10 +22,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,17 +39,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COPY_BYTES = 64 << 20
 COPY_REPS = 4
 COPY_TRIALS = 3
+NOOP_BACKEND = "fireflyer_noop"
+CONNECT_TIMEOUT_S = 120.0
+
+Op = Callable[[], Any]
+"""One allreduce of a buffer the op was made for, in place."""
 
 
-class Events:
-    """Append-only JSON-lines file: this rank's progress and results."""
-
-    def __init__(self, path: str) -> None:
-        self._f = open(path, "a", buffering=1, encoding="utf-8")
-
-    def emit(self, event: str, **fields: Any) -> None:
-        self._f.write(json.dumps({"event": event, **fields}) + "\n")
-        self._f.flush()
+# -- inputs and checks (unit-tested) ------------------------------------------------------
 
 
 def seeded_block(rank: int, size_index: int, dtype_index: int, world_size: int) -> torch.Tensor:
@@ -77,13 +84,210 @@ def segment_length(world_size: int) -> int:
     return max(1, int(100 / max(1.0, math.log2(max(world_size, 2)))))
 
 
-def measure_copy(gloo: dist.ProcessGroup, ev: Events, first_trial: int = 0) -> None:
+def timed_round(make_op: Callable[[torch.Tensor], Op], barrier: Callable[[], Any], buf: torch.Tensor,
+                block: torch.Tensor, expected: torch.Tensor, ops: int, warmup: int,
+                seg: int) -> tuple[list[float], int]:
+    """One round of one system: a checked op on fresh inputs, ``warmup - 1`` more untimed ops,
+    then ``ops`` timed back to back (refilled every ``seg``). Returns each op's seconds on this
+    rank and the wrong elements of the checked op."""
+    op = make_op(buf)
+    fill(buf, block)
+    op()
+    wrong = count_wrong(buf, expected)
+    for _ in range(max(0, warmup - 1)):
+        op()
+    times: list[float] = []
+    while len(times) < ops:
+        k = min(seg, ops - len(times))
+        fill(buf, block)
+        barrier()
+        prev = time.perf_counter()
+        for _ in range(k):
+            op()
+            now = time.perf_counter()
+            times.append(now - prev)
+            prev = now
+    return times, wrong
+
+
+# -- the control channel -------------------------------------------------------------------
+
+
+class Channel:
+    """JSON lines over a connected stream socket; the parent's side and a rank's side alike."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(path)
+                return cls(s)
+            except (FileNotFoundError, ConnectionRefusedError):
+                s.close()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no bench parent listening at {path} after {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def recv(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next message; None when the other side closed; TimeoutError after ``timeout_s``
+        (a partial line is kept for the next call)."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message in {timeout_s:.1f} s")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except socket.timeout:
+                raise TimeoutError(f"no message in {timeout_s:.1f} s") from None
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Buffers:
+    """The buffer of the (dtype, size) being measured, with this rank's input and the expected sum."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.key: tuple[Any, ...] | None = None
+        self.buf = self.block = self.expected = torch.empty(0)
+
+    def get(self, cmd: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (cmd["dtype"], cmd["bytes"], cmd["size_index"], cmd["dtype_index"])
+        if key != self.key:
+            dtype = DTYPES[cmd["dtype"]]
+            self.key, self.buf = None, torch.empty(0)  # free the old buffer before the new one
+            blocks = [seeded_block(r, cmd["size_index"], cmd["dtype_index"], self.world) for r in range(self.world)]
+            self.expected = torch.stack(blocks).sum(0).to(dtype)
+            self.block = blocks[self.rank].to(dtype)
+            self.buf = torch.empty(cmd["bytes"] // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+            self.key = key
+        return self.buf, self.block, self.expected
+
+
+def serve(ch: Channel, rank: int, world: int, systems: dict[str, Callable[[torch.Tensor], Op]],
+          barrier: Callable[[], Any], handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]],
+          idle_timeout_s: float) -> None:
+    """Answer the parent's commands until it says ``exit`` or goes away."""
+    buffers = _Buffers(rank, world)
+    seg = segment_length(world)
+    while True:
+        cmd = ch.recv(idle_timeout_s)
+        if cmd is None:
+            raise SystemExit(f"rank {rank}: the bench parent went away")
+        kind = cmd["cmd"]
+        if kind == "exit":
+            ch.send({"ok": True})
+            return
+        if kind == "round":
+            buf, block, expected = buffers.get(cmd)
+            times, wrong = timed_round(systems[cmd["system"]], barrier, buf, block, expected,
+                                       cmd["ops"], cmd["warmup"], seg)
+            ch.send({"times": times, "wrong": wrong})
+        elif kind in handlers:
+            ch.send(handlers[kind](cmd))
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
+Setup = tuple[dict[str, Callable[[torch.Tensor], Op]], Callable[[], Any],
+              dict[str, Callable[[dict[str, Any]], dict[str, Any]]], dict[str, Any]]
+"""What a process set offers: its systems, its barrier, its extra commands, and its hello."""
+
+
+def run_rank(spec: dict[str, Any], rank: int, world: int, setup: Callable[[], Setup]) -> None:
+    """Connect, set up (reporting a failure to the parent as one line), then serve."""
+    ch = Channel.connect(spec["control"])
+    try:
+        ch.send({"conn": spec["set"], "rank": rank, "pid": os.getpid()})  # who this is, before a setup that may fail
+        try:
+            systems, barrier, handlers, info = setup()
+        except Exception as exc:
+            ch.send({"hello": spec["set"], "rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+            raise
+        ch.send({"hello": spec["set"], "rank": rank, **info})
+        try:
+            serve(ch, rank, world, systems, barrier, handlers, spec["idle_timeout_s"])
+        except Exception as exc:
+            try:
+                ch.send({"error": f"rank {rank}: {type(exc).__name__}: {exc}"})
+            except OSError:
+                pass
+            raise
+    finally:
+        ch.close()
+
+
+# -- the torch set: candidate, gloo, copy bandwidth and the dispatch floor -----------------
+
+
+class NoopWork(dist.Work):
+    """A Work that is done before anyone asks."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._tensors)
+        return fut
+
+
+class NoopProcessGroup(dist.ProcessGroup):
+    """A Python backend whose all_reduce does nothing: ``dist.all_reduce`` on it costs only
+    torch's dispatch through ``dist.Backend.register_backend``'s plugin boundary."""
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return NOOP_BACKEND
+
+    def name(self) -> str:
+        return NOOP_BACKEND
+
+    def allreduce(self, tensors, opts=None):
+        return NoopWork(tensors if isinstance(tensors, list) else [tensors])
+
+
+def register_noop_backend() -> None:
+    if NOOP_BACKEND in getattr(dist.Backend, "_plugins", {}):
+        return
+    dist.Backend.register_backend(NOOP_BACKEND, lambda o, _b=None: NoopProcessGroup(o.group_rank, o.group_size),
+                                  extended_api=True, devices=["cpu"])
+
+
+def measure_copy(gloo: dist.ProcessGroup, first_trial: int = 0) -> list[dict[str, Any]]:
     """Memory bandwidth of this host with every core copying: one copier per core (every
     emulated node shares this host), so the figure is the hardware's, not the scheduler's."""
     copier = int(os.environ["RANK"]) < (os.cpu_count() or 1)
     src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    out = []
     for trial in range(first_trial, first_trial + COPY_TRIALS):
         dist.barrier(group=gloo)
         t0 = time.perf_counter()
@@ -91,70 +295,81 @@ def measure_copy(gloo: dist.ProcessGroup, ev: Events, first_trial: int = 0) -> N
             dst.copy_(src)
         seconds = time.perf_counter() - t0
         if copier:
-            ev.emit("copy", trial=trial, bytes=2 * COPY_BYTES * COPY_REPS, seconds=seconds)
+            out.append({"trial": trial, "bytes": 2 * COPY_BYTES * COPY_REPS, "seconds": seconds})
+    return out
 
 
-def measure(buf: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup | None,
-            gloo: dist.ProcessGroup, warmup: int, iters: int, seg: int) -> float:
-    """Mean seconds per all_reduce on ``group`` (None: the default group)."""
-    fill(buf, block)
-    for _ in range(warmup):
-        dist.all_reduce(buf, group=group)
-    total, done = 0.0, 0
-    while done < iters:
-        k = min(seg, iters - done)
-        fill(buf, block)
-        dist.barrier(group=gloo)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            dist.all_reduce(buf, group=group)
-        total += time.perf_counter() - t0
-        done += k
-    return total / iters
+def dispatch_times(group: dist.ProcessGroup, ops: int) -> list[float]:
+    """Seconds of each 4-byte ``dist.all_reduce`` on ``group``, back to back."""
+    x = torch.zeros(1, dtype=torch.float32)
+    for _ in range(min(100, ops)):
+        dist.all_reduce(x, group=group)
+    times = []
+    prev = time.perf_counter()
+    for _ in range(ops):
+        dist.all_reduce(x, group=group)
+        now = time.perf_counter()
+        times.append(now - prev)
+        prev = now
+    return times
+
+
+def _torch_set(spec: dict[str, Any], rank: int) -> Setup:
+    candidate = spec["candidate"]
+    if candidate != "gloo":
+        import fireflyer.hfreduce  # noqa: F401  (registers the "hfreduce" backend)
+    register_noop_backend()
+    timeout = timedelta(seconds=spec["timeout_s"])
+    dist.init_process_group(candidate, timeout=timeout)
+    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    noop = dist.new_group(backend=NOOP_BACKEND, timeout=timeout)
+    _inject_fault(rank)
+    systems = {"candidate": lambda buf: lambda: dist.all_reduce(buf),
+               "gloo": lambda buf: lambda: dist.all_reduce(buf, group=gloo)}
+    handlers = {"copy": lambda cmd: {"copies": measure_copy(gloo, cmd.get("first_trial", 0))},
+                "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"])}}
+    info = {"node": os.environ.get("FIREFLYER_NODE_ID", ""), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
+    return systems, lambda: dist.barrier(group=gloo), handlers, info
+
+
+def _deepspeed_set(spec: dict[str, Any], rank: int) -> Setup:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed import comm as ds_comm
+
+    from fireflyer.hfreduce.bench_peers import DEEPSPEED, dtype_note
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec["timeout_s"]))
+    if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
+        raise RuntimeError("DeepSpeed did not load its shm op (torch.ops.deepspeed.inference_all_reduce_)")
+    level = getattr(getattr(ds_comm.comm, "cdb", None), "shm_vector_kernel_level", 0)
+    _inject_fault(rank, DEEPSPEED)
+    allreduce = torch.ops.deepspeed.inference_all_reduce_
+    systems = {DEEPSPEED: lambda buf: lambda: allreduce(buf)}
+    info = {"dtypes": {DEEPSPEED: {d: dtype_note(DEEPSPEED, d, level) for d in DTYPES}}, "kernel_level": level,
+            "version": deepspeed.__version__}
+    return systems, dist.barrier, {}, info
 
 
 def run(spec: dict[str, Any]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    ev = Events(os.path.join(spec["events_dir"], f"rank{rank}.jsonl"))
-    candidate = spec["candidate"]
-    if candidate != "gloo":
-        import fireflyer.hfreduce  # noqa: F401  (registers the "hfreduce" backend)
-    timeout = timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group(candidate, timeout=timeout)
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
-    ev.emit("ready", node=os.environ.get("FIREFLYER_NODE_ID", ""), pid=os.getpid())
-    _inject_fault(rank)
-    measure_copy(gloo, ev)
-    seg = segment_length(world)
-    for di, dname in enumerate(spec["dtypes"]):
-        dtype = DTYPES[dname]
-        for si, (nbytes, iters, warmup) in enumerate(spec["schedule"]):
-            blocks = [seeded_block(r, si, di, world) for r in range(world)]
-            expected = torch.stack(blocks).sum(0).to(dtype)
-            block = blocks[rank].to(dtype)
-            buf = torch.empty(nbytes // buf_itemsize(dtype), dtype=dtype)
-            for backend, group in (("candidate", None), ("gloo", gloo)):
-                fill(buf, block)
-                dist.all_reduce(buf, group=group)
-                wrong = count_wrong(buf, expected)
-                mean_s = measure(buf, block, group, gloo, warmup, iters, seg)
-                ev.emit("row", dtype=dname, bytes=nbytes, backend=backend,
-                        mean_s=mean_s, wrong=wrong, iters=iters)
-            del buf
-    measure_copy(gloo, ev, first_trial=COPY_TRIALS)  # again at the end; the best trial counts
-    dist.barrier(group=gloo)
-    ev.emit("done")
-    dist.destroy_process_group()
+    setups = {"torch": _torch_set, "deepspeed": _deepspeed_set}
+    run_rank(spec, rank, world, lambda: setups[spec["set"]](spec, rank))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def _inject_fault(rank: int) -> None:
-    """Test hook: FIREFLYER_BENCH_FAULT="RANK:exit" or "RANK:hang" makes that rank fail or stall."""
+def _inject_fault(rank: int, set_name: str = "torch") -> None:
+    """Test hook: FIREFLYER_BENCH_FAULT="[SET/]RANK:exit" or "[SET/]RANK:hang" makes that rank of
+    that process set (torch unless named: deepspeed, openmpi) fail or stall."""
     fault = os.environ.get("FIREFLYER_BENCH_FAULT", "")
-    if fault.partition(":")[0] != str(rank):
+    target, _, what = fault.partition(":")
+    where, _, who = target.rpartition("/")
+    if who != str(rank) or (where or "torch") != set_name:
         return
-    if fault.endswith(":exit"):
-        raise SystemExit(f"rank {rank}: injected failure (FIREFLYER_BENCH_FAULT={fault})")
-    if fault.endswith(":hang"):
+    if what == "exit":
+        raise SystemExit(f"{set_name} rank {rank}: injected failure (FIREFLYER_BENCH_FAULT={fault})")
+    if what == "hang":
         time.sleep(3600)
 
 
