@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 
 from fireflyer.hfreduce import HFReduceConfig
+from fireflyer.hfreduce.config import default_chunk_bytes
 
 ENV = ("CHUNK_BYTES", "DEPTH", "TIMEOUT", "IFADDR")
 
@@ -20,7 +21,11 @@ def clean_env(monkeypatch):
 
 def test_defaults_are_valid() -> None:
     cfg = HFReduceConfig()
-    assert cfg.chunk_bytes >= 4096 and cfg.chunk_bytes % 64 == 0
+    assert cfg.chunk_bytes is None  # chosen when the group forms, by how many nodes it spans
+    for nodes in (1, 2, 64):
+        chunk = default_chunk_bytes(nodes)
+        assert chunk >= 4096 and chunk % 64 == 0 and HFReduceConfig(chunk_bytes=chunk).chunk_bytes == chunk
+    assert default_chunk_bytes(1) < default_chunk_bytes(2)
     assert cfg.depth >= 2
     assert cfg.timeout > 0
     assert cfg.ifaddr is None

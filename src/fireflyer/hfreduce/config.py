@@ -12,8 +12,9 @@ from datetime import timedelta
 class HFReduceConfig:
     """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
 
-    chunk_bytes: int = 4 << 20
-    """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap."""
+    chunk_bytes: int | None = None
+    """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap.
+    None: chosen when the group forms (:func:`default_chunk_bytes`)."""
     depth: int = 4
     """Chunks in flight per node (arena buffers). At least 2."""
     timeout: float = 60.0
@@ -35,7 +36,7 @@ class HFReduceConfig:
     Measured on 1x4 over 2 cores, 4 KiB: about 0.14 ms with 2 ms of yielding, 0.3 ms with 50 us."""
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
+        if self.chunk_bytes is not None and (self.chunk_bytes < 4096 or self.chunk_bytes % 64):
             raise ValueError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
         if self.depth < 2:
             raise ValueError(f"depth must be at least 2, got {self.depth}")
@@ -62,6 +63,22 @@ class HFReduceConfig:
             kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
+
+
+ONE_NODE_CHUNK = 256 << 10
+MANY_NODES_CHUNK = 4 << 20
+
+
+def default_chunk_bytes(num_nodes: int) -> int:
+    """The chunk for a group that did not set one.
+
+    On one node, small chunks keep each chunk's slots, partial and result in the CPU's
+    caches between the stage-in, the reduce and the stage-out, so memory sees little more
+    than each input read once and each output written once (1x4, 64 MiB fp32 on this
+    machine kind: about 31 ms with 256 KiB chunks, 38 ms with 4 MiB). Across nodes the
+    tree stage pays per chunk, so chunks stay large (2x2: 91 ms with 4 MiB, 242 ms with 256 KiB).
+    """
+    return ONE_NODE_CHUNK if num_nodes == 1 else MANY_NODES_CHUNK
 
 
 def _flag(raw: str) -> bool:

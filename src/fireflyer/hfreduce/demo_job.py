@@ -33,7 +33,7 @@ def main() -> None:
     comm = dist.group.WORLD.comm
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"fireflyer hfreduce demo: hfreduce on {comm.num_nodes} emulated node(s) x {comm.local_size} ranks "
-        f"(world {world}), chunks of {comm.config.chunk_bytes >> 20} MiB")
+        f"(world {world}), chunks of {comm.config.chunk_bytes >> 10} KiB")
 
     # 1. Same answer as gloo, bitwise identical on every rank.
     n = args.mib << 18

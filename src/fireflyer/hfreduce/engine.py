@@ -20,6 +20,7 @@ failure is broadcast to every rank, which then raises it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -37,7 +38,7 @@ import torch
 
 from fireflyer.hfreduce import collectives, fdshare, futex
 from fireflyer.hfreduce.arena import NAME_PREFIX, STAGES, Arena, ArenaShape
-from fireflyer.hfreduce.config import HFReduceConfig, node_key
+from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes, node_key
 from fireflyer.hfreduce.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -232,6 +233,8 @@ class Communicator(Trees, Diagnosis):
         self.local_size = len(self.members)
         self.num_nodes = self.layout.num_nodes
         self.rails = self.layout.rails
+        if self.config.chunk_bytes is None:
+            self.config = dataclasses.replace(self.config, chunk_bytes=default_chunk_bytes(self.num_nodes))
         self._setup_arena(deadline)
         if self.num_nodes > 1:
             self._setup_links(deadline)
