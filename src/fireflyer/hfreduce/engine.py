@@ -55,6 +55,8 @@ from fireflyer.hfreduce.reduce import (
     DESCRIPTOR_BYTES,
     DTYPES,
     Descriptor,
+    Kind,
+    check_op,
     Op,
     Plan,
     Reducer,
@@ -168,6 +170,7 @@ class Communicator(Trees, Diagnosis):
         self._copy_stream = None
         self._core_comm: bytes | None = None
         self._elems: dict = {}  # (dtype, op) -> elements per chunk
+        self._fast: dict = {}  # (dtype, numel, op) -> what allreduce_now packs for the core
         self._last_liveness = 0.0
         self._tree_done = [0, 0]
         self._tree_lock = threading.Lock()
@@ -621,22 +624,24 @@ class Communicator(Trees, Diagnosis):
         if self.num_nodes > 1 and self.local_rank < self.rails:
             for q in self._tree_queues:
                 q.put(job)
-        depth = self.config.depth
         # One node: stage each chunk out right after reducing it, while it is still in cache.
         # Several nodes: a separate thread stages out what the trees finish, so reducing the
         # next chunks never waits on the network.
         staged_out = threading.Event() if self.num_nodes > 1 else None
         if staged_out is not None:
             self._out_queue.put((job, staged_out))
-        L, lr = self.local_size, self.local_rank
-        all_local = range(L)
-        rails = range(self.rails)
         # One node, one small chunk, no registered buffer anywhere (known once every local
         # rank's descriptor is in): one shot. Every rank stages in all of its input and
         # reduces all of it into its own result, with no second handoff.
         oneshot = self.num_nodes == 1 and job.plan.dense and job.nchunks == 1 and \
             desc.numel * desc.dtype.itemsize <= min(self.config.oneshot_bytes, self.config.chunk_bytes)
         staged = self._run_core(job, oneshot) if self._core_comm is not None else None
+        self._pipeline(job, oneshot, staged, staged_out)
+
+    def _pipeline(self, job: Job, oneshot: bool, staged: str | None, staged_out: threading.Event | None) -> None:
+        """The Python loop over the chunks, from the start or from where the core stopped (``staged``)."""
+        depth, L, lr = self.config.depth, self.local_size, self.local_rank
+        all_local, rails = range(L), range(self.rails)
         for c in range(job.nchunks if staged != "done" else 0):
             g = job.first_chunk + c
             if not (c == 0 and staged == "chunk 0 staged in"):
@@ -666,6 +671,7 @@ class Communicator(Trees, Diagnosis):
                 self._reduce(job, c, final=False)
                 self._arena.publish("red", lr, g + 1)
         while staged_out is not None and not staged_out.is_set():
+            desc = job.plan.desc
             self._check()
             if time.monotonic() > job.tree_deadline + 2 * _OUT_GRACE:  # the stage-out's own waits give up first
                 raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} waiting for its stage-out")
@@ -874,16 +880,98 @@ class Communicator(Trees, Diagnosis):
             return "done"
         if rc == _CORE_NEED_PYTHON:
             return "chunk 0 staged in"
+        raise self._core_failure(job, rc, stage, k, chunk)
+
+    def _core_failure(self, job: Job, rc: int, stage: int, k: int, chunk: int) -> HFReduceError:
+        """The error of a core run that stopped with ``rc`` while waiting for local rank ``k``'s ``stage``."""
+        desc = job.plan.desc
         stage_name = STAGES[stage] if 0 <= stage < len(STAGES) else "?"
         if rc == _CORE_ABORTED:
-            raise error_from_text(self._arena.abort_message(), HFReduceError)
+            return error_from_text(self._arena.abort_message(), HFReduceError)
         if rc == _CORE_PEER_DEAD:
             r = self.members[k]
             self.flight.waiting(job.seq, [r], f"rank {r} (pid {self._pids[r]}) died")
-            raise PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
+            return PeerFailure(f"{self.describe(r)}, pid {self._pids[r]}, died")
         if rc == _CORE_TIMEOUT:
-            raise self._timed_out(job, stage_name, k, job.first_chunk + chunk + 1)
-        raise HFReduceError(f"hfreduce's compiled core failed on {desc}: error {rc} ({_core_error(rc)})")
+            return self._timed_out(job, stage_name, k, job.first_chunk + chunk + 1)
+        return HFReduceError(f"hfreduce's compiled core failed on {desc}: error {rc} ({_core_error(rc)})")
+
+    # ------------------------------------------------------------------ the fast door
+    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None, trace: tuple) -> bool:
+        """``dist.all_reduce`` of a small contiguous CPU tensor on one node, as one call of the core.
+
+        The same protocol, descriptors, flight record and errors as :meth:`run_now`, with none of
+        its bookkeeping: True when it ran (its error raised otherwise); False when it is not a
+        collective this door takes, or the engine is busy (the caller then takes the general path).
+        """
+        comm = self._core_comm
+        if comm is None or self.num_nodes != 1 or self._closed or self._error is not None:
+            return False
+        numel, dtype = tensor.numel(), tensor.dtype
+        key = (dtype, numel, op)
+        fast = self._fast.get(key)
+        if fast is None:
+            if dtype not in _CORE_DTYPES or numel * dtype.itemsize > min(self.config.oneshot_bytes,
+                                                                          self.config.chunk_bytes):
+                return False
+            check_op(op, dtype)
+            desc = Descriptor(Kind.ALLREDUCE, dtype, numel, op)
+            if len(self._fast) > 1024:
+                self._fast.clear()
+            fast = self._fast[key] = (desc, desc.pack() + bytes(_SHARED.size), DTYPES[dtype],
+                                      DTYPES[acc_dtype(dtype, op)], self.world_size if op == Op.AVG else 0)
+        if not tensor.is_contiguous() or tensor.is_cuda or (self._shared is not None and
+                                                             self._shared.locate(tensor) is not None):
+            return False
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"a collective's timeout must be positive seconds, got {timeout}")
+        desc, packed, dtype_code, acc_code, divisor = fast
+        with self._submit_lock:
+            if self._pending:
+                return False
+            seq = self._seq
+            self._seq += 1
+            self.flight.record(seq, "allreduce", input_sizes=trace[0], input_dtypes=trace[1],
+                               output_sizes=trace[2], output_dtypes=trace[3],
+                               timeout_s=timeout or self.config.timeout)
+            self._pending += 1
+            self._exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
+        job = None
+        try:
+            g = self._chunk
+            self._chunk += 1
+            deadline = time.monotonic() + (timeout or self.config.timeout)
+            self.flight.started(seq)
+            self._arena.write_descriptor(self.local_rank, seq.to_bytes(8, "little") + packed, g % self.config.depth)
+            ptr = tensor.data_ptr()
+            rc, stage, k, chunk, _ = _core.node_run(comm, _JOB.pack(
+                _ONESHOT, g, 1, max(1, numel), numel, dtype_code, int(op), acc_code, divisor, ptr, ptr,
+                int(deadline * 1e9), int(deadline * 1e9), seq, DESCRIPTOR_BYTES, _SHARED.size, 0, 0, 0, 0))
+            if rc == _CORE_DONE:
+                self.flight.completed(seq)
+                return True
+            flat = tensor.view(-1)
+            plan = Plan(desc, sources=[(0, flat)], sinks=[(0, flat)], world_size=self.world_size, timeout=timeout,
+                        trace=trace, seq=seq)
+            job = Job(plan=plan, future=None, first_chunk=g, nchunks=1, elems=max(1, numel), seq=seq,
+                      deadline=deadline, tree_deadline=deadline, own=flat)
+            if rc != _CORE_NEED_PYTHON:
+                raise self._core_failure(job, rc, stage, k, chunk)
+            self._running = job
+            self._pipeline(job, True, "chunk 0 staged in", None)  # a mismatch, or a registered peer
+            self._check()
+            self._running = None
+            self.flight.completed(seq)
+            return True
+        except BaseException as exc:  # noqa: BLE001 - as _run_job: every failure reaches the caller
+            error = self._fail(exc)
+            self._running = None
+            self.flight.failed(seq, str(error))
+            raise fresh(error) from None
+        finally:
+            self._exec_lock.release()
+            with self._submit_lock:
+                self._pending -= 1
 
     def _gather_slice(self, job: Job, b: int, c0: int, s0: int, s1: int, target: torch.Tensor) -> None:
         """Collectives with one contributor per element: copy each owner's range, zero what other nodes own."""

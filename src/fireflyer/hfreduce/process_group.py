@@ -148,6 +148,16 @@ class HFReduceProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         t = _one(tensors, "allreduce")
+        if not getattr(opts, "asyncOp", True) and isinstance(t, torch.Tensor):
+            # dist.all_reduce of a small CPU tensor on one node: one call of the compiled core
+            shape, dtype = [list(t.shape)], [_dtype_name(t.dtype)]
+            try:
+                if self.comm.allreduce_now(t, op, seconds(opts.timeout), (shape, dtype, shape, dtype)):
+                    return DoneWork(tensors, self.comm._seq - 1, "all_reduce")
+            except HFReduceError as exc:
+                failed: torch.futures.Future = torch.futures.Future()
+                failed.set_exception(exc)
+                return HFReduceWork(self.comm, [failed], tensors, seqs=[self.comm._seq - 1], what="all_reduce")
         return self._work([collectives.allreduce(t, op, self.size())], tensors, opts, "all_reduce", [t], [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
