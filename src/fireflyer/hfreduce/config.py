@@ -29,11 +29,12 @@ class HFReduceConfig:
     """Run the node stage in the compiled core when it is built (``False``: the pure-Python reference)."""
     spin: int = 64
     """Busy polls of a flag before a waiting rank yields its core (compiled core)."""
-    yield_us: int = 2000
-    """Microseconds a waiting rank yields (sched_yield) before it sleeps on the flag's futex (compiled core).
-    Yielding hands the core to a peer that shares it (ranks outnumber cores here) at once, where a futex
-    sleep costs a wake-up each handoff; a rank still waiting after this long sleeps, so it burns nothing.
-    Measured on 1x4 over 2 cores, 4 KiB: about 0.14 ms with 2 ms of yielding, 0.3 ms with 50 us."""
+    yields: int = 16
+    """sched_yield calls a waiting rank makes before it sleeps on the flag's futex (compiled core).
+    A yield hands the core to a peer that shares it (ranks outnumber cores here) at once, where a
+    futex sleep costs a wake-up per handoff; counted, not timed, because a yield with nobody else
+    to run returns at once: timed yielding (2 ms) made a 1 MiB allreduce 10x slower whenever gloo's
+    threads shared the processes."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes is not None and (self.chunk_bytes < 4096 or self.chunk_bytes % 64):
@@ -44,15 +45,15 @@ class HFReduceConfig:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
         if not 0 <= self.oneshot_bytes <= 1 << 40:
             raise ValueError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
-        if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yield_us <= 1_000_000:
-            raise ValueError(f"spin must be 0..{1 << 24} and yield_us 0..1000000, got {self.spin} and {self.yield_us}")
+        if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yields <= 1 << 20:
+            raise ValueError(f"spin must be 0..{1 << 24} and yields 0..{1 << 20}, got {self.spin} and {self.yields}")
 
     @classmethod
     def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
         kw: dict = {}
         env = os.environ
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
-                           ("oneshot_bytes", int), ("core", _flag), ("spin", int), ("yield_us", int)):
+                           ("oneshot_bytes", int), ("core", _flag), ("spin", int), ("yields", int)):
             raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
             if raw:
                 try:

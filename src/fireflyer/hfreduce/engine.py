@@ -838,7 +838,7 @@ class Communicator(Trees, Diagnosis):
         shape, base = self._shape, self._arena._base
         return _COMM.pack(base, self.local_size, self.local_rank, shape.depth, shape.chunk_bytes, shape.control_bytes,
                           shape.red_bytes, shape.flags_offset, shape.pid_offset, shape.desc_offset, shape.abort_offset,
-                          self.rails, self.config.spin, self.config.yield_us * 1000)
+                          self.rails, self.config.spin, self.config.yields)
 
     def _run_core(self, job: Job, oneshot: bool, *, resume: bool = False) -> str | None:
         """Run the node stage of ``job`` in the compiled core, when its plan is one the core takes.

@@ -96,7 +96,7 @@ static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t
             return 0;
     }
     int64_t deadline = late ? st->job->late_deadline_ns : st->job->deadline_ns;
-    int64_t t = now_ns(), yield_until = t + c->yield_ns;
+    int64_t t, yields = 0;
     for (;;) {
         v = __atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE);
         if (reached(v, target))
@@ -120,7 +120,11 @@ static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t
         }
         if (t >= deadline)
             return HFR_TIMEOUT;
-        if (t < yield_until) {
+        /* A few yields hand the core to a peer that shares it (cheap when one is runnable); a
+           yield with nobody else to run returns at once, so they are counted, not timed: a rank
+           whose peer is far away sleeps instead of spinning through its yields. */
+        if (yields < c->yields) {
+            yields++;
             sched_yield();
             continue;
         }

@@ -6,7 +6,7 @@
  * the data it announces (x86-64 keeps stores in order; a release store elsewhere), and
  * compared modulo 2**32.
  *
- * Every wait spins briefly, then yields, then sleeps on the flag's futex in short slices;
+ * Every wait spins briefly, then yields a few times, then sleeps on the flag's futex in short slices;
  * between slices it checks the arena's abort word, its deadline and (every 50 ms) that its
  * local peers' processes are alive, so no failure can leave it waiting forever.
  */
@@ -30,7 +30,7 @@ typedef struct {
     int64_t abort_offset;
     int64_t rails;         /* local ranks that carry a tree rail (several nodes) */
     int64_t spin;          /* busy polls before yielding */
-    int64_t yield_ns;      /* how long to yield before sleeping on the futex */
+    int64_t yields;        /* sched_yield calls before sleeping on the futex */
 } hfr_comm;
 
 enum { HFR_MODE_PIPELINE = 1, HFR_MODE_NODE_STAGE = 2, HFR_MODE_ONESHOT = 3 };
