@@ -97,14 +97,17 @@ def test_coalesced_forms_work_api_and_timeouts_keep_torchs_contract(report):
         assert checks and all(v is True for v in checks.values()), (rank, checks)
 
 
+def test_point_to_point_all_to_all_gather_and_scatter_match_gloo(report):
+    for rank, got in enumerate(report["contract"]):
+        p2p = {k: v for k, v in got.items() if k.startswith("p2p_")}
+        assert len(p2p) == 6 and all(v is True for v in p2p.values()), (rank, p2p)
+
+
 def test_what_hfreduce_does_not_implement_is_refused_by_name(report):
     for rank, got in enumerate(report["contract"]):
         refused = got["refused"]
-        for name in ("gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend",
-                     "batch_isend_irecv"):
-            msg = refused[name]
-            assert msg and msg.startswith("NotImplementedError") and "all_reduce" in msg, (rank, name, msg)
-        assert refused["gather"].startswith("NotImplementedError: hfreduce does not implement gather")
+        msg = refused["recv_anysource"]
+        assert msg.startswith("NotImplementedError") and "src=" in msg, (rank, msg)
         assert refused["premul_sum"].startswith("NotImplementedError") and "PRODUCT" in refused["premul_sum"]
         # torch itself routes monitored_barrier to gloo only; the group's own method works (checked above)
         assert refused["monitored_barrier_via_dist"].startswith("ValueError") and "GLOO" in refused["monitored_barrier_via_dist"]

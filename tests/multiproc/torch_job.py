@@ -258,6 +258,48 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
+def p2p_contract(pg, gloo) -> dict:
+    """send/recv, isend/irecv, batch_isend_irecv, all_to_all(_single), gather, scatter: hfreduce == gloo."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    out = {}
+    got = {}
+    for name, g in (("hfreduce", pg), ("gloo", gloo)):
+        r: dict = {}
+        x = torch.arange(5, dtype=torch.float64) + 10 * rank
+        y = torch.empty(5, dtype=torch.float64)
+        if rank % 2 == 0:
+            dist.send(x, dst=right, group=g)
+            dist.recv(y, src=left, group=g)
+        else:
+            dist.recv(y, src=left, group=g)
+            dist.send(x, dst=right, group=g)
+        r["send_recv"] = y.clone()
+        y2 = torch.empty(5, dtype=torch.float64)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, right, g), dist.P2POp(dist.irecv, y2, left, g)]):
+            w.wait()
+        r["batch"] = y2
+        rows = [(rank + p) % 3 for p in range(world)]  # uneven, zeros included
+        back = [(p + rank) % 3 for p in range(world)]
+        a = torch.arange(sum(rows) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
+        b = torch.empty(sum(back), 2)
+        dist.all_to_all_single(b, a, back, rows, group=g)
+        r["a2a_single"] = b
+        outs = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
+        dist.all_to_all(outs, [torch.full((3,), 10 * rank + p) for p in range(world)], group=g)
+        r["a2a"] = torch.cat(outs)
+        gl = [torch.empty(2) for _ in range(world)] if rank == world - 1 else None
+        dist.gather(torch.full((2,), float(rank)), gl, dst=world - 1, group=g)
+        r["gather"] = torch.cat(gl) if gl else torch.empty(0)
+        sc = torch.empty(2)
+        dist.scatter(sc, [torch.full((2,), float(p)) for p in range(world)] if rank == 0 else None, src=0, group=g)
+        r["scatter"] = sc
+        got[name] = r
+    for k, v in got["hfreduce"].items():
+        out[f"p2p_{k}"] = torch.equal(v, got["gloo"][k])
+    return out
+
+
 def api_contract(pg, gloo) -> dict:
     """This rank's view of the collective contract: {check: True} where it holds, errors where refused."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -347,17 +389,13 @@ def api_contract(pg, gloo) -> dict:
     pg.monitored_barrier(timedelta(seconds=30))
     out["monitored_barrier"] = True
 
+    # point to point, all to all, gather and scatter: the same bytes as gloo's
+    out.update(p2p_contract(pg, gloo))
+
     # what torch offers and hfreduce does not implement: NotImplementedError naming it, never a wrong answer
     x = torch.ones(4)
     refused = {
-        "gather": lambda: dist.gather(x, [torch.empty(4) for _ in range(world)] if rank == 0 else None, dst=0, group=pg),
-        "scatter": lambda: dist.scatter(x, [torch.ones(4) for _ in range(world)] if rank == 0 else None, src=0, group=pg),
-        "all_to_all": lambda: dist.all_to_all([torch.empty(4) for _ in range(world)], [x] * world, group=pg),
-        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4 * world), torch.ones(4 * world), group=pg),
-        "send": lambda: dist.send(x, dst=(rank + 1) % world, group=pg),
-        "recv": lambda: dist.recv(x, src=(rank + 1) % world, group=pg),
-        "isend": lambda: dist.isend(x, dst=(rank + 1) % world, group=pg),
-        "batch_isend_irecv": lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world, pg)]),
+        "recv_anysource": lambda: dist.recv(x, group=pg),
         "premul_sum": lambda: dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0), group=pg),
         "monitored_barrier_via_dist": lambda: dist.monitored_barrier(group=pg),
     }

@@ -20,10 +20,12 @@ drains: ``(p - 1) / (m + p - 1)`` of a step for GPipe and 1F1B with even stages,
 torch's (:mod:`torch.distributed.pipelining`); this module places ranks, builds the
 stages, checks input and runs one step.
 
-**Backends.** A pipeline sends activations point-to-point, and hfreduce has no send/recv,
-so :func:`make_subgroups` gives the pipeline group its own backend: ``gloo`` on a
-CPU-only host, ``cpu:gloo,cuda:nccl`` when CUDA is available (each tensor goes by the
-backend of its device). Data-parallel groups use the default backend (hfreduce).
+**Backends.** A pipeline sends activations point-to-point. On a CPU host both the
+pipeline and the data-parallel groups use the default backend (hfreduce, whose
+send/recv go through the node's shared memory within a node and straight between the
+two ranks across nodes); where CUDA and NCCL are available, :func:`make_subgroups`
+gives the pipeline group ``cpu:gloo,cuda:nccl`` (each tensor goes by the backend of
+its device), since hfreduce would stage GPU activations through host memory.
 
 **Timeouts.** The pipeline group's timeout (``make_subgroups(timeout=...)``, default
 60 s or ``FIREFLYER_PP_TIMEOUT`` seconds) bounds every send and receive: a stage whose
@@ -124,10 +126,11 @@ class PipelineConfig:
 
 
 def default_pp_backend() -> str:
-    """``cpu:gloo,cuda:nccl`` where CUDA and NCCL are available, else ``gloo``."""
+    """``cpu:gloo,cuda:nccl`` where CUDA and NCCL are available; else the default group's backend
+    (``hfreduce`` under ``init_process_group("hfreduce")``), or ``gloo`` before torch.distributed starts."""
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
-    return "gloo"
+    return str(dist.get_backend()) if dist.is_initialized() else "gloo"
 
 
 def _timeout(timeout: float | timedelta | None) -> timedelta:
@@ -146,11 +149,8 @@ def _timeout(timeout: float | timedelta | None) -> timedelta:
 
 def _check_pp_backend(backend: str) -> None:
     parts = [p.split(":", 1)[-1].strip().lower() for p in backend.split(",")]
-    if "hfreduce" in parts:
-        raise ValueError("pp_backend='hfreduce' cannot work: hfreduce has collectives only, no point-to-point "
-                         "send/recv. Use 'gloo' for CPU tensors or 'nccl' for CUDA tensors")
     if "nccl" in parts and not dist.is_nccl_available():
-        raise ValueError(f"pp_backend={backend!r} needs NCCL, which this torch build lacks; use 'gloo'")
+        raise ValueError(f"pp_backend={backend!r} needs NCCL, which this torch build lacks; use 'hfreduce' or 'gloo'")
 
 
 def make_subgroups(pp_size: int, *, pp_backend: str | None = None, dp_backend: str | None = None,
@@ -164,7 +164,7 @@ def make_subgroups(pp_size: int, *, pp_backend: str | None = None, dp_backend: s
     stage is ``dist.get_rank(pp_group)``; its data-parallel rank is
     ``dist.get_rank(dp_group)``.
 
-    ``pp_backend`` defaults to :func:`default_pp_backend` (hfreduce has no send/recv);
+    ``pp_backend`` defaults to :func:`default_pp_backend` (the default group's, on CPU hosts);
     ``dp_backend`` defaults to the default group's backend. ``timeout`` (seconds or a
     timedelta; default ``FIREFLYER_PP_TIMEOUT`` or 60 s) bounds every operation on both
     groups. Layouts that cannot take the paper's placement get a fallback and a
@@ -331,10 +331,6 @@ class Pipeline:
             raise ValueError(f"schedule {schedule.value} runs one stage per rank but got {len(mods)} modules; "
                              f"use schedule='Interleaved1F1B' for several stages per rank, or join them in one "
                              f"nn.Sequential")
-        backend = str(dist.get_backend(pp_group))
-        if "hfreduce" in backend.lower():
-            raise ValueError(f"pp_group runs on {backend!r}, which has collectives only and no send/recv; pass the "
-                             f"pp_group that make_subgroups returns (gloo or nccl)")
         self.pp_size = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         if self.pp_rank < 0:

@@ -66,6 +66,7 @@ from fireflyer.hfreduce.reduce import (
 )
 from fireflyer.hfreduce.topology import Layout, split, tree_links
 from fireflyer.hfreduce.transport import Link, Listener
+from fireflyer.hfreduce.exchange import Exchange, for_communicator
 from fireflyer.hfreduce.diagnosis import Diagnosis
 from fireflyer.hfreduce.trees import SELF_GRACE, Trees
 
@@ -152,6 +153,7 @@ class Communicator(Trees, Diagnosis):
         self._arena: Arena | None = None
         self._fd_server: fdshare.FdServer | None = None
         self._shared: SharedBuffers | None = None
+        self.exchange: Exchange | None = None  # send/recv, all_to_all, gather, scatter (exchange.py)
         self._seq = 0
         self._chunk = 0
         self._reducer = Reducer()
@@ -179,6 +181,7 @@ class Communicator(Trees, Diagnosis):
                                      global_ranks=list(global_ranks) if global_ranks else list(range(world_size)))
         try:
             self._setup(node or node_key())
+            self.exchange = for_communicator(self)
         except BaseException:
             self._teardown()
             raise
@@ -446,6 +449,8 @@ class Communicator(Trees, Diagnosis):
                 with cond:
                     cond.notify_all()
             self._dump_flight(exc)
+            if self.exchange is not None:
+                self.exchange.fail(exc)
         return self._error
 
     def _root_cause(self, symptom: HFReduceError, patience: float = 1.0) -> HFReduceError:
@@ -1040,6 +1045,8 @@ class Communicator(Trees, Diagnosis):
 
     # ------------------------------------------------------------------ teardown
     def _teardown(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
         for link in self._links:
             link.close()
         self._links = []

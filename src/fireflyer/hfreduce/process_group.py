@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fireflyer.hfreduce import collectives
 from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
 from fireflyer.hfreduce.reduce import Op, Plan
 from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
 
@@ -34,6 +35,7 @@ SUPPORTED = (
     "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "barrier", "monitored_barrier",
     "_coalescing_manager (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)",
     "all_gather_object", "broadcast_object_list",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all_single", "all_to_all", "gather", "scatter",
 )
 
 _OPS = {
@@ -86,7 +88,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-class HFReduceProcessGroup(dist.ProcessGroup):
+class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     """A process group whose collectives run on :class:`~fireflyer.hfreduce.engine.Communicator`."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, config: HFReduceConfig | None = None,
@@ -304,11 +306,8 @@ class HFReduceProcessGroup(dist.ProcessGroup):
 
 #: ProcessGroup methods torch calls for what hfreduce does not implement, and the name users know them by.
 _REFUSED = {
-    "gather": "gather", "scatter": "scatter", "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
-    "all_to_all_single": "all_to_all_single", "send": "send/isend", "recv": "recv/irecv",
-    "recv_anysource": "recv from any source",
-    "_start_coalescing": "_coalescing_manager with a device (and batch_isend_irecv)",
-    "_end_coalescing": "_coalescing_manager with a device (and batch_isend_irecv)",
+    "_start_coalescing": "_coalescing_manager with a device",
+    "_end_coalescing": "_coalescing_manager with a device",
 }
 
 
