@@ -57,7 +57,7 @@ class PPBenchConfig:
     steps: int = 5
     warmup: int = 2
     backend: str = "hfreduce"
-    """Default process group backend; the pipeline itself always runs on gloo."""
+    """Default process group backend; on CPU hosts the pipeline's send/recv use it too (haiscale.pipeline)."""
     timeout_s: float = 600.0
     out_dir: str = "benchmarks/results"
 
