@@ -60,6 +60,11 @@ def train_pp(ctx, schedule: str, n_mb: int, stages_per_rank: int) -> dict[str, A
     """K steps of SGD through each pipeline of two ranks; every pipeline sees the same batches."""
     _init(ctx)
     _, pp_group = _subgroups(2)
+    return train_on(pp_group, schedule, n_mb, stages_per_rank)
+
+
+def train_on(pp_group, schedule: str, n_mb: int, stages_per_rank: int) -> dict[str, Any]:
+    """K steps of SGD through the pipeline of ``pp_group``."""
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     model = build_model()
     idx = stage_indices(pp_rank, pp_size, stages_per_rank)
@@ -73,6 +78,7 @@ def train_pp(ctx, schedule: str, n_mb: int, stages_per_rank: int) -> dict[str, A
         losses.append(pipe.forward_backward(x, y))
         opt.step()
     return {"stages": idx, "last": pipe.is_last, "pp": dist.get_process_group_ranks(pp_group),
+            "backend": dist.get_backend(pp_group),
             "losses": [[t.item() for t in step] for step in losses] if pipe.is_last else None,
             "params": {k: v.clone() for m in mods for k, v in m.state_dict().items()}}
 

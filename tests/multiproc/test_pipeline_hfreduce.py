@@ -11,34 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from test_pipeline import ENV, LR, _init, assert_matches, batches, build_model
+from test_pipeline import ENV, _init, assert_matches, train_on
 
-from fireflyer.haiscale.pipeline import Pipeline, PipelineConfig, make_subgroups, partition, stage_indices
+from fireflyer.haiscale.pipeline import make_subgroups
 from fireflyer.testing.cluster import LocalCluster
 
 
 def train_on_world(ctx, schedule: str, n_mb: int, stages_per_rank: int) -> dict[str, Any]:
-    """The steps of test_pipeline.train_pp, with the default (hfreduce) group as the pipeline group."""
+    """test_pipeline.train_pp's steps, with the default (hfreduce) group as the pipeline group."""
     _init(ctx)
-    group = dist.group.WORLD
-    pp_rank, pp_size = dist.get_rank(group), dist.get_world_size(group)
-    model = build_model()
-    idx = stage_indices(pp_rank, pp_size, stages_per_rank)
-    mods = [partition(model, i, pp_size * stages_per_rank) for i in idx]
-    pipe = Pipeline(mods if stages_per_rank > 1 else mods[0], group, loss_fn=F.mse_loss,
-                    config=PipelineConfig(schedule=schedule, n_microbatches=n_mb))
-    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=LR)
-    losses = []
-    for x, y in batches(8):
-        opt.zero_grad()
-        losses.append(pipe.forward_backward(x, y))
-        opt.step()
-    return {"backend": dist.get_backend(group), "last": pipe.is_last, "pp": list(range(pp_size)),
-            "losses": [[t.item() for t in step] for step in losses] if pipe.is_last else None,
-            "params": {k: v.clone() for m in mods for k, v in m.state_dict().items()}}
+    return train_on(dist.group.WORLD, schedule, n_mb, stages_per_rank)
 
 
 def default_subgroup_backend(ctx) -> str:
