@@ -106,6 +106,16 @@ class ArenaShape:
         return self.control_bytes + self.depth * ((self.local_size + 1) * self.chunk_bytes + self.red_bytes)
 
 
+def map_shared(fd: int, total_bytes: int, control_bytes: int) -> tuple[mmap.mmap, ctypes.Array, int]:
+    """Map a node's shared region from ``fd`` (closed here): the mapping, its int32 control words, their address."""
+    try:
+        mm = mmap.mmap(fd, total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    words = (ctypes.c_int32 * (control_bytes // 4)).from_buffer(mm)
+    return mm, words, ctypes.addressof(words)
+
+
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -120,12 +130,7 @@ class Arena:
     def __init__(self, name: str, shape: ArenaShape, fd: int) -> None:
         self.name = name
         self.shape = shape
-        try:
-            self._mm = mmap.mmap(fd, shape.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._words = (ctypes.c_int32 * (shape.control_bytes // 4)).from_buffer(self._mm)
-        self._base = ctypes.addressof(self._words)
+        self._mm, self._words, self._base = map_shared(fd, shape.total_bytes, shape.control_bytes)
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._pinned = False
         self.private = False

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
-import mmap
 import os
 import struct
 import time
@@ -43,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from fireflyer.hfreduce.arena import map_shared
 from fireflyer.hfreduce import fdshare, futex
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 
@@ -122,12 +122,7 @@ class Mailboxes:
 
     def __init__(self, shape: MailboxShape, fd: int) -> None:
         self.shape = shape
-        try:
-            self._mm = mmap.mmap(fd, shape.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._words = (ctypes.c_int32 * (shape.control_bytes // 4)).from_buffer(self._mm)
-        self._base = ctypes.addressof(self._words)
+        self._mm, self._words, self._base = map_shared(fd, shape.total_bytes, shape.control_bytes)
         self._rings: list[Ring] = []
 
     @classmethod
