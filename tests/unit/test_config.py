@@ -125,3 +125,19 @@ def test_memory_traffic_counts_the_engine_copies():
     bf16 = memory_traffic(S, 2, 2, 2)
     assert bf16["link_bytes"] == 1.5 * S  # partial sums go up in fp32
     assert bf16["mem_bytes"] > two["mem_bytes"]
+
+
+def test_the_path_follows_the_size_thresholds_and_one_shot_counts_its_copies():
+    from fireflyer.hfreduce.traffic import ONE_SHOT, PIPELINE, TREES, algorithm, memory_traffic
+
+    cfg = HFReduceConfig(oneshot_bytes=64 << 10)
+    assert algorithm(64 << 10, 1, cfg) == ONE_SHOT
+    assert algorithm((64 << 10) + 4, 1, cfg) == PIPELINE
+    assert algorithm(4, 2, cfg) == TREES  # several nodes: always the trees
+    assert algorithm(8 << 10, 1, HFReduceConfig(oneshot_bytes=0)) == PIPELINE
+    S = 4096
+    one = memory_traffic(S, 4, 1, 4, path=ONE_SHOT)
+    # copy-in 2*4S, then every rank reads 4 inputs and writes its result: 4*5S
+    assert one == {"mem_bytes": 28.0 * S, "floor_mem_bytes": 8.0 * S, "link_bytes": 0.0}
+    with pytest.raises(ValueError, match="one node"):
+        memory_traffic(S, 2, 2, 4, path=ONE_SHOT)

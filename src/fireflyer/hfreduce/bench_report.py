@@ -111,10 +111,10 @@ def fallback_memory_traffic(nbytes: int, local_size: int, num_nodes: int, dtype_
 
 def traffic_model() -> tuple[Callable[..., dict[str, float]], str]:
     try:
-        from fireflyer.hfreduce.engine import memory_traffic  # type: ignore[attr-defined]
+        from fireflyer.hfreduce.traffic import memory_traffic
     except Exception as exc:  # the engine is absent or not importable yet
         return fallback_memory_traffic, f"fallback ({type(exc).__name__}: engine.memory_traffic unavailable)"
-    return memory_traffic, "fireflyer.hfreduce.engine.memory_traffic"
+    return memory_traffic, "fireflyer.hfreduce.traffic.memory_traffic"
 
 
 

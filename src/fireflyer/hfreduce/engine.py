@@ -64,7 +64,7 @@ from fireflyer.hfreduce.reduce import (
     acc_dtype,
     chunk_elems,
 )
-from fireflyer.hfreduce.topology import Layout, split, tree_links
+from fireflyer.hfreduce.topology import Layout, split
 from fireflyer.hfreduce.transport import Link, Listener
 from fireflyer.hfreduce.exchange import Exchange, for_communicator
 from fireflyer.hfreduce.diagnosis import Diagnosis
@@ -1097,50 +1097,3 @@ def _op(op: Op | str) -> Op:
     except KeyError:
         names = ", ".join(o.name.lower() for o in USER_OPS)
         raise ValueError(f"unsupported op {op!r}; hfreduce supports: {names}") from None
-
-
-def memory_traffic(nbytes: int, local_size: int, num_nodes: int, itemsize: int = 4) -> dict[str, float]:
-    """Bytes one node moves for an allreduce of ``nbytes`` per rank (CPU tensors), for the roofline.
-
-    ``mem_bytes`` counts reads plus writes through memory, as the engine does them:
-
-    - stage-in: every rank copies all but its own slice into the arena (read + write);
-    - reduce: every rank reads its slice from all L inputs and writes one result (in
-      the accumulation dtype when the partial sum goes on to the trees);
-    - trees (several nodes): each byte sent or received over a socket is copied once
-      between user and kernel memory (read + write); every message from a child is
-      combined (read two, write one); the root rounds its half into the result (a
-      plain fp32 sum writes its last combine straight into the result instead);
-    - stage-out: every rank copies the whole result into its tensor (read + write).
-
-    ``floor_mem_bytes``: each rank's input read once and its output written once.
-    ``link_bytes``: what the busiest node sends per direction on its NIC.
-    """
-    L, S, N = local_size, float(nbytes), num_nodes
-    a = 4.0 / itemsize if itemsize < 4 else 1.0  # accumulation bytes per data byte
-    stage_in = 2 * (L - 1) * S
-    stage_out = 2 * L * S
-    reduce = L * S + (a * S if N > 1 else S)
-    tree_mem, link = 0.0, 0.0
-    if N > 1:
-        per_node = []
-        for node in range(N):
-            sent = received = combine = 0.0
-            for t in (0, 1):
-                links = tree_links(N, node, t)
-                kids = len(links.children)
-                half = S / 2
-                if links.is_root:
-                    if not (a == 1.0 and kids):
-                        combine += 2 * half  # round the finished half (read acc, write result)
-                else:
-                    sent += a * half
-                    received += half
-                received += kids * a * half
-                sent += kids * half
-                combine += kids * 3 * a * half
-            per_node.append((sent, 2 * (sent + received) + combine))
-        link = max(sent for sent, _ in per_node)
-        tree_mem = sum(mem for _, mem in per_node) / N
-    mem = stage_in + reduce + tree_mem + stage_out
-    return {"mem_bytes": mem, "floor_mem_bytes": 2.0 * L * S, "link_bytes": link}
