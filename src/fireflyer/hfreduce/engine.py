@@ -337,14 +337,16 @@ class Communicator(Trees, Diagnosis):
         return fut
 
     def run_now(self, plan: Plan) -> bool:
-        """Run a small CPU collective in the caller's thread, at once, when nothing is ahead of it.
+        """Run a synchronous CPU collective in the caller's thread, at once, when nothing is ahead of it.
 
         True: it ran and its results are in place (its error raised otherwise, as a fresh copy).
-        False: it did not run (too large, CUDA, or the engine is busy); ``submit`` it instead.
-        The cheap door for synchronous small collectives: no future, no handoff to the engine thread.
+        False: it did not run (CUDA, or the engine is busy); ``submit`` it instead.
+        The door for a caller that would only wait for the result (``dist.all_reduce`` without
+        ``async_op``): no future, and no handoff to the engine thread and back, which costs two
+        wake-ups where ranks outnumber cores (1x4, 1 MiB: 0.98 ms through the thread, 0.67 ms here).
+        Any size: the collective's own deadline bounds the wait as it does on the engine thread.
         """
-        desc = plan.desc
-        if self._closed or self._error is not None or desc.numel * desc.dtype.itemsize > INLINE_BYTES:
+        if self._closed or self._error is not None:
             return False
         for _, t in plan.sources:
             if t.is_cuda:
