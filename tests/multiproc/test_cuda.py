@@ -30,3 +30,25 @@ def test_cuda_collectives_match_reference(cluster, kind, dtype):
     for got, want in zip(results, expected):
         wide = got.to(want.dtype)
         assert (wide - want).abs().max().item() <= tol if want.numel() else True
+
+
+def _core_built(ctx) -> bool:
+    from fireflyer.hfreduce import kernels
+
+    return kernels.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_cuda_allreduce_gives_the_bits_of_the_cpu_core(cluster, dtype, op):
+    """A CUDA tensor is staged through the pinned arena and reduced by the same compiled kernels
+    as a CPU tensor: the two results are the same bits (gpu_check.sh builds the core first)."""
+    from hfr_cases import run_case
+
+    assert all(cluster.run(_core_built)), "the compiled core is not built: run `python setup.py build_ext --inplace`"
+    case = Case("allreduce", dtype, 65_537, op, seed=23)
+    on_gpu = cluster.run(run_case_cuda, case)
+    on_cpu = cluster.run(run_case, case)
+    for g, c in zip(on_gpu, on_cpu):
+        assert g.dtype == c.dtype and g.shape == c.shape
+        assert torch.equal(g.contiguous().view(torch.uint8), c.contiguous().view(torch.uint8))
