@@ -80,6 +80,8 @@ typedef struct {
     const hfr_job *job;
     hfr_where *where;
     int64_t next_liveness;
+    hfr_interrupt_hook interrupted;
+    void *arg;
 } run_state;
 
 /* Wait until flag (stage, k) reaches target. 0, or an HFR_* code with *where filled. */
@@ -133,6 +135,8 @@ static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t
             left = SLICE_NS;
         struct timespec ts = {left / 1000000000LL, left % 1000000000LL};
         syscall(SYS_futex, (int32_t *)w, FUTEX_WAIT, v, &ts, NULL, 0);
+        if (st->interrupted && st->interrupted(st->arg))
+            return HFR_INTERRUPTED;
     }
 }
 
@@ -199,11 +203,12 @@ static int descriptors_agree(const hfr_comm *c, const hfr_job *j) {
     return 1;
 }
 
-int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where) {
+int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where, hfr_interrupt_hook interrupted,
+                 void *arg) {
     if (c->local_size < 1 || c->local_size > MAX_LOCAL || c->local_rank < 0 || c->local_rank >= c->local_size ||
         c->depth < 1 || j->nchunks < 1 || j->elems < 1 || j->numel < 0)
         return HFR_EARG;
-    run_state st = {c, j, where, now_ns() + LIVENESS_NS};
+    run_state st = {c, j, where, now_ns() + LIVENESS_NS, interrupted, arg};
     const int64_t L = c->local_size, lr = c->local_rank, depth = c->depth;
     const int64_t size = itemsize(j->dtype), acc_size = itemsize(j->acc_dtype);
     const char *src = (const char *)j->src;

@@ -7,8 +7,9 @@
  * compared modulo 2**32.
  *
  * Every wait spins briefly, then yields a few times, then sleeps on the flag's futex in short slices;
- * between slices it checks the arena's abort word, its deadline and (every 50 ms) that its
- * local peers' processes are alive, so no failure can leave it waiting forever.
+ * between slices it checks the arena's abort word, its deadline, the caller's interrupt hook
+ * (a pending Ctrl-C) and (every 50 ms) that its local peers' processes are alive, so no
+ * failure can leave it waiting forever.
  */
 #ifndef FIREFLYER_HFREDUCE_NODE_H
 #define FIREFLYER_HFREDUCE_NODE_H
@@ -67,6 +68,7 @@ enum {
     HFR_TIMEOUT = 2,
     HFR_ABORTED = 3,     /* the arena's abort word is set: another rank failed */
     HFR_PEER_DEAD = 4,
+    HFR_INTERRUPTED = 5, /* the interrupt hook said stop (a signal handler raised, e.g. Ctrl-C) */
 };
 
 enum { HFR_STAGE_IN = 0, HFR_STAGE_RED = 1, HFR_STAGE_OUT = 2, HFR_STAGE_DONE = 3 };
@@ -79,6 +81,11 @@ typedef struct {
     int64_t late;        /* the wait used the late deadline */
 } hfr_where;
 
-int hfr_node_run(const hfr_comm *comm, const hfr_job *job, hfr_where *where);
+/* Called between futex slices (at most every 50 ms while a wait sleeps): nonzero stops the run
+ * with HFR_INTERRUPTED. NULL: never interrupted. */
+typedef int (*hfr_interrupt_hook)(void *arg);
+
+int hfr_node_run(const hfr_comm *comm, const hfr_job *job, hfr_where *where, hfr_interrupt_hook interrupted,
+                 void *arg);
 
 #endif

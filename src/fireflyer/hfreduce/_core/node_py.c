@@ -1,12 +1,46 @@
 /* The Python door to hfr_node_run: _core.node_run(comm: bytes, job: bytes) -> (rc, stage, local_rank, chunk, late).
  *
  * comm and job are the int64 fields of hfr_comm and hfr_job (node.h) packed in order. The GIL is
- * released for the whole run, so the engine's other threads (the trees) go on meanwhile.
+ * released for the whole run, so the engine's other threads (the trees) go on meanwhile; on the
+ * main thread it is taken back between futex slices to run pending signal handlers, and a
+ * handler's exception (Ctrl-C's KeyboardInterrupt) ends the run and is raised from here.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "node.h"
+
+typedef struct {
+    PyThreadState *save;
+} interrupt_state;
+
+/* Python's main thread, as the threading module names it (the one whose signal handlers run). */
+static unsigned long main_ident(void) {
+    static unsigned long ident = 0;
+    if (!ident) {
+        PyObject *threading = PyImport_ImportModule("threading");
+        PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+        PyObject *id = main ? PyObject_GetAttrString(main, "ident") : NULL;
+        if (id)
+            ident = PyLong_AsUnsignedLong(id);
+        Py_XDECREF(id);
+        Py_XDECREF(main);
+        Py_XDECREF(threading);
+        if (PyErr_Occurred())
+            PyErr_Clear();
+    }
+    return ident;
+}
+
+/* The interrupt hook: take the GIL back for a moment and run any pending signal handler; a
+ * handler that raised (KeyboardInterrupt) stops the run, its exception left set. */
+static int signal_pending(void *arg) {
+    interrupt_state *is = (interrupt_state *)arg;
+    PyEval_RestoreThread(is->save);
+    int raised = PyErr_CheckSignals() != 0;
+    is->save = PyEval_SaveThread();
+    return raised;
+}
 
 PyObject *hfr_py_node_run(PyObject *self, PyObject *args) {
     (void)self;
@@ -28,9 +62,18 @@ PyObject *hfr_py_node_run(PyObject *self, PyObject *args) {
     PyBuffer_Release(&job);
     hfr_where where = {0, 0, 0, 0};
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = hfr_node_run(&c, &j, &where);
-    Py_END_ALLOW_THREADS
+    /* Only the main thread runs Python's signal handlers: there a wait that sleeps looks at them
+     * between futex slices, so Ctrl-C stops a collective whose peers never come within 50 ms. */
+    interrupt_state is = {NULL};
+    int main_thread = PyThread_get_thread_ident() == main_ident();
+    is.save = PyEval_SaveThread();
+    rc = hfr_node_run(&c, &j, &where, main_thread ? signal_pending : NULL, &is);
+    PyEval_RestoreThread(is.save);
+    if (rc == HFR_INTERRUPTED) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_KeyboardInterrupt, "hfreduce: interrupted inside a collective");
+        return NULL;
+    }
     return Py_BuildValue("(iLLLL)", rc, (long long)where.stage, (long long)where.local_rank, (long long)where.chunk,
                          (long long)where.late);
 }
