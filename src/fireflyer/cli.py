@@ -11,6 +11,7 @@ from fireflyer.errors import UserError
 
 BENCHES = {
     "allreduce": "fireflyer.hfreduce.bench",
+    "alltoall": "fireflyer.hfreduce.bench_exchange",
     "ddp": "fireflyer.haiscale.bench_ddp",
     "fsdp": "fireflyer.haiscale.bench_fsdp",
     "pp": "fireflyer.haiscale.bench_pp",

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import bench, bench_worker
+from fireflyer.hfreduce import bench, bench_worker, traffic
 from fireflyer.hfreduce import bench_report as report
+from fireflyer.hfreduce.config import HFReduceConfig
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -64,13 +65,78 @@ def test_aggregate_copy_bw_takes_best_trial() -> None:
     assert bench.aggregate_copy_bw(copies) == 200.0
 
 
-def test_fallback_memory_traffic() -> None:
-    s = 64 << 20
-    t = report.fallback_memory_traffic(s, 4, 1, 4)
-    assert t["floor_mem_bytes"] == 8 * s
-    assert t["mem_bytes"] == 4 * (5 * s + s / 4)
-    assert t["link_bytes"] == 0
-    assert report.fallback_memory_traffic(s, 2, 2, 4)["link_bytes"] == s
+def _cfg(**kw) -> HFReduceConfig:
+    return HFReduceConfig(**kw)
+
+
+@pytest.mark.parametrize("layout,nbytes,itemsize,config,path", [
+    ((1, 4), 4 << 10, 4, {}, "one-shot"),
+    ((1, 4), 64 << 10, 4, {}, "one-shot"),             # the default one-shot limit, inclusive
+    ((1, 4), 256 << 10, 2, {}, "pipeline"),
+    ((1, 4), 64 << 20, 4, {}, "pipeline"),
+    ((1, 4), 4 << 10, 4, {"oneshot_bytes": 0}, "pipeline"),
+    ((1, 4), 64 << 10, 4, {"chunk_bytes": 32 << 10}, "pipeline"),  # one chunk at most
+    ((1, 4), 32 << 10, 4, {"chunk_bytes": 32 << 10}, "one-shot"),
+    ((2, 2), 4 << 10, 4, {}, "pipeline+trees"),         # several nodes: the trees, whatever the size
+    ((2, 2), 64 << 20, 2, {}, "pipeline+trees"),
+])
+def test_path_traffic_takes_the_engines_path(layout, nbytes, itemsize, config, path) -> None:
+    nodes, local = layout
+    t = report.path_traffic(nbytes, nodes, local, itemsize, _cfg(**config))
+    assert t["path"] == path
+    model = traffic.memory_traffic(nbytes, local, nodes, itemsize, path=path)
+    assert t["mem_bytes"] == model["mem_bytes"] and t["link_bytes"] == model["link_bytes"]
+    assert t["traffic_x"] == pytest.approx(model["mem_bytes"] / nbytes)
+    assert t["floor_x"] == 2 * local
+
+
+def test_path_traffic_multiples() -> None:
+    # 1x4: one shot copies every input in and reads all four per rank (28x); the pipeline 19x; floor 8x
+    assert report.path_traffic(4 << 10, 1, 4, 4, _cfg())["traffic_x"] == pytest.approx(28.0)
+    assert report.path_traffic(64 << 20, 1, 4, 4, _cfg())["traffic_x"] == pytest.approx(19.0)
+    assert [report.format_x(x) for x in (28.0, 19.02, 20.5, None, float("nan"))] == ["28\u00d7", "19\u00d7",
+                                                                                   "20.5\u00d7", "-", "-"]
+
+
+def test_thresholds_follow_the_config() -> None:
+    assert report.thresholds(_cfg()) == {"oneshot_bytes": 64 << 10, "chunk_one_node": 256 << 10,
+                                         "chunk_many_nodes": 4 << 20}
+    assert report.thresholds(_cfg(chunk_bytes=32 << 10)) == {"oneshot_bytes": 32 << 10, "chunk_one_node": 32 << 10,
+                                                             "chunk_many_nodes": 32 << 10}
+    line = report.format_thresholds(report.thresholds(_cfg()))
+    assert "one-shot up to 64KiB" in line and "256KiB on one node" in line and "4MiB across nodes" in line
+    assert "one-shot off" in report.format_thresholds(report.thresholds(_cfg(oneshot_bytes=0)))
+    assert "\n" not in line
+
+
+def test_bench_reads_the_engine_config_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_ONESHOT_BYTES", "0")
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_CHUNK_BYTES", str(1 << 20))
+    cfg = bench.build_config(["--layouts", "1x4"])
+    assert cfg.engine.oneshot_bytes == 0 and cfg.engine.chunk_bytes == 1 << 20
+    assert bench.build_doc(cfg, {}, [])["config"]["thresholds"]["oneshot_bytes"] == 0
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_ONESHOT_BYTES", "lots")
+    with pytest.raises(UserError, match="FIREFLYER_HFREDUCE_ONESHOT_BYTES"):
+        bench.build_config(["--layouts", "1x4"])
+
+
+def test_collect_uses_each_sizes_path_for_the_roofline() -> None:
+    cfg = bench.build_config(["--layouts", "1x4", "--sizes", "4K,64M", "--dtypes", "fp32"])
+    lay = bench.parse_layout("1x4")
+    res = bench.LayoutResult("1x4", 1, 4, 4)
+    copies = [{"trial": 0, "bytes": 10**9, "seconds": 0.1}]  # 10 GB/s
+    measured = [("fp32", s, {"candidate": ([1e-3], 0), "gloo": ([2e-3], 0)}, {}) for s in (4 << 10, 64 << 20)]
+    bench._collect(res, cfg, lay, copies, measured)
+    small, big = res.rows
+    assert (small["path"], small["traffic_x"], small["floor_x"]) == ("one-shot", pytest.approx(28.0), 8.0)
+    assert small["roofline_s"] == pytest.approx(28 * (4 << 10) / 1e10)
+    assert big["path"] == "pipeline" and big["roofline_s"] == pytest.approx(19 * (64 << 20) / 1e10)
+    assert res.roofline["model"] == report.TRAFFIC_MODEL and res.roofline["path"] == "pipeline"
+    assert res.roofline["traffic"]["mem_bytes"] == pytest.approx(19 * (64 << 20))
+    # a gloo candidate is not the engine: no path, no roofline
+    res = bench.LayoutResult("1x4", 1, 4, 4)
+    bench._collect(res, bench.build_config(["--layouts", "1x4", "--candidate", "gloo"]), lay, copies, measured)
+    assert "path" not in res.rows[0] and "roofline_s" not in res.rows[0]
 
 
 def test_sizes_and_default_iters() -> None:
@@ -113,10 +179,17 @@ def test_build_config() -> None:
             bench.build_config(bad)
 
 
-def test_default_schedule_is_issue_15s() -> None:
+def test_default_schedule() -> None:
     ops = {s: (report.default_ops(s), report.default_warmup(s)) for s in bench.TABLE_SIZES}
-    assert ops[4 << 10] == ops[16 << 20] == (15, 2)
+    # small ops are quick and noisy: more of them, for every system alike
+    assert ops[4 << 10] == ops[64 << 10] == ops[256 << 10] == (150, 2)
+    assert ops[1 << 20] == ops[4 << 20] == (50, 2)
+    assert report.default_ops((256 << 10) + 4) == 50 and report.default_ops((4 << 20) + 4) == 15
+    assert ops[16 << 20] == (15, 2)  # issue 15's 2 rounds x 15
     assert ops[64 << 20] == (8, 1) and ops[256 << 20] == (3, 1)
+    cfg = bench.build_config([])
+    assert [(s, n) for s, n, _ in cfg.schedule][:2] == [(4 << 10, 150), (64 << 10, 150)]
+    assert all(n == 7 for _, n, _ in bench.build_config(["--iters", "7"]).schedule)  # --iters overrides
 
 
 def test_parse_systems() -> None:

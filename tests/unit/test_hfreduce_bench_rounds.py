@@ -104,6 +104,27 @@ def test_print_layout_shows_floors_notes_and_na() -> None:
     assert "OpenMPI" in out and "DS-SHM" in out
 
 
+def test_print_layout_shows_each_sizes_path_and_traffic() -> None:
+    from rich.console import Console
+
+    from fireflyer.hfreduce.config import HFReduceConfig
+
+    res = _result()
+    res.rows = [_row("fp32", s, traffic=report.path_traffic(s, 1, 4, 4, HFReduceConfig())) for s in (4 << 10, 64 * MiB)]
+    assert [r["path"] for r in res.rows] == ["one-shot", "pipeline"]
+    buf = io.StringIO()
+    bench.print_layout(Console(file=buf, width=200), bench.build_config(["--layouts", "1x4"]), res)
+    out = buf.getvalue()
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip().startswith(("4K", "64M"))}
+    assert "one-shot" in lines["4K"] and "28\u00d7" in lines["4K"] and "8\u00d7" in lines["4K"]
+    assert "pipeline" in lines["64M"] and "19\u00d7" in lines["64M"]
+    assert "path" in out and "traffic" in out and "the roofline uses the path's traffic" in out
+    # rows without a path (a gloo candidate) get no such columns
+    buf = io.StringIO()
+    bench.print_layout(Console(file=buf, width=200), bench.build_config(["--layouts", "1x4"]), _result())
+    assert "\u00d7" not in buf.getvalue() and " path " not in buf.getvalue()
+
+
 def test_plot_series_and_png(tmp_path) -> None:
     res = _result()
     series = report.plot_series(res, "fp32")

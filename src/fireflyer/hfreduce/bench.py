@@ -40,6 +40,7 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
     HEADLINE_BYTES,
     SYSTEMS,
     TABLE_SIZES,
+    TRAFFIC_MODEL,
     _label,
     aggregate_copy_bw,
     algbw_gbps,
@@ -51,11 +52,13 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
     dispatch_floor,
     format_ms,
     format_size,
+    format_thresholds,
     make_console,
     memory_floor_bytes,
     median,
     memory_floor_seconds,
     parse_size,
+    path_traffic,
     pct_of_link,
     pct_of_roofline,
     power2_sizes,
@@ -64,16 +67,19 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
     roofline_seconds,
     slowest_per_op,
     system_label,
-    traffic_model,
+    thresholds,
     wrong_total,
     write_json,
     write_png,
 )
+from fireflyer.hfreduce.config import HFReduceConfig
 
 MiB = 1 << 20
 DEFAULT_LAYOUTS = ("1x4", "2x2", "2x2-shaped")
 DTYPE_ITEMSIZE = {"fp32": 4, "bf16": 2}
 QUICK_SIZES = (4 << 10, 1 * MiB, 16 * MiB)
+TABLE_WIDTH = 144
+"""Columns of the report: 2x2's table, with every peer and the path "pipeline+trees", fits in one line."""
 COPY_TRIALS = 3  # bench_worker.COPY_TRIALS; not imported, so that --help does not import torch
 OWNER = {"candidate": "torch", "gloo": "torch", "openmpi": bench_peers.OPENMPI, "deepspeed": bench_peers.DEEPSPEED}
 """Which process set hosts each system."""
@@ -149,6 +155,9 @@ class BenchConfig:
     """Seconds DeepSpeed's op may take to JIT-build before the peer is skipped."""
     json_path: str = "benchmarks/results/allreduce.json"
     png_path: str = "benchmarks/results/allreduce.png"
+    engine: HFReduceConfig = field(default_factory=HFReduceConfig)
+    """The engine's config as the candidate ranks read it (``HFReduceConfig.from_env()`` here: they
+    inherit this environment), which decides the path each size takes."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -193,7 +202,8 @@ def build_config(argv: list[str]) -> BenchConfig:
     p.add_argument("--systems", default="all", help="comma list of: CANDIDATE (hfreduce), gloo, openmpi, deepspeed; "
                    "or all (default); an absent peer is skipped with a note")
     p.add_argument("--rounds", type=int, default=None, help="rounds per size, systems alternating (default 2; --quick 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed ops per round (default 15, fewer above 16M)")
+    p.add_argument("--iters", type=int, default=None, help="timed ops per round (default 150 up to 256K, 50 up "
+                   "to 4M, 15 at 16M, fewer above)")
     p.add_argument("--warmup", type=int, default=None, help="untimed ops per round, the first checked (default 2)")
     p.add_argument("--floor-ops", type=int, default=2000, help="4-byte ops timed for the dispatch floor")
     p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped link rate, Mbit/s each way")
@@ -226,7 +236,15 @@ def build_config(argv: list[str]) -> BenchConfig:
     return BenchConfig(layouts=layouts, dtypes=dtypes, schedule=tuple(schedule),
                        systems=parse_systems(a.systems, a.candidate), rounds=a.rounds or (1 if a.quick else 2),
                        candidate=a.candidate, link_mbit=a.link_mbit, timeout_s=a.timeout, floor_ops=a.floor_ops,
-                       json_path=a.json, png_path=a.png)
+                       json_path=a.json, png_path=a.png, engine=engine_config())
+
+
+def engine_config() -> HFReduceConfig:
+    """The engine's config from this environment, as every candidate rank will read it."""
+    try:
+        return HFReduceConfig.from_env()
+    except ValueError as exc:
+        raise UserError(f"the hfreduce settings in this environment are invalid: {exc}") from None
 
 
 # -- running one layout ------------------------------------------------------------
@@ -260,8 +278,16 @@ def _drop_peer(sets: dict[str, bench_peers.ProcessSet], res: LayoutResult, exc: 
             res.notes[system] = f"{system_label(system, 'candidate')} failed {where}: {exc}"
 
 
+Measure = Callable[[Any, Layout, dict[str, bench_peers.ProcessSet], LayoutResult, Callable[[str], None]], None]
+"""What a part does with a layout's process sets once they are up (:func:`_measure` for allreduce)."""
+
+
 def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerStatus],
-               progress: Callable[[str], None]) -> LayoutResult:
+               progress: Callable[[str], None], measure: Measure | None = None) -> LayoutResult:
+    """Start the layout's process sets, ``measure`` (default: the allreduce rounds), end them.
+
+    ``cfg`` is a :class:`BenchConfig` or any config with its ``candidate``, ``systems``,
+    ``peers``, ``link_mbit`` and ``timeout_s`` (``fireflyer bench alltoall`` passes its own)."""
     from fireflyer.hfreduce import netns
 
     res = LayoutResult(lay.name, lay.nodes, lay.local, lay.world, cfg.link_mbit if lay.shaped else None)
@@ -287,7 +313,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerS
                 break
             except bench_peers.SetFailed as exc:
                 _drop_peer(sets, res, exc, "to start")
-        _measure(cfg, lay, sets, res, progress)
+        (measure or _measure)(cfg, lay, sets, res, progress)
         for st in list(sets.values()):
             st.finish()
     except (RuntimeError, OSError) as exc:
@@ -356,20 +382,20 @@ def _measure(cfg: BenchConfig, lay: Layout, sets: dict[str, bench_peers.ProcessS
 def _collect(res: LayoutResult, cfg: BenchConfig, lay: Layout, copies: list[dict[str, Any]],
              measured: list[tuple[str, int, dict[str, tuple[list[float], int]], dict[str, str]]]) -> None:
     res.copy_bw = aggregate_copy_bw(copies)
-    model, source = traffic_model()
+    hfreduce = "candidate" in cfg.systems and cfg.candidate == "hfreduce"
     for dtype, nbytes, done, na in measured:
-        traffic = model(nbytes, lay.local, lay.nodes, DTYPE_ITEMSIZE[dtype])
+        traffic = path_traffic(nbytes, lay.nodes, lay.local, DTYPE_ITEMSIZE[dtype], cfg.engine) if hfreduce else None
         res.rows.append(build_row(layout=lay.name, nodes=lay.nodes, local=lay.local, dtype=dtype,
                                   itemsize=DTYPE_ITEMSIZE[dtype], nbytes=nbytes, measured=done, na=na,
                                   copy_bw=res.copy_bw, traffic=traffic,
                                   link_mbit=cfg.link_mbit if lay.shaped else None))
-    res.roofline = {"model": source, "copy_bw": res.copy_bw, "copy_ranks": min(lay.world, os.cpu_count() or 1),
+    res.roofline = {"model": TRAFFIC_MODEL, "copy_bw": res.copy_bw, "copy_ranks": min(lay.world, os.cpu_count() or 1),
                     "copy_bytes_per_rank": 64 * MiB,
                     "host_mem_note": "memory traffic summed over the emulated nodes sharing this host"}
     head = headline_row([r for r in res.rows if r.get("candidate")])
     if head is not None and "roofline_s" in head:
-        traffic = model(head["bytes"], lay.local, lay.nodes, DTYPE_ITEMSIZE[head["dtype"]])
-        res.roofline.update(headline_bytes=head["bytes"], headline_dtype=head["dtype"], traffic=traffic,
+        res.roofline.update(headline_bytes=head["bytes"], headline_dtype=head["dtype"], path=head.get("path"),
+                            traffic=head["traffic"],
                             roofline_s=head["roofline_s"], measured_s=head["candidate"]["time_s"],
                             pct_roofline=head["pct_roofline"], pct_link=head.get("pct_link"))
 
@@ -407,7 +433,7 @@ def build_doc(cfg: BenchConfig, peers: dict[str, bench_peers.PeerStatus], result
         "machine": machine_info(),
         "candidate": cfg.candidate,
         "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
-                   "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops,
+                   "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops, "thresholds": thresholds(cfg.engine),
                    "timing": "each op's time is its slowest rank's; figures are medians over rounds x ops"},
         "peers": {name: st.to_json() for name, st in peers.items()},
         "layouts": [{k: v for k, v in asdict(r).items() if k not in ("rows", "roofline")} for r in results],
@@ -424,12 +450,14 @@ def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
     if "candidate" in cfg.systems:
         _check_candidate(cfg.candidate)
-    console, errcon = make_console(), make_console(stderr=True)
+    console, errcon = make_console(width=TABLE_WIDTH), make_console(stderr=True)
     say = lambda msg: errcon.print(f"[dim]  {msg}[/dim]")  # noqa: E731
     peers = bench_peers.probe(cfg.peers, cfg.build_timeout_s, say)
     for st in peers.values():
         console.print(f"{system_label(st.name, cfg.candidate)}: {st.version}" if st.available
                       else f"[yellow]{st.note}[/yellow]", soft_wrap=True)
+    if "candidate" in cfg.systems and cfg.candidate == "hfreduce":
+        console.print(format_thresholds(thresholds(cfg.engine)), soft_wrap=True)
     results = []
     for lay in cfg.layouts:
         res = run_layout(cfg, lay, peers, say)

@@ -1,120 +1,266 @@
-"""all_to_all_single on hfreduce against gloo, in one run: ``python -m fireflyer.hfreduce.bench_exchange``.
+"""``fireflyer bench alltoall``: ``all_to_all_single`` on hfreduce against gloo, in one run.
 
-Both groups live in the same processes (an emulated cluster on this host: nodes by
-``FIREFLYER_NODE_ID``), and the rounds alternate between them, so both see the same
-machine. Each op's time is the slowest rank's; the figure is the median (``--back-to-back``:
-the mean of ops run in a row, the median of three such runs). Sizes are
-the bytes each rank sends in all (its whole input), fp32. ``hfreduce`` is the plain
-synchronous call, which drives its channels on the caller's thread; ``async_op`` is the
-same call with ``async_op=True`` and ``wait()``, moved by the channels' threads.
+For each layout (``NxL``: N emulated nodes of L ranks on this host) it starts the same torch
+ranks as ``fireflyer bench allreduce`` (:mod:`fireflyer.hfreduce.bench_worker`: hfreduce as
+the default group and a gloo group, in the same processes, with torchrun's environment) and
+drives them through its control socket: for every size each round runs both systems in turn
+(the order rotates between rounds), so both see the same machine. Each op's time is its
+slowest rank's, and the figure is the median over rounds x ops; the first op of every round
+is checked exact. Sizes are the bytes each rank sends in all (its whole input, split evenly
+over the ranks), fp32. It prints hfreduce's speedup over gloo (gloo's time / hfreduce's) and
+writes JSON and a log-log PNG of time against size.
+
+algbw = bytes of one rank's input / time; busbw = algbw * (n-1)/n (nccl-tests' all_to_all); GB = 1e9 B.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import time
-from datetime import timedelta
+import datetime as _dt
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
-SIZES = (64 << 10, 4 << 20, 64 << 20)
-LAYOUTS = {"1x4": [4], "2x2": [2, 2], "1x2": [2], "2x1": [1, 1]}
+from fireflyer.cliutil import ArgumentParser
+from fireflyer.errors import UserError
+from fireflyer.hfreduce import bench_peers
+from fireflyer.hfreduce.bench import Layout, LayoutResult, _check_candidate, parse_layout, run_layout
+from fireflyer.hfreduce.bench_report import (
+    COLORS,
+    _fmt,
+    default_ops,
+    default_warmup,
+    format_ms,
+    format_size,
+    make_console,
+    median,
+    parse_size,
+    plot_loglog,
+    slowest_per_op,
+    speedup,
+    summarize,
+    write_json,
+)
+
+MiB = 1 << 20
+SIZES = (64 << 10, 4 * MiB, 64 * MiB)
+QUICK_SIZES = (64 << 10, 4 * MiB)
+DEFAULT_LAYOUTS = ("1x4", "2x2")
+SYSTEMS = ("candidate", "gloo")
+"""Report keys, as ``fireflyer bench allreduce`` has them: "candidate" is hfreduce."""
+CANDIDATE = "hfreduce"
+ITEMSIZE = 4  # fp32
 
 
-def _back_to_back(groups: dict, gloo, x, y, rounds: int) -> dict[str, float]:
-    """Seconds per op with ``rounds`` ops back to back (no barrier between them), the slowest rank's."""
-    import torch
-    import torch.distributed as dist
+@dataclass(frozen=True, kw_only=True)
+class ExchangeConfig:
+    """What ``fireflyer bench alltoall`` runs; the fields :func:`fireflyer.hfreduce.bench.run_layout` reads
+    (``candidate``, ``systems``, ``peers``, ``link_mbit``, ``timeout_s``) mean what they do there."""
 
-    out = {}
-    for name, g in groups.items():
-        dist.barrier(group=gloo)
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            if name.endswith("-async"):
-                dist.all_to_all_single(y, x, group=g, async_op=True).wait()
-            else:
-                dist.all_to_all_single(y, x, group=g)
-        dt = torch.tensor([(time.perf_counter() - t0) / rounds], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=gloo)
-        out[name] = dt.item()
-    return out
+    layouts: tuple[Layout, ...]
+    schedule: tuple[tuple[int, int, int], ...]
+    """(bytes each rank sends, timed ops per round, untimed ops per round) per size; the first untimed op is checked."""
+    rounds: int = 2
+    """Rounds per size; both systems run once per round, in an order that rotates."""
+    candidate: str = CANDIDATE
+    systems: tuple[str, ...] = SYSTEMS
+    link_mbit: float = 1000.0
+    """Shaped layouts only: the link rate, Mbit/s each way."""
+    timeout_s: float = 120.0
+    """Per-collective timeout in the ranks; the parent gives up on a round after 1.5x this."""
+    json_path: str = "benchmarks/results/alltoall.json"
+    png_path: str = "benchmarks/results/alltoall.png"
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise UserError(f"rounds must be >= 1, got {self.rounds}")
+        if not self.layouts or not self.schedule:
+            raise UserError("alltoall needs at least one layout and one size")
+        if not self.timeout_s > 0:
+            raise UserError(f"timeout must be positive seconds, got {self.timeout_s}")
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return ()
 
 
-def _rank(ctx, sizes: list[int], rounds: int, warmup: int, back_to_back: bool = False) -> dict:
-    import torch
-    import torch.distributed as dist
+def build_config(argv: list[str]) -> ExchangeConfig:
+    import argparse
 
-    import fireflyer.hfreduce  # noqa: F401 - registers the backend
-
-    dist.init_process_group("hfreduce", store=dist.PrefixStore("bench", ctx.store), rank=ctx.rank,
-                            world_size=ctx.world_size, timeout=timedelta(seconds=120))
-    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
-    groups = {"hfreduce": dist.group.WORLD, "hfreduce-async": dist.group.WORLD, "gloo": gloo}
-    w = ctx.world_size
-    out: dict = {}
+    p = ArgumentParser(prog="fireflyer bench alltoall", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=None, help="comma list of bytes each rank sends in all "
+                   "(default 64K,4M,64M; --quick 64K,4M); a multiple of 4 x the world size")
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list of NODESxRANKS, e.g. 1x4,2x2")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per size, systems alternating (default 2; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed ops per round (default as bench allreduce: 150 up "
+                   "to 256K, 50 up to 4M, fewer above)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed ops per round, the first checked (default 2)")
+    p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped layouts: link rate, Mbit/s each way")
+    p.add_argument("--timeout", type=float, default=ExchangeConfig.timeout_s,
+                   help="seconds before a stuck collective fails")
+    p.add_argument("--json", default=ExchangeConfig.json_path, metavar="PATH")
+    p.add_argument("--png", default=ExchangeConfig.png_path, metavar="PATH")
+    p.add_argument("--quick", action="store_true", help="64K,4M, 1 round of 5 ops: a smoke run")
+    a = p.parse_args(argv)
+    if a.iters is not None and a.iters < 1 or a.warmup is not None and a.warmup < 0:
+        raise UserError("--iters must be >= 1 and --warmup >= 0")
+    if a.rounds is not None and a.rounds < 1:
+        raise UserError("--rounds must be >= 1")
+    if not a.link_mbit > 0 or not a.timeout > 0:
+        raise UserError("--link-mbit and --timeout must be positive")
+    layouts = tuple(parse_layout(t) for t in a.layouts.split(",") if t.strip())
+    if not layouts:
+        raise UserError("--layouts is empty")
+    if a.sizes is not None:
+        sizes = sorted({parse_size(t) for t in a.sizes.split(",") if t.strip()})
+        if not sizes:
+            raise UserError("--sizes is empty")
+    else:
+        sizes = list(QUICK_SIZES if a.quick else SIZES)
     for nbytes in sizes:
-        n = max(w, nbytes // 4 // w * w)
-        x = torch.randn(n)
-        y = torch.empty(n)
-        times: dict[str, list[float]] = {k: [] for k in groups}
-        if back_to_back:
-            for _ in range(warmup):
-                for g in groups.values():
-                    dist.all_to_all_single(y, x, group=g)
-            per_op = [_back_to_back(groups, gloo, x, y, max(1, rounds)) for _ in range(3)]
-            out[nbytes] = {k: statistics.median(p[k] for p in per_op) for k in groups}
-            continue
-        for i in range(warmup + rounds):
-            for name, g in groups.items():
-                dist.barrier(group=gloo)
-                t0 = time.perf_counter()
-                if name.endswith("-async"):  # the channels' threads move it, not the caller
-                    dist.all_to_all_single(y, x, group=g, async_op=True).wait()
-                else:
-                    dist.all_to_all_single(y, x, group=g)
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=gloo)
-                if i >= warmup:
-                    times[name].append(dt.item())
-        out[nbytes] = {k: statistics.median(v) for k, v in times.items()}
-    dist.destroy_process_group()
-    return out
+        for lay in layouts:
+            if nbytes < ITEMSIZE * lay.world or nbytes % (ITEMSIZE * lay.world):
+                raise UserError(f"size {format_size(nbytes)} does not split evenly into fp32 chunks for the "
+                                f"{lay.world} ranks of {lay.name}; give a multiple of {ITEMSIZE * lay.world} bytes")
+    schedule = tuple((s, a.iters or (5 if a.quick else default_ops(s)),
+                      a.warmup if a.warmup is not None else (1 if a.quick else default_warmup(s))) for s in sizes)
+    return ExchangeConfig(layouts=layouts, schedule=schedule, rounds=a.rounds or (1 if a.quick else 2),
+                          link_mbit=a.link_mbit, timeout_s=a.timeout, json_path=a.json, png_path=a.png)
 
 
-def run(layouts: list[str], sizes: list[int], rounds: int, warmup: int, back_to_back: bool = False) -> dict:
-    from fireflyer.testing.cluster import LocalCluster
-
-    env = {"FIREFLYER_TEST_COMM": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    results: dict = {}
-    for name in layouts:
-        with LocalCluster(LAYOUTS[name], env=env) as cluster:
-            results[name] = cluster.run(_rank, sizes, rounds, warmup, back_to_back, timeout=1800)[0]
-    return results
+# -- the figures (unit-tested) --------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", default="1x4,2x2")
-    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="bytes per rank, comma separated")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--back-to-back", action="store_true",
-                    help="time --rounds ops in a row (throughput) instead of each op after a barrier (latency)")
-    ap.add_argument("--json", default=None, help="write the results here too")
-    args = ap.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    results = run(args.layouts.split(","), sizes, args.rounds, args.warmup, args.back_to_back)
-    print(f"{'layout':>6} {'bytes/rank':>12} {'gloo ms':>9} {'hfreduce ms':>12} {'speed-up':>9} "
-          f"{'async_op ms':>12}")
-    for layout, by_size in results.items():
-        for nbytes, t in by_size.items():
-            print(f"{layout:>6} {nbytes:>12} {t['gloo'] * 1e3:>9.2f} {t['hfreduce'] * 1e3:>12.2f} "
-                  f"{t['gloo'] / t['hfreduce']:>8.2f}x {t['hfreduce-async'] * 1e3:>12.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "back_to_back": args.back_to_back, "results": results}, f, indent=1)
+def build_row(layout: str, world: int, nbytes: int, measured: dict[str, tuple[list[float], int]]) -> dict[str, Any]:
+    """A table row from each system's slowest-rank op times and wrong counts: medians, algbw and
+    busbw, and hfreduce's speedup over gloo (gloo's time / hfreduce's; > 1: hfreduce is faster)."""
+    row: dict[str, Any] = {"layout": layout, "dtype": "fp32", "bytes": nbytes, "count": nbytes // ITEMSIZE}
+    for system, (samples, wrong) in measured.items():
+        row[system] = summarize(samples, wrong, nbytes, world, bus_factor=(world - 1) / world)
+    cand, gloo = row.get("candidate"), row.get("gloo")
+    row["iters"] = cand["ops"] if cand else 0
+    row["speedup"] = {"gloo": speedup(gloo["time_s"] if gloo else None, cand["time_s"] if cand else None)}
+    return row
 
 
-if __name__ == "__main__":
-    main()
+def _wrong(row: dict[str, Any]) -> int:
+    return sum(row[s]["wrong"] for s in SYSTEMS if row.get(s))
+
+
+def print_layout(console: Any, res: LayoutResult) -> None:
+    """One table per layout: each system's median time and algbw, the speedup, the wrong elements."""
+    from rich.table import Table
+
+    title = f"{res.layout}: {res.nodes} node(s) x {res.local} ranks, world {res.world}"
+    if res.link_mbit:
+        title += f", link {res.link_mbit:g} Mbit/s each way"
+    if res.skipped:
+        console.print(f"[yellow]{title}: skipped: {res.skipped}[/yellow]")
+        return
+    console.print(f"[italic]{title} - all_to_all_single fp32, median ms of the slowest rank per op[/italic]")
+    t = Table(show_edge=False, pad_edge=False)
+    for head in ("\nsize", f"{CANDIDATE}\nms", "gloo\nms", "x\ngloo", f"{CANDIDATE}\nalgbw GB/s",
+                 "gloo\nalgbw GB/s", "\nops", "\n#wrong"):
+        t.add_column(head, justify="right")
+    for row in res.rows:
+        cand, gloo = row.get("candidate"), row.get("gloo")
+        wrong = _wrong(row)
+        t.add_row(format_size(row["bytes"]), format_ms(cand["time_s"] if cand else None),
+                  format_ms(gloo["time_s"] if gloo else None), _fmt(row["speedup"]["gloo"], ".2f"),
+                  _fmt(cand["algbw"] if cand else None, ".2f"), _fmt(gloo["algbw"] if gloo else None, ".2f"),
+                  str(row["iters"]), str(wrong) if not wrong else f"[red]{wrong}[/red]")
+    console.print(t)
+    console.print(f"  size = the bytes each rank sends in all (its whole input, split evenly); x gloo = {CANDIDATE}'s "
+                  f"speedup over gloo (its time / {CANDIDATE}'s); the first op of every round is checked exact",
+                  soft_wrap=True)
+    for note in dict.fromkeys(res.notes.values()):
+        console.print(f"  [yellow]{note}[/yellow]", soft_wrap=True)
+    console.print()
+
+
+def write_png(path: str, results: list[LayoutResult]) -> None:
+    """Time against size, log-log: one panel per layout, both systems."""
+    panels = []
+    for res in (r for r in results if not r.skipped):
+        lines = []
+        for system, label in (("candidate", CANDIDATE), ("gloo", "gloo")):
+            pts = [(r["bytes"], r[system]["time_s"]) for r in res.rows
+                   if r.get(system) and r[system]["time_s"] == r[system]["time_s"]]
+            if pts:
+                lines.append((label, pts, {"marker": "o", "ms": 3, "color": COLORS[system]}))
+        panels.append({"title": f"{res.layout} fp32", "lines": lines, "sizes": sorted(r["bytes"] for r in res.rows)})
+    plot_loglog(path, panels, "all_to_all_single, median of the slowest rank per op",
+                "time per all_to_all_single (ms)", max(1, min(2, len(panels))))
+
+
+def build_doc(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, Any]:
+    """The JSON document of one run."""
+    from fireflyer.hfreduce.bench import machine_info
+
+    return {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
+        "machine": machine_info(),
+        "collective": "all_to_all_single",
+        "candidate": CANDIDATE,
+        "config": {"dtype": "fp32", "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
+                   "timeout_s": cfg.timeout_s,
+                   "timing": "each op's time is its slowest rank's; figures are medians over rounds x ops",
+                   "bytes": "what each rank sends in all (its whole input), split evenly over the ranks"},
+        "layouts": [{k: v for k, v in asdict(r).items()
+                     if k in ("layout", "nodes", "local", "world", "link_mbit", "skipped", "notes")} for r in results],
+        "speedups": {r.layout: {str(row["bytes"]): row["speedup"]["gloo"] for row in r.rows} for r in results},
+        "rows": [row for r in results for row in r.rows],
+    }
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+def _measure(cfg: ExchangeConfig, lay: Layout, sets: dict[str, bench_peers.ProcessSet], res: LayoutResult,
+             progress: Callable[[str], None]) -> None:
+    """Every size in alternating rounds, on the torch ranks' ``exchange`` command."""
+    torch_set = sets["torch"]
+    call_s = 1.5 * cfg.timeout_s + 10
+    systems = list(cfg.systems)
+    for si, (nbytes, ops, warmup) in enumerate(cfg.schedule):
+        samples: dict[str, list[float]] = {s: [] for s in systems}
+        wrong = dict.fromkeys(systems, 0)
+        cmd = {"cmd": "exchange", "bytes": nbytes, "ops": ops, "warmup": warmup, "size_index": si}
+        for rnd in range(cfg.rounds):
+            k = rnd % len(systems)
+            for system in systems[k:] + systems[:k]:
+                replies = torch_set.call({**cmd, "system": system}, call_s)
+                samples[system] += slowest_per_op([r["times"] for r in replies])
+                wrong[system] += sum(r["wrong"] for r in replies)
+        res.rows.append(build_row(lay.name, lay.world, nbytes, {s: (samples[s], wrong[s]) for s in systems}))
+        progress(f"{lay.name} {format_size(nbytes)}: " + ", ".join(
+            f"{CANDIDATE if s == 'candidate' else s} {format_ms(median(samples[s]))} ms" for s in systems))
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; returns 0, or 1 when any op's result was wrong."""
+    cfg = build_config(list(argv))
+    _check_candidate(CANDIDATE)
+    console, errcon = make_console(), make_console(stderr=True)
+    say = lambda msg: errcon.print(f"[dim]  {msg}[/dim]")  # noqa: E731
+    results = []
+    for lay in cfg.layouts:
+        res = run_layout(cfg, lay, {}, say, measure=_measure)
+        print_layout(console, res)
+        results.append(res)
+    write_json(cfg.json_path, build_doc(cfg, results))
+    write_png(cfg.png_path, results)
+    console.print(f"wrote {cfg.json_path} and {cfg.png_path}", highlight=False)
+    wrong = sum(_wrong(row) for r in results for row in r.rows)
+    if wrong:
+        console.print(f"[red]{wrong} wrong elements in total; see the #wrong column[/red]")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # the old entry point: python -m fireflyer.hfreduce.bench_exchange [options]
+    from fireflyer.cli import main as _cli
+
+    sys.exit(_cli(["bench", "alltoall", *sys.argv[1:]]))

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from fireflyer import fsutil
 from fireflyer.errors import UserError
+from fireflyer.hfreduce import traffic
+from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes
 
 if TYPE_CHECKING:
     from fireflyer.hfreduce.bench import BenchConfig, LayoutResult
@@ -96,26 +98,48 @@ def default_iters(nbytes: int) -> int:
     return max(2, min(20, (256 * MiB) // max(nbytes, 1)))
 
 
-def fallback_memory_traffic(nbytes: int, local_size: int, num_nodes: int, dtype_itemsize: int) -> dict[str, float]:
-    """Our own estimate while ``engine.memory_traffic`` does not exist.
-
-    Per node: each rank's input read once and output written once is the floor;
-    the engine's shared-memory reduce moves about 5S per rank plus S for the node's
-    reduced buffer. On the NIC, a double binary tree moves S per direction with two
-    nodes and about 2S beyond.
-    """
-    s, lsz = float(nbytes), local_size
-    link = 0.0 if num_nodes == 1 else (s if num_nodes == 2 else 2 * s)
-    return {"mem_bytes": lsz * (5 * s + s / lsz), "link_bytes": link, "floor_mem_bytes": 2 * lsz * s}
+TRAFFIC_MODEL = "fireflyer.hfreduce.traffic"
+"""The roofline's model of what each path reads and writes (:mod:`fireflyer.hfreduce.traffic`)."""
 
 
-def traffic_model() -> tuple[Callable[..., dict[str, float]], str]:
-    try:
-        from fireflyer.hfreduce.traffic import memory_traffic
-    except Exception as exc:  # the engine is absent or not importable yet
-        return fallback_memory_traffic, f"fallback ({type(exc).__name__}: engine.memory_traffic unavailable)"
-    return memory_traffic, "fireflyer.hfreduce.traffic.memory_traffic"
+def path_traffic(nbytes: int, nodes: int, local: int, itemsize: int, config: HFReduceConfig) -> dict[str, Any]:
+    """The path the engine takes for an allreduce of ``nbytes`` per rank on ``nodes`` x ``local``
+    ranks under ``config``, and that path's memory traffic per node: ``mem_bytes``,
+    ``floor_mem_bytes`` and ``link_bytes`` (bytes), and ``traffic_x`` and ``floor_x``, the same
+    divided by the tensor (one-shot on 1x4: 28x against the floor's 8x, which is 2L x)."""
+    path = traffic.algorithm(nbytes, nodes, config)
+    t = traffic.memory_traffic(nbytes, local, nodes, itemsize, path=path)
+    return {"path": path, **t, "traffic_x": t["mem_bytes"] / nbytes, "floor_x": t["floor_mem_bytes"] / nbytes}
 
+
+def thresholds(config: HFReduceConfig) -> dict[str, int]:
+    """The sizes that pick the engine's path under ``config``: one-shot up to ``oneshot_bytes``
+    (on one node, 0 when off), and the chunk on one node and across several."""
+    one, many = (config.chunk_bytes or default_chunk_bytes(n) for n in (1, 2))
+    return {"oneshot_bytes": min(config.oneshot_bytes, one), "chunk_one_node": one, "chunk_many_nodes": many}
+
+
+def format_thresholds(th: dict[str, int]) -> str:
+    one_shot = (f"one-shot up to {_binary(th['oneshot_bytes'])} on one node, the pipeline above"
+                if th["oneshot_bytes"] else "one-shot off, the pipeline on one node")
+    return (f"hfreduce thresholds: {one_shot}; several nodes: the pipeline into the trees; chunk "
+            f"{_binary(th['chunk_one_node'])} on one node, {_binary(th['chunk_many_nodes'])} across nodes "
+            f"(FIREFLYER_HFREDUCE_ONESHOT_BYTES, FIREFLYER_HFREDUCE_CHUNK_BYTES)")
+
+
+def _binary(nbytes: int) -> str:
+    text = format_size(nbytes)
+    return f"{text}iB" if text[-1] in "KMG" else f"{text} B"
+
+
+TIMES = "\u00d7"
+
+
+def format_x(x: float | None) -> str:
+    """A multiple of the tensor: "28x" written with a times sign, one decimal where it is not whole."""
+    if x is None or x != x:
+        return "-"
+    return f"{x:.0f}{TIMES}" if abs(x - round(x)) < 0.05 else f"{x:.1f}{TIMES}"
 
 
 # -- the peers' run: rounds, medians, floors (unit-tested) ------------------------------
@@ -136,8 +160,17 @@ def system_label(system: str, candidate: str, short: bool = False) -> str:
     return (SHORT if short else LABELS).get(system, system)
 
 
+SMALL_OPS = ((256 << 10, 150), (4 * MiB, 50))
+"""Timed ops per round up to each size: an op of 4 KiB to 256 KiB takes 30 us to 300 us here, so
+the median of 2 rounds x 15 moved from run to run; 2 x 150 (and 2 x 50 up to 4 MiB) holds it."""
+
+
 def default_ops(nbytes: int) -> int:
-    """Timed ops per round: 15 up to 16 MiB (issue 15's 2 rounds x 15), fewer above."""
+    """Timed ops per round, every system alike: 150 up to 256 KiB, 50 up to 4 MiB, 15 at 16 MiB
+    (issue 15's 2 rounds x 15), fewer above, so the default run stays under ten minutes."""
+    for limit, ops in SMALL_OPS:
+        if nbytes <= limit:
+            return ops
     return max(3, min(15, (512 * MiB) // max(nbytes, 1)))
 
 
@@ -182,13 +215,17 @@ def speedup(peer_s: float | None, candidate_s: float | None) -> float:
     return peer_s / candidate_s
 
 
-def summarize(samples: list[float], wrong: int, nbytes: int, world: int) -> dict[str, Any]:
-    """One system at one size: the median of its slowest-rank op times, and what follows."""
+def summarize(samples: list[float], wrong: int, nbytes: int, world: int,
+              bus_factor: float | None = None) -> dict[str, Any]:
+    """One system at one size: the median of its slowest-rank op times, and what follows.
+
+    ``bus_factor``: busbw / algbw (default allreduce's 2(n-1)/n; all_to_all's is (n-1)/n)."""
     t = median(samples)
     alg = algbw_gbps(nbytes, t)
+    factor = busbw_factor(world) if bus_factor is None else bus_factor
     return {"time_s": t, "min_s": min(samples) if samples else float("nan"),
             "mean_s": sum(samples) / len(samples) if samples else float("nan"), "ops": len(samples),
-            "algbw": alg, "busbw": alg * busbw_factor(world), "wrong": wrong}
+            "algbw": alg, "busbw": alg * factor, "wrong": wrong}
 
 
 def build_row(*, layout: str, nodes: int, local: int, dtype: str, itemsize: int, nbytes: int,
@@ -198,7 +235,9 @@ def build_row(*, layout: str, nodes: int, local: int, dtype: str, itemsize: int,
 
     ``na``: the systems that could not run this dtype here, with why. Ratios are the
     candidate's speedup over each peer (peer time / candidate time; > 1: the candidate is
-    faster); ``ratio`` is the candidate's algbw over gloo's, as before."""
+    faster); ``ratio`` is the candidate's algbw over gloo's, as before. ``traffic``: the
+    candidate's path and memory traffic at this size (:func:`path_traffic`), for the
+    ``path``, ``traffic_x`` and ``floor_x`` columns and the roofline."""
     world = nodes * local
     row: dict[str, Any] = {"layout": layout, "dtype": dtype, "bytes": nbytes, "count": nbytes // itemsize,
                            "na": dict(na)}
@@ -216,6 +255,10 @@ def build_row(*, layout: str, nodes: int, local: int, dtype: str, itemsize: int,
     row["speedup"] = {p: speedup(row[p]["time_s"] if row.get(p) else None, cand_s) for p in PEER_SYSTEMS
                       if p in row}
     row["ratio"] = ratio(cand["algbw"], row["gloo"]["algbw"]) if cand and row.get("gloo") else float("nan")
+    if traffic is not None:
+        if "path" in traffic:
+            row.update(path=traffic["path"], traffic_x=traffic["traffic_x"], floor_x=traffic["floor_x"])
+        row["traffic"] = {k: traffic[k] for k in ("mem_bytes", "floor_mem_bytes", "link_bytes") if k in traffic}
     if traffic is not None and copy_bw:
         link_rate = link_mbit * 1e6 / 8 if link_mbit else None
         host_mem = traffic["mem_bytes"] * nodes  # every emulated node shares this host's memory
@@ -269,10 +312,11 @@ def _label(candidate: str) -> str:
     return candidate if candidate != "gloo" else "gloo(cand)"
 
 
-def make_console(stderr: bool = False) -> Any:
+def make_console(stderr: bool = False, width: int = 132) -> Any:
+    """A rich console at least ``width`` columns wide (the terminal's width where wider)."""
     from rich.console import Console
 
-    return Console(width=max(132, Console().width), highlight=False, stderr=stderr)
+    return Console(width=max(width, Console().width), highlight=False, stderr=stderr)
 
 
 def _present(res: LayoutResult) -> list[str]:
@@ -299,8 +343,13 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
     for s in systems:
         t.add_column(f"{system_label(s, cfg.candidate, short=True)}\nms", justify="right")
     t.add_column("floor\nms", justify="right")
+    paths = any("path" in row for row in res.rows)
     if "candidate" in systems:
         t.add_column("%\nfloor", justify="right")
+        if paths:
+            t.add_column("\npath", justify="left", no_wrap=True)
+            t.add_column(f"traffic\n{TIMES}", justify="right")
+            t.add_column(f"floor\n{TIMES}", justify="right")
         for p in systems:
             if p != "candidate":
                 t.add_column(f"x\n{system_label(p, cfg.candidate, short=True)}", justify="right")
@@ -315,6 +364,8 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
         if "candidate" in systems:
             pct = row["pct_floor"]
             cells.append(_fmt(pct, ".0f" if pct == pct and pct >= 10 else ".2g"))
+            if paths:
+                cells += [row.get("path", "-"), format_x(row.get("traffic_x")), format_x(row.get("floor_x"))]
             cells += [_fmt(row["speedup"].get(p), ".2f") for p in systems if p != "candidate"]
         if res.link_mbit:
             cells.append(_fmt(row.get("pct_link"), ".1f"))
@@ -327,6 +378,10 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
     console.print(f"  floor = the memory floor: each input read once and each output written once "
                   f"({2 * res.local}x the tensor per node x {res.nodes} node(s) on this host) at the copy bandwidth "
                   f"below; % floor = floor / {cand}'s time", soft_wrap=True)
+    if paths and "candidate" in systems:
+        console.print(f"  path = the path {cand} takes at that size; traffic{TIMES} = the bytes it reads and writes "
+                      f"per node on it / the tensor, floor{TIMES} = the floor's ({2 * res.local}{TIMES}); the "
+                      f"roofline uses the path's traffic", soft_wrap=True)
     na = {(s, note) for row in res.rows for s, note in row["na"].items()}
     for s, note in sorted(na):
         console.print(f"  {system_label(s, cfg.candidate)} {note}", soft_wrap=True)
@@ -340,7 +395,8 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
                       f"median of {res.dispatch_floor['ops']} ops, slowest rank)", soft_wrap=True)
     if "roofline_s" in rf:
         tr = rf["traffic"]
-        console.print(f"  roofline at {format_size(rf['headline_bytes'])} {rf['headline_dtype']}: "
+        console.print(f"  roofline at {format_size(rf['headline_bytes'])} {rf['headline_dtype']}"
+                      + (f" ({rf['path']})" if rf.get("path") else "") + ": "
                       f"{tr['mem_bytes'] / 1e6:.0f} MB memory per node x {res.nodes} node(s) on this host"
                       + (f", {tr['link_bytes'] / 1e6:.0f} MB per link direction" if res.link_mbit else "")
                       + f" -> {rf['roofline_s'] * 1e3:.2f} ms; {cand} took {rf['measured_s'] * 1e3:.2f} ms "
@@ -388,39 +444,54 @@ def plot_series(res: LayoutResult, dtype: str) -> dict[str, list[tuple[int, floa
 def write_png(path: str, cfg: BenchConfig, results: list[LayoutResult]) -> None:
     """Time against size, log-log: one panel per layout and dtype, every system, the memory
     floor and the dispatch floor."""
+    panels = []
+    for res in (r for r in results if not r.skipped):
+        for dtype in cfg.dtypes:
+            lines = []
+            for name, pts in plot_series(res, dtype).items():
+                if name == "memory floor":
+                    lines.append(("memory floor", pts, {"ls": "--", "color": "gray", "lw": 1}))
+                else:
+                    lines.append((system_label(name, cfg.candidate), pts, {"marker": "o", "ms": 3,
+                                                                           "color": COLORS[name]}))
+            floor = res.dispatch_floor["time_s"] if res.dispatch_floor else float("nan")
+            panels.append({"title": f"{res.layout} {dtype}", "lines": lines,
+                           "sizes": sorted({r["bytes"] for r in res.rows if r["dtype"] == dtype}),
+                           "hlines": [("dispatch floor", floor)] if floor == floor else []})
+    plot_loglog(path, panels, "allreduce, median of the slowest rank per op", "time per allreduce (ms)",
+                max(1, len(cfg.dtypes)))
+
+
+def plot_loglog(path: str, panels: list[dict[str, Any]], title: str, ylabel: str, ncols: int = 1) -> None:
+    """Time (ms) against bytes per rank, log-log, ``ncols`` panels a row, written to ``path`` as PNG.
+
+    Each panel: ``title``; ``lines``, a list of (label, [(bytes, seconds)], matplotlib style);
+    ``sizes``, the x ticks; ``hlines``, (label, seconds) drawn dotted across."""
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in results if not r.skipped]
-    ncols = max(1, len(cfg.dtypes))
-    nrows = max(1, len(shown))
+    nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
-    for i, res in enumerate(shown):
-        for j, dtype in enumerate(cfg.dtypes):
-            ax = axes[i][j]
-            for name, pts in plot_series(res, dtype).items():
-                xs, ys = [p[0] for p in pts], [p[1] * 1e3 for p in pts]
-                if name == "memory floor":
-                    ax.plot(xs, ys, ls="--", color="gray", lw=1, label="memory floor")
-                else:
-                    ax.plot(xs, ys, "-o", ms=3, color=COLORS[name], label=system_label(name, cfg.candidate))
-            if res.dispatch_floor and res.dispatch_floor["time_s"] == res.dispatch_floor["time_s"]:
-                ax.axhline(res.dispatch_floor["time_s"] * 1e3, color="gray", ls=":", lw=1, label="dispatch floor")
-            ax.set_xscale("log", base=2)
-            sizes = sorted({r["bytes"] for r in res.rows if r["dtype"] == dtype})
-            if sizes:
-                ax.set_xticks(sizes, [format_size(b) for b in sizes])
-                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-            ax.set_yscale("log")
-            ax.set_title(f"{res.layout} {dtype}")
-            ax.set_xlabel("bytes per rank")
-            ax.set_ylabel("time per allreduce (ms)")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.suptitle("allreduce, median of the slowest rank per op")
+    for k, panel in enumerate(panels):
+        ax = axes[k // ncols][k % ncols]
+        for label, pts, style in panel["lines"]:
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], label=label, **{"ls": "-", **style})
+        for label, seconds in panel.get("hlines", []):
+            ax.axhline(seconds * 1e3, color="gray", ls=":", lw=1, label=label)
+        ax.set_xscale("log", base=2)
+        if panel.get("sizes"):
+            ax.set_xticks(panel["sizes"], [format_size(b) for b in panel["sizes"]])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_yscale("log")
+        ax.set_title(panel["title"])
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)

@@ -6,7 +6,8 @@ FIREFLYER_NODE_ID. SPEC's ``set`` says which process set the rank belongs to:
 
 - ``torch``: joins the candidate backend as the default group, a gloo group (measured,
   and used for barriers) and a backend that does nothing (:class:`NoopProcessGroup`), whose
-  4-byte all_reduce is the dispatch floor: what torch's plugin boundary costs;
+  4-byte all_reduce is the dispatch floor: what torch's plugin boundary costs; it also
+  answers ``fireflyer bench alltoall``'s rounds of ``all_to_all_single`` (:class:`_Exchange`);
 - ``deepspeed``: ``deepspeed.init_distributed(dist_backend="gloo")`` and DeepSpeed's CPU
   shared-memory allreduce (:mod:`fireflyer.hfreduce.bench_peers`).
 
@@ -108,6 +109,50 @@ def timed_round(make_op: Callable[[torch.Tensor], Op], barrier: Callable[[], Any
             times.append(now - prev)
             prev = now
     return times, wrong
+
+
+# -- all_to_all_single (fireflyer bench alltoall; unit-tested) ----------------------------
+
+
+def exchange_input(rank: int, world_size: int, numel: int, size_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's fp32 input to ``all_to_all_single`` and the block its output must repeat.
+
+    Chunk j of every rank's input holds rank j's block at the offset where that chunk lands
+    in rank j's output, so each rank's whole output is its own block repeated (checked with
+    :func:`count_wrong`), and a chunk from the wrong rank or put at the wrong place shows
+    (chunks are not multiples of the prime ``PERIOD``)."""
+    if numel % world_size:
+        raise ValueError(f"{numel} elements do not split evenly over {world_size} ranks")
+    c = numel // world_size
+    x = torch.empty(numel, dtype=torch.float32)
+    for j in range(world_size):
+        block = seeded_block(j, size_index, 1, world_size).float()
+        fill(x[j * c:(j + 1) * c], torch.roll(block, -((rank * c) % PERIOD)))
+    return x, seeded_block(rank, size_index, 1, world_size).float()
+
+
+class _Exchange:
+    """The ``exchange`` command: one round of ``all_to_all_single`` on one system's group, its
+    first op checked, the rest timed back to back (:func:`timed_round`)."""
+
+    def __init__(self, rank: int, world: int, groups: dict[str, Any], barrier: Callable[[], Any]) -> None:
+        self.rank, self.world, self.groups, self.barrier = rank, world, groups, barrier
+        self.key: tuple[int, int] | None = None
+        self.x = self.y = self.expected = self.stale = torch.empty(0)
+
+    def round(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        key = (cmd["bytes"], cmd["size_index"])
+        if key != self.key:
+            self.key, self.x, self.y = None, torch.empty(0), torch.empty(0)  # free the old buffers first
+            self.x, self.expected = exchange_input(self.rank, self.world, cmd["bytes"] // 4, cmd["size_index"])
+            self.stale = self.expected + 100  # what the output holds before each op: never the answer
+            self.y = torch.empty_like(self.x)
+            self.key = key
+        group, x = self.groups[cmd["system"]], self.x
+        times, wrong = timed_round(lambda y: lambda: dist.all_to_all_single(y, x, group=group), self.barrier,
+                                   self.y, self.stale, self.expected, cmd["ops"], cmd["warmup"],
+                                   segment_length(self.world))
+        return {"times": times, "wrong": wrong}
 
 
 # -- the control channel -------------------------------------------------------------------
@@ -326,8 +371,11 @@ def _torch_set(spec: dict[str, Any], rank: int) -> Setup:
     _inject_fault(rank)
     systems = {"candidate": lambda buf: lambda: dist.all_reduce(buf),
                "gloo": lambda buf: lambda: dist.all_reduce(buf, group=gloo)}
+    exchange = _Exchange(rank, int(os.environ["WORLD_SIZE"]), {"candidate": None, "gloo": gloo},
+                         lambda: dist.barrier(group=gloo))
     handlers = {"copy": lambda cmd: {"copies": measure_copy(gloo, cmd.get("first_trial", 0))},
-                "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"])}}
+                "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"])},
+                "exchange": exchange.round}
     info = {"node": os.environ.get("FIREFLYER_NODE_ID", ""), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
     return systems, lambda: dist.barrier(group=gloo), handlers, info
 
