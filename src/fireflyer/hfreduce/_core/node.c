@@ -203,12 +203,55 @@ static int descriptors_agree(const hfr_comm *c, const hfr_job *j) {
     return 1;
 }
 
+/* HFR_MODE_ALL_TO_ALL: see node.h. One buffer of the rotation, one handoff. */
+static int all_to_all(run_state *st) {
+    const hfr_comm *c = st->comm;
+    const hfr_job *j = st->job;
+    const int64_t L = c->local_size, lr = c->local_rank, g = j->first_chunk, b = g % c->depth;
+    const int64_t *table = (const int64_t *)j->peer_in;
+    const int64_t *send_off = table, *send_len = table + L, *recv_off = table + 2 * L, *recv_len = table + 3 * L;
+    const int64_t header = HFR_A2A_HEADER(L);
+    int rc;
+    if (!table || j->numel < 0 || header + j->numel > c->chunk_bytes)
+        return HFR_EARG;
+    if ((rc = wait_all(st, HFR_STAGE_RED, L, g - c->depth + 1, 0, 0))) /* every rank is done with our slot */
+        return rc;
+    char *slot = in_slot(c, b, lr);
+    memcpy(slot, send_off, (size_t)(L * 8));
+    memcpy(slot + L * 8, send_len, (size_t)(L * 8));
+    memcpy(slot + header, (const char *)j->src, (size_t)j->numel);
+    publish(c, HFR_STAGE_IN, g + 1);
+    if ((rc = wait_all(st, HFR_STAGE_IN, L, g + 1, 0, 0)))
+        return rc;
+    if (!descriptors_agree(c, j))
+        return HFR_NEED_PYTHON;
+    for (int64_t k = 0; k < L; k++) { /* every length first: a mismatch writes nothing */
+        const int64_t *theirs = (const int64_t *)in_slot(c, b, k);
+        if (theirs[L + lr] != recv_len[k]) {
+            st->where->local_rank = k;
+            st->where->chunk = theirs[L + lr];
+            return HFR_SPLIT_MISMATCH;
+        }
+    }
+    for (int64_t k = 0; k < L; k++) {
+        /* our own piece comes from our slot too, so an output that overlaps the input is safe */
+        const char *theirs = in_slot(c, b, k);
+        const int64_t off = ((const int64_t *)theirs)[lr];
+        memcpy((char *)j->dst + recv_off[k], theirs + header + off, (size_t)recv_len[k]);
+    }
+    publish(c, HFR_STAGE_RED, g + 1);  /* done reading this buffer's slots */
+    publish(c, HFR_STAGE_DONE, g + 1); /* and never wrote its out buffer */
+    return HFR_DONE;
+}
+
 int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where, hfr_interrupt_hook interrupted,
                  void *arg) {
     if (c->local_size < 1 || c->local_size > MAX_LOCAL || c->local_rank < 0 || c->local_rank >= c->local_size ||
         c->depth < 1 || j->nchunks < 1 || j->elems < 1 || j->numel < 0)
         return HFR_EARG;
     run_state st = {c, j, where, now_ns() + LIVENESS_NS, interrupted, arg};
+    if (j->mode == HFR_MODE_ALL_TO_ALL)
+        return all_to_all(&st);
     const int64_t L = c->local_size, lr = c->local_rank, depth = c->depth;
     const int64_t size = itemsize(j->dtype), acc_size = itemsize(j->acc_dtype);
     const char *src = (const char *)j->src;

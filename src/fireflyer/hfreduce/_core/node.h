@@ -34,7 +34,15 @@ typedef struct {
     int64_t yields;        /* sched_yield calls before sleeping on the futex */
 } hfr_comm;
 
-enum { HFR_MODE_PIPELINE = 1, HFR_MODE_NODE_STAGE = 2, HFR_MODE_ONESHOT = 3 };
+enum { HFR_MODE_PIPELINE = 1, HFR_MODE_NODE_STAGE = 2, HFR_MODE_ONESHOT = 3, HFR_MODE_ALL_TO_ALL = 4 };
+
+/* HFR_MODE_ALL_TO_ALL (one node, one shot): every rank copies its split table and its whole input
+ * into its slot of the collective's buffer and raises "in"; then each copies the piece every peer
+ * holds for it straight into its output, and raises "red" and "done". job.peer_in is the address of
+ * 4L int64 byte counts: send offsets, send lengths, receive offsets, receive lengths (per local
+ * rank); src and dst are the input and output; numel is the input's bytes. The slot holds
+ * HFR_A2A_HEADER(L) bytes of table (the send offsets and lengths), then the input. */
+#define HFR_A2A_HEADER(L) ((((int64_t)(L) * 16) + 63) / 64 * 64)
 
 /* One collective (int64 fields, in this order). */
 typedef struct {
@@ -69,6 +77,8 @@ enum {
     HFR_ABORTED = 3,     /* the arena's abort word is set: another rank failed */
     HFR_PEER_DEAD = 4,
     HFR_INTERRUPTED = 5, /* the interrupt hook said stop (a signal handler raised, e.g. Ctrl-C) */
+    HFR_SPLIT_MISMATCH = 6, /* all-to-all: local rank where->local_rank sends this rank where->chunk
+                               bytes, not the receive length this rank expects from it */
 };
 
 enum { HFR_STAGE_IN = 0, HFR_STAGE_RED = 1, HFR_STAGE_OUT = 2, HFR_STAGE_DONE = 3 };
