@@ -212,36 +212,43 @@ static int all_to_all(run_state *st) {
     const int64_t *send_off = table, *send_len = table + L, *recv_off = table + 2 * L, *recv_len = table + 3 * L;
     const int64_t header = HFR_A2A_HEADER(L);
     int rc;
-    if (!table || j->numel < 0 || header + j->numel > c->chunk_bytes)
+    if (!table || j->numel < 0)
         return HFR_EARG;
+    const int64_t fits = header + j->numel <= c->chunk_bytes;
     if ((rc = wait_all(st, HFR_STAGE_RED, L, g - c->depth + 1, 0, 0))) /* every rank is done with our slot */
         return rc;
     char *slot = in_slot(c, b, lr);
-    memcpy(slot, send_off, (size_t)(L * 8));
-    memcpy(slot + L * 8, send_len, (size_t)(L * 8));
-    memcpy(slot + header, (const char *)j->src, (size_t)j->numel);
+    ((int64_t *)slot)[0] = fits;
+    memcpy(slot + 8, send_off, (size_t)(L * 8));
+    memcpy(slot + 8 + L * 8, send_len, (size_t)(L * 8));
+    if (fits)
+        memcpy(slot + header, (const char *)j->src, (size_t)j->numel);
     publish(c, HFR_STAGE_IN, g + 1);
     if ((rc = wait_all(st, HFR_STAGE_IN, L, g + 1, 0, 0)))
         return rc;
     if (!descriptors_agree(c, j))
         return HFR_NEED_PYTHON;
-    for (int64_t k = 0; k < L; k++) { /* every length first: a mismatch writes nothing */
-        const int64_t *theirs = (const int64_t *)in_slot(c, b, k);
+    rc = HFR_DONE;
+    for (int64_t k = 0; k < L && rc == HFR_DONE; k++) /* every length first: a mismatch writes nothing */
+        if (!((const int64_t *)in_slot(c, b, k))[0])
+            rc = HFR_TOO_BIG;
+    for (int64_t k = 0; k < L && rc == HFR_DONE; k++) {
+        const int64_t *theirs = (const int64_t *)(in_slot(c, b, k) + 8);
         if (theirs[L + lr] != recv_len[k]) {
             st->where->local_rank = k;
             st->where->chunk = theirs[L + lr];
             return HFR_SPLIT_MISMATCH;
         }
     }
-    for (int64_t k = 0; k < L; k++) {
+    for (int64_t k = 0; k < L && rc == HFR_DONE; k++) {
         /* our own piece comes from our slot too, so an output that overlaps the input is safe */
         const char *theirs = in_slot(c, b, k);
-        const int64_t off = ((const int64_t *)theirs)[lr];
+        const int64_t off = ((const int64_t *)(theirs + 8))[lr];
         memcpy((char *)j->dst + recv_off[k], theirs + header + off, (size_t)recv_len[k]);
     }
     publish(c, HFR_STAGE_RED, g + 1);  /* done reading this buffer's slots */
     publish(c, HFR_STAGE_DONE, g + 1); /* and never wrote its out buffer */
-    return HFR_DONE;
+    return rc;
 }
 
 int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where, hfr_interrupt_hook interrupted,

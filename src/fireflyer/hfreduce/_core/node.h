@@ -41,8 +41,10 @@ enum { HFR_MODE_PIPELINE = 1, HFR_MODE_NODE_STAGE = 2, HFR_MODE_ONESHOT = 3, HFR
  * holds for it straight into its output, and raises "red" and "done". job.peer_in is the address of
  * 4L int64 byte counts: send offsets, send lengths, receive offsets, receive lengths (per local
  * rank); src and dst are the input and output; numel is the input's bytes. The slot holds
- * HFR_A2A_HEADER(L) bytes of table (the send offsets and lengths), then the input. */
-#define HFR_A2A_HEADER(L) ((((int64_t)(L) * 16) + 63) / 64 * 64)
+ * HFR_A2A_HEADER(L) bytes (a word that says whether the input fits, then the send offsets and
+ * lengths), then the input. A rank whose input does not fit says so and writes none; then every
+ * rank returns HFR_TOO_BIG after the one handoff, so all of them take another path together. */
+#define HFR_A2A_HEADER(L) ((((int64_t)(L) * 16 + 8) + 63) / 64 * 64)
 
 /* One collective (int64 fields, in this order). */
 typedef struct {
@@ -79,6 +81,7 @@ enum {
     HFR_INTERRUPTED = 5, /* the interrupt hook said stop (a signal handler raised, e.g. Ctrl-C) */
     HFR_SPLIT_MISMATCH = 6, /* all-to-all: local rank where->local_rank sends this rank where->chunk
                                bytes, not the receive length this rank expects from it */
+    HFR_TOO_BIG = 7,        /* all-to-all: some local rank's input does not fit its slot (see above) */
 };
 
 enum { HFR_STAGE_IN = 0, HFR_STAGE_RED = 1, HFR_STAGE_OUT = 2, HFR_STAGE_DONE = 3 };
