@@ -259,6 +259,26 @@ class Exchange:
                  for r in range(w) if r != me]
         return self._start("scatter", None, timeout, [tensor], finish, sends=sends, recvs=[], drive_here=sync)
 
+    # -- keyed calls, for collectives built of several steps (spread.py) --------------------
+    def reserve(self, count: int) -> int:
+        """The first of ``count`` consecutive collective numbers, for a collective made of several calls.
+
+        Its transfers carry keys ``(COLLECTIVE, first + i)`` of its own choosing (:meth:`post`).
+        Every rank must reserve the same counts in the same order, on the caller's thread, as
+        it makes its collectives; a call posted later (from a callback) then still matches."""
+        with self._lock:
+            first = self._collectives
+            self._collectives += count
+            return first
+
+    def post(self, name: str, *, sends: list, recvs: list, timeout: float | None = None) -> Op:
+        """One call of transfers that each carry their own key: ``(peer, key, data, digest)`` tuples.
+
+        Sends go from ``data`` as it is when the channel reaches them (keep it unchanged until the
+        call is done); receives land in ``data``. Returns at once; the call's future completes when
+        every transfer has, as :meth:`isend`'s does."""
+        return self._start(name, None, timeout, [], [], sends=sends, recvs=recvs, keyed=True)
+
     # -- plumbing --------------------------------------------------------------------------
     def _peer(self, peer: int, what: str) -> None:
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
@@ -269,11 +289,13 @@ class Exchange:
             raise ValueError(f"hfreduce {what} root must be a rank of the group (0..{self.world_size - 1}), got {root!r}")
 
     def _start(self, name: str, key: tuple[int, int] | None, timeout: float | None, result: list[torch.Tensor],
-               finish: list[Callable[[], None]], *, sends: list, recvs: list, drive_here: bool = False) -> Op:
+               finish: list[Callable[[], None]], *, sends: list, recvs: list, drive_here: bool = False,
+               keyed: bool = False) -> Op:
         """Post a call's transfers to their channels, in this rank's order, and return the call.
 
         ``drive_here`` (a synchronous call): the caller moves the transfers on the channels it
-        can claim itself, before returning; the rest go to the channels' threads.
+        can claim itself, before returning; the rest go to the channels' threads. ``keyed``:
+        each of ``sends`` and ``recvs`` is ``(peer, key, data, digest)`` (:meth:`post`).
         """
         if timeout is not None and not timeout > 0:
             raise ValueError(f"a timeout must be positive seconds, got {timeout}")
@@ -283,28 +305,31 @@ class Exchange:
         with self._lock:
             op_id = self._next_op
             self._next_op += 1
-            if key is None:
+            if key is None and not keyed:
                 key = (COLLECTIVE, self._collectives)
                 self._collectives += 1
             op = Op(op_id, name, time.monotonic() + limit, limit, result, finish, self._forget)
             error = self._refusal()
             if error is None:
                 me = self._me
-                sending = [Transfer(op, peer, True, key, data, dig, me) for peer, data, dig in sends]
-                receiving = [Transfer(op, peer, False, key, data, dig, me) for peer, data, dig in recvs]
+                if not keyed:
+                    sends = [(peer, key, data, dig) for peer, data, dig in sends]
+                    recvs = [(peer, key, data, dig) for peer, data, dig in recvs]
+                sending = [Transfer(op, peer, True, k, data, dig, me) for peer, k, data, dig in sends]
+                receiving = [Transfer(op, peer, False, k, data, dig, me) for peer, k, data, dig in recvs]
                 for tr in sending + receiving:
                     op.add(tr)
                 self._ops[op_id] = op
                 for tr in sending:
                     if tr.peer == self.rank:  # to itself: hand it over now
-                        self._inbox(tr.peer).deliver(key, tr.digest, tr.data)
+                        self._inbox(tr.peer).deliver(tr.key, tr.digest, tr.data)
                         op.done(tr)
                     elif drive_here and self._outbox(tr.peer).claim():
                         claimed_out.append((self._outbox(tr.peer), tr))
                     else:
                         self._outbox(tr.peer).post(tr)
                 for tr in receiving:
-                    if drive_here and tr.peer != self.rank and self._inbox(tr.peer).claim(key):
+                    if drive_here and tr.peer != self.rank and self._inbox(tr.peer).claim(tr.key):
                         claimed_in.append((self._inbox(tr.peer), tr))
                     else:
                         self._inbox(tr.peer).post(tr)

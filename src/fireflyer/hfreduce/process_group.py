@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fireflyer.hfreduce import collectives
+from fireflyer.hfreduce import collectives, spread
 from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
@@ -170,7 +170,11 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0)
         t = _one(tensors, "broadcast")
-        return self._work([collectives.broadcast(t, root, self.rank(), self.size())], [t], opts, "broadcast", [t], [t])
+        plan = collectives.broadcast(t, root, self.rank(), self.size())
+        across = spread.work(self.comm, [plan], [t], opts, "broadcast")  # several nodes: the root's bytes once each
+        if across is not None:
+            return across
+        return self._work([plan], [t], opts, "broadcast", [t], [t])
 
     def reduce(self, tensors, opts=None):
         t = _one(tensors, "reduce")
@@ -202,6 +206,9 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
             raise ValueError(f"hfreduce allgather needs one output list, got {len(output_tensors)}")
         outs = output_tensors[0]
         plan = self._gather_into_list(outs, inp, "allgather")
+        across = spread.work(self.comm, [plan], output_tensors, opts, "all_gather")  # several nodes: along the rails
+        if across is not None:
+            return across
         return self._work([plan], output_tensors, opts, "all_gather", [inp], list(outs))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
@@ -212,10 +219,16 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         plans = [self._gather_into_list([outs[i] for outs in output_lists], inp, "all_gather_coalesced")
                  for i, inp in enumerate(input_tensors)]
         flat_outs = [o for outs in output_lists for o in outs]
+        across = spread.work(self.comm, plans, flat_outs, opts, "all_gather_coalesced")
+        if across is not None:
+            return across
         return self._work(plans, flat_outs, opts, "all_gather_coalesced", list(input_tensors), flat_outs)
 
     def all_gather_single(self, output, input, opts=None):
         plan = collectives.allgather(output, input, self.rank(), self.size())
+        across = spread.work(self.comm, [plan], [output], opts, "all_gather_into_tensor")
+        if across is not None:
+            return across
         return self._work([plan], [output], opts, "all_gather_into_tensor", [input], [output])
 
     _allgather_base = all_gather_single
@@ -224,6 +237,9 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"hfreduce coalesced all_gather needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         plans = [collectives.allgather(o, i, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
+        across = spread.work(self.comm, plans, outputs, opts, "all_gather_into_tensor_coalesced")
+        if across is not None:
+            return across
         return self._work(plans, outputs, opts, "all_gather_into_tensor_coalesced", inputs, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
@@ -239,10 +255,16 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
                                  f"dtype ({out.numel()} x {out.dtype})")
         flat = torch.cat([t.reshape(-1) for t in ins])
         plan = collectives.reduce_scatter(out, flat, _op(opts), self.rank(), self.size())
+        across = spread.work(self.comm, [plan], output_tensors, opts, "reduce_scatter")  # several nodes: partials
+        if across is not None:
+            return across
         return self._work([plan], output_tensors, opts, "reduce_scatter", list(ins), [out])
 
     def reduce_scatter_single(self, output, input, opts=None):
         plan = collectives.reduce_scatter(output, input, _op(opts), self.rank(), self.size())
+        across = spread.work(self.comm, [plan], [output], opts, "reduce_scatter_tensor")
+        if across is not None:
+            return across
         return self._work([plan], [output], opts, "reduce_scatter_tensor", [input], [output])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -252,6 +274,9 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
             raise ValueError(f"hfreduce coalesced reduce_scatter needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         op = _op(opts)
         plans = [collectives.reduce_scatter(o, i, op, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
+        across = spread.work(self.comm, plans, outputs, opts, "reduce_scatter_tensor_coalesced")
+        if across is not None:
+            return across
         return self._work(plans, outputs, opts, "reduce_scatter_tensor_coalesced", inputs, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
