@@ -43,7 +43,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from enum import IntEnum
 from typing import Callable
 
 import torch
@@ -54,19 +53,12 @@ from fireflyer.hfreduce.reduce import Kind
 from fireflyer.hfreduce.reduce import Op, Plan, acc_dtype
 from fireflyer.hfreduce.topology import Layout
 from fireflyer.hfreduce.transfers import COLLECTIVE, byte_view, digest
+from fireflyer.hfreduce.transfers import Kind as Digest  # its frames' kinds: ALL_GATHER, BROADCAST, REDUCE_SCATTER + op
 from fireflyer.hfreduce.work import HFReduceWork, seconds
 
 CHUNK_ENV = "FIREFLYER_HFREDUCE_SPREAD_CHUNK_BYTES"
 ENABLE_ENV = "FIREFLYER_HFREDUCE_SPREAD"
 _DEFAULT_CHUNK = 4 << 20
-
-
-class Digest(IntEnum):
-    """Digest kinds of the spread's frames (after :class:`~fireflyer.hfreduce.transfers.Kind`'s)."""
-
-    ALL_GATHER = 16
-    BROADCAST = 17
-    REDUCE_SCATTER = 32  # + the op, so ranks that reduce with different ops do not match
 
 
 def chunk_bytes() -> int:

@@ -30,9 +30,24 @@ class Kind(IntEnum):
     ALL_TO_ALL = 2
     GATHER = 3
     SCATTER = 4
+    ALL_GATHER = 16  # the steps of spread.py's collectives across nodes
+    BROADCAST = 17
+    REDUCE_SCATTER = 32  # + the op, so ranks that reduce with different ops do not match
 
 
-_KIND_NAMES = {Kind.P2P: "send/recv", Kind.ALL_TO_ALL: "all_to_all", Kind.GATHER: "gather", Kind.SCATTER: "scatter"}
+_KIND_NAMES = {Kind.P2P: "send/recv", Kind.ALL_TO_ALL: "all_to_all", Kind.GATHER: "gather", Kind.SCATTER: "scatter",
+               Kind.ALL_GATHER: "all_gather", Kind.BROADCAST: "broadcast"}
+
+
+def _kind_name(kind: int) -> str:
+    if kind in _KIND_NAMES:
+        return _KIND_NAMES[kind]
+    if Kind.REDUCE_SCATTER <= kind < Kind.REDUCE_SCATTER + 32:
+        from fireflyer.hfreduce.reduce import Op as ReduceOp  # the reduction's op travels in the kind
+
+        op = kind - Kind.REDUCE_SCATTER
+        return f"reduce_scatter ({ReduceOp(op).name})" if op in ReduceOp._value2member_map_ else "reduce_scatter"
+    return f"kind {kind}"
 _DIGEST = struct.Struct("<BBxxiq")  # kind, dtype code, root, elements: 16 bytes, the frame's digest field
 _DTYPES = [getattr(torch, name) for name in (
     "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool",
@@ -50,7 +65,7 @@ def digest(kind: Kind, dtype: torch.dtype, numel: int, root: int = -1) -> bytes:
 def describe_digest(raw: bytes) -> str:
     """``"all_to_all of 12 x float32"``: a digest in words, for error messages."""
     kind, code, root, numel = _DIGEST.unpack(raw)
-    name = _KIND_NAMES.get(kind, f"kind {kind}")
+    name = _kind_name(kind)
     dtype = str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else "an unknown dtype"
     where = f" (root {root})" if kind in (Kind.GATHER, Kind.SCATTER) else ""
     return f"{name}{where} of {numel} x {dtype}"
