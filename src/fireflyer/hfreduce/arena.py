@@ -16,7 +16,8 @@ Layout (``depth`` pipeline buffers, ``L`` local ranks, chunk of ``chunk_bytes``)
 Flags are monotonically increasing chunk counters (int32, compared modulo 2**32),
 one per local rank and stage, each on its own cache line, written only by their
 owner. On x86-64 (total store order) a counter written after the data it
-announces is never seen before that data.
+announces is never seen before that data. The stages hand chunks over through
+:meth:`Arena.publish` and :meth:`Arena.wait` only; neither touches a flag word itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -41,6 +43,7 @@ NAME_PREFIX = "fireflyer-hfr-"
 MAGIC = 0x48465231  # "HFR1"
 
 STAGES = ("in", "red", "out", "done")
+SLICE = 0.05  # seconds a wait sleeps on a flag between liveness checks
 RED_FACTOR = 2  # red buffers are twice a chunk: room for fp16/bf16 chunks accumulated in fp32
 _LINE = 64  # bytes per flag: one cache line each, so owners never share a line
 _DESC_BYTES = 64
@@ -267,6 +270,11 @@ class Arena:
             self._pinned = False
 
     # -- flags -----------------------------------------------------------------------
+    @property
+    def base_address(self) -> int:
+        """Where the mapping starts in this process (for the compiled core, which reads the flags itself)."""
+        return self._base
+
     def flag_address(self, stage: str, local_rank: int) -> int:
         return self._base + 4 * self._index[stage, local_rank]
 
@@ -274,9 +282,41 @@ class Arena:
         return self._words[self._index[stage, local_rank]] & 0xFFFFFFFF
 
     def publish(self, stage: str, local_rank: int, value: int) -> None:
+        """Announce that ``local_rank`` has finished ``stage`` of chunks up to ``value`` (exclusive), and wake its waiters."""
         i = self._index[stage, local_rank]
         self._words[i] = _to_i32(value)
         futex.wake(self._base + 4 * i)
+
+    def wait(self, stage: str, local_ranks: Iterable[int], target: int, deadline: float,
+             check: Callable[[], None], timed_out: Callable[[int], BaseException], *,
+             blocked: Callable[[int], None] | None = None, unblocked: Callable[[], None] | None = None) -> None:
+        """Block until every local rank in ``local_ranks`` has published ``stage`` up to ``target``.
+
+        A flag not there yet is slept on (its futex) in slices of :data:`SLICE`, with ``check()``
+        between them (it raises when the node has failed or a peer died). Past ``deadline``
+        (``time.monotonic`` seconds) it raises ``timed_out(k)``, the caller's error for the local
+        rank k still missing. ``blocked(k)`` hears when the wait for k has to sleep, ``unblocked()``
+        when k arrived after all (who waits on whom, for diagnosis); a raise leaves it blocked.
+        """
+        words, index = self._words, self._index
+        for k in local_ranks:
+            i = index[stage, k]
+            if ((words[i] - target) & 0xFFFFFFFF) < 0x80000000:  # the common case: already there
+                continue
+            if blocked is not None:
+                blocked(k)
+            addr = self._base + 4 * i
+            while True:
+                value = words[i]
+                if ((value - target) & 0xFFFFFFFF) < 0x80000000:
+                    break
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise timed_out(k)
+                futex.wait(addr, value, min(SLICE, left))
+            if unblocked is not None:
+                unblocked()
 
     def set_pid(self, local_rank: int, pid: int) -> None:
         struct.pack_into("<q", self._mm, self.shape.pid_offset + 8 * local_rank, pid)

@@ -68,7 +68,9 @@ if _core is not None and _core.isa_note:
 
 _state = threading.local()
 _lock = threading.Lock()
-_use_reference = False
+# FIREFLYER_HFREDUCE_CORE=0 switches the compiled kernels off from the start, as it does the
+# engine's compiled node stage (HFReduceConfig.core); the ISA choice is the C module's own.
+_use_reference = os.environ.get("FIREFLYER_HFREDUCE_CORE", "1") == "0"
 _warned = False
 
 

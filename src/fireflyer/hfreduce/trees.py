@@ -5,6 +5,13 @@ binary tree over nodes) a rail runs a reduce-up thread and a broadcast-down thre
 so chunk c can travel down while chunk c+1 is still being summed on its way up.
 Tree t carries half t of the rail's slice. Partial sums travel in the accumulation
 dtype; the root rounds once and sends the final dtype down.
+
+The stage sees its node through a narrow interface, :class:`NodeSide`: per chunk, the
+half it carries (:class:`TreeChunk`: the range and views of the node's partial and
+result buffers), and three handoffs: wait for the node's partial of the half, wait for
+the result buffer to be free, and announce the finished chunk. Deadlines are the
+collective's tree deadline; liveness checks, failures and the note of whom a thread
+waits on go through the communicator's :class:`~fireflyer.hfreduce.failures.Failures`.
 """
 
 from __future__ import annotations
@@ -13,189 +20,250 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from fireflyer.hfreduce.arena import reached
-from fireflyer.hfreduce.config import route_address
-from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout
-from fireflyer.hfreduce.reduce import Descriptor, Op, Reducer, acc_dtype
-from fireflyer.hfreduce.topology import split, tree_links
+from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.failures import Failures, mismatch
+from fireflyer.hfreduce.jobs import Job
+from fireflyer.hfreduce.reduce import Descriptor, Op, acc_dtype
+from fireflyer.hfreduce.reducing import SliceReducer
+from fireflyer.hfreduce.topology import tree_links
 from fireflyer.hfreduce.transport import Link, Listener, connect
-
-if TYPE_CHECKING:
-    from fireflyer.hfreduce.engine import Job
 
 _SLICE = 0.05  # seconds between checks while the root waits for its own reduce-up
 SELF_GRACE = 0.5  # seconds a wait on this rank's own threads outlasts their waits on other ranks
 
 
-class Trees:
-    """Mixed into :class:`~fireflyer.hfreduce.engine.Communicator`: links, tree threads and the tree stages."""
+@dataclass(frozen=True)
+class TreeChunk:
+    """What one tree of a rail carries of one chunk: its half of the rail's slice, in the node's buffers."""
 
-    def _setup_links(self, deadline: float) -> None:
-        self._out_queue: queue.Queue = queue.Queue()
-        self._out_thread = threading.Thread(target=self._out_loop, name=f"hfreduce-{self.rank}-out", daemon=True)
-        self._out_thread.start()
-        if self.local_rank >= self.rails:
-            return
-        store = self._store
-        host = route_address(self.config)
-        self._listener = Listener(host, self._secret, self.rank)
-        store.set(f"addr/{self.rank}", json.dumps(self._listener.address))
+    index: int  # the chunk's place in its collective (what the frames carry)
+    number: int  # its place in the node's chunk sequence (what the node's handoffs count)
+    half: tuple[int, int]  # the half, as element offsets in the chunk
+    red: torch.Tensor  # the node's partial of the half, in the accumulation dtype
+    out: torch.Tensor  # where the half's result goes, in the collective's dtype
+
+
+class NodeSide(Protocol):
+    """What the tree stage needs of its node, chunk by chunk (the node stage provides it)."""
+
+    def tree_chunk(self, job: Job, t: int, c: int) -> TreeChunk:
+        """Tree ``t``'s half of chunk ``c`` of ``job``."""
+
+    def wait_reduced(self, job: Job, chunk: TreeChunk) -> None:
+        """Until the node's partial of ``chunk``'s half is complete (every local reducer of it is done)."""
+
+    def wait_out_free(self, job: Job, chunk: TreeChunk) -> None:
+        """Until ``chunk.out`` may be written (every local rank has staged out what it held before)."""
+
+    def publish_out(self, chunk: TreeChunk) -> None:
+        """Announce that this rail's whole slice of the chunk (both halves) is in the result buffer."""
+
+
+class TreeStage:
+    """One rail rank's links to its neighbours in both trees, its four threads, and their work per chunk.
+
+    ``rail_ranks[n]`` is the rank of this rail on node n; ``scratch_bytes`` sizes the buffers
+    a child's partial is received into; ``compiled`` lets the kernels combine (see reducing.py).
+    """
+
+    def __init__(self, *, node: NodeSide, failures: Failures, rank: int, node_index: int, rail_ranks: list[int],
+                 world_size: int, describe: Callable[[int], str], scratch_bytes: int, compiled: bool) -> None:
+        self.rank = rank
+        self.listener: Listener | None = None
+        self.links: list[Link] = []
+        self._node = node
+        self._failures = failures
+        self._node_index = node_index
+        self._rail_ranks = rail_ranks
+        self._world_size = world_size
+        self._describe = describe
+        self._scratch_bytes = scratch_bytes
+        self._compiled = compiled
         self._parents: list[Link | None] = [None, None]
         self._children: list[list[Link]] = [[], []]
-        rail_ranks = [self.layout.rail_peer(n, self.local_rank) for n in range(self.num_nodes)]
+        self._queues: list[queue.Queue] = []
+        self._threads: list[threading.Thread] = []
+        self._signal = [threading.Condition(), threading.Condition()]
+        self._root_ready = [0, 0]
+        self._done = [0, 0]
+        self._done_lock = threading.Lock()
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ life cycle
+    def connect(self, *, store: "torch.distributed.Store", host: str, secret: bytes, deadline: float) -> None:
+        """Listen, connect to both parents, accept both trees' children, then start the four threads."""
+        self.listener = Listener(host, secret, self.rank)
+        store.set(f"addr/{self.rank}", json.dumps(self.listener.address))
+        num_nodes = len(self._rail_ranks)
         for t in (0, 1):
-            links = tree_links(self.num_nodes, self.node, t)
+            links = tree_links(num_nodes, self._node_index, t)
             if links.parent >= 0:
-                peer = rail_ranks[links.parent]
+                peer = self._rail_ranks[links.parent]
                 key = f"addr/{peer}"
                 store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
                 phost, pport = json.loads(store.get(key))
-                sock = connect(phost, pport, my_rank=self.rank, peer_rank=peer, tag=t, secret=self._secret, deadline=deadline)
-                self._parents[t] = Link(sock, peer, self.describe(peer))
-                self._links.append(self._parents[t])
+                sock = connect(phost, pport, my_rank=self.rank, peer_rank=peer, tag=t, secret=secret, deadline=deadline)
+                self._parents[t] = Link(sock, peer, self._describe(peer))
+                self.links.append(self._parents[t])
         for t in (0, 1):
-            for child in tree_links(self.num_nodes, self.node, t).children:
-                peer = rail_ranks[child]
-                sock = self._listener.take(peer, t, deadline, self._check)
-                link = Link(sock, peer, self.describe(peer))
+            for child in tree_links(num_nodes, self._node_index, t).children:
+                peer = self._rail_ranks[child]
+                sock = self.listener.take(peer, t, deadline, self._failures.check)
+                link = Link(sock, peer, self._describe(peer))
                 self._children[t].append(link)
-                self._links.append(link)
-        self._tree_signal = [threading.Condition(), threading.Condition()]
-        self._root_ready = [0, 0]
+                self.links.append(link)
         for t in (0, 1):
             for role in ("up", "down"):
                 q: queue.Queue = queue.Queue()
-                th = threading.Thread(target=self._tree_loop, args=(t, role, q), name=f"hfreduce-{self.rank}-t{t}{role}", daemon=True)
-                self._tree_queues.append(q)
-                self._tree_threads.append(th)
+                th = threading.Thread(target=self._loop, args=(t, role, q), name=f"hfreduce-{self.rank}-t{t}{role}",
+                                      daemon=True)
+                self._queues.append(q)
+                self._threads.append(th)
                 th.start()
 
-    def _tree_loop(self, t: int, role: str, q: queue.Queue) -> None:
+    def start(self, job: Job) -> None:
+        """Hand ``job`` to the four threads; they go through its chunks as the node reduces them."""
+        for q in self._queues:
+            q.put(job)
+
+    def stop(self) -> None:
+        """Let the threads end once they are through the jobs they hold."""
+        for q in self._queues:
+            q.put(None)
+
+    def tell(self, error: HFReduceError, text: str) -> None:
+        """Pass this rank's first failure to every tree neighbour, then drop the links and wake the threads."""
+        for link in self.links:
+            link.send_error(text)
+        for link in self.links:
+            link.close()
+        for cond in self._signal:
+            with cond:
+                cond.notify_all()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.links = []
+        for th in self._threads:
+            th.join(timeout=2)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    # ------------------------------------------------------------------ per chunk
+    def _loop(self, t: int, role: str, q: queue.Queue) -> None:
         torch.set_num_threads(1)
-        reducer = Reducer()
+        reducer = SliceReducer(compiled=self._compiled)
         while True:
             job = q.get()
             if job is None:
                 return
-            if self._error is not None:
+            if self._failures.error is not None:
                 continue
             try:
                 for c in range(job.nchunks):
+                    chunk = self._node.tree_chunk(job, t, c)
                     if role == "up":
-                        self._tree_up(job, t, c, reducer)
+                        self._up(job, t, chunk, reducer)
                     else:
-                        self._tree_down(job, t, c)
+                        self._down(job, t, chunk)
             except BaseException as exc:  # noqa: BLE001
-                self._fail(exc)
-
-    def _tree_half(self, job: Job, t: int, c: int) -> tuple[int, int]:
-        c0, c1 = self._chunk_range(job, c)
-        r0, r1 = split(c1 - c0, self.rails, self.local_rank)
-        h0, h1 = split(r1 - r0, 2, t)
-        return r0 + h0, r0 + h1
+                self._failures.fail(exc)
 
     def _expect(self, link: Link, job: Job, c: int, nbytes: int, what: str) -> None:
-        _, seq, chunk, got, digest = link.recv_header(self._check, job.tree_deadline, what)
+        _, seq, chunk, got, digest = link.recv_header(self._failures.check, job.tree_deadline, what)
         desc = job.plan.desc.pack()
         if digest != desc:
-            raise self._mismatch(job, link.peer_desc, Descriptor.unpack(digest), seq)
+            raise mismatch(job, self._describe(self.rank), link.peer_desc, Descriptor.unpack(digest), seq)
         if seq != job.seq & 0xFFFFFFFF or chunk != c or got != nbytes:
             raise CollectiveMismatch(
                 f"collective mismatch: {link.peer_desc} sent collective #{seq} chunk {chunk} ({got} bytes) while "
-                f"{self.describe(self.rank)} expected #{job.seq} chunk {c} ({nbytes} bytes) of {job.plan.desc}"
+                f"{self._describe(self.rank)} expected #{job.seq} chunk {c} ({nbytes} bytes) of {job.plan.desc}"
             )
 
-    def _tree_up(self, job: Job, t: int, c: int, reducer: Reducer) -> None:
-        desc, g, b = job.plan.desc, job.first_chunk + c, self._buf(job, c)
-        h0, h1 = self._tree_half(job, t, c)
-        # Wait for the local reducers whose slices overlap this half.
-        c0, c1 = self._chunk_range(job, c)
-        owners = [k for k in range(self.local_size) if _overlaps(split(c1 - c0, self.local_size, k), (h0, h1))]
-        self._wait("red", owners, g + 1, job, f"tree {t} reduce-up", late=True)
+    def _up(self, job: Job, t: int, chunk: TreeChunk, reducer: SliceReducer) -> None:
+        desc, c, check, failures = job.plan.desc, chunk.index, self._failures.check, self._failures
+        h0, h1 = chunk.half
+        self._node.wait_reduced(job, chunk)
         acc = acc_dtype(desc.dtype, desc.op)
-        partial = self._view(self._shape.red_offset(b), acc, h0, h1)
+        partial, out = chunk.red, chunk.out
         payload = memoryview(partial.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
         parent = self._parents[t]
         children = self._children[t]
-        out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
         # The root of a plain sum with nothing left to do after the last child writes that
         # child's sum straight into the result buffer instead of combining and then copying.
         direct = parent is None and acc == desc.dtype and desc.op == Op.SUM and children
         if direct:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
+            self._node.wait_out_free(job, chunk)
         for i, link in enumerate(children):
             what = f"receiving chunk {c} of {desc} from a child in tree {t}"
-            self._waiting(job, [link.peer_rank], what)
+            failures.waiting(job.seq, [link.peer_rank], what)
             self._expect(link, job, c, len(payload), what)
-            incoming = self._scratch(t, i, acc, h1 - h0)
+            incoming = self._scratch_for(t, i, acc, h1 - h0)
             if h1 > h0:
-                link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), self._check, job.tree_deadline, what)
-            self._done_waiting()
+                link.recv_all(memoryview(incoming.view(torch.uint8).numpy()), check, job.tree_deadline, what)
+            failures.done_waiting()
             if h1 > h0:
                 if direct and i == len(children) - 1:
-                    torch.add(partial, incoming, out=out)
+                    reducer.reduce(out, [partial, incoming], Op.SUM)
                 else:
                     reducer.combine(partial, incoming, desc.op)
         if parent is not None:
-            parent.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} up tree {t}")
+            parent.send_frame(job.seq, c, desc.pack(), payload, check, job.tree_deadline, f"sending chunk {c} up tree {t}")
         else:
             if not direct:
-                self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} root", late=True)
+                self._node.wait_out_free(job, chunk)
                 if h1 > h0:
-                    reducer.finish(out, partial, desc.op, self.world_size)
-            with self._tree_signal[t]:
-                self._root_ready[t] = g + 1
-                self._tree_signal[t].notify_all()
+                    reducer.finish(out, partial, desc.op, self._world_size)
+            with self._signal[t]:
+                self._root_ready[t] = chunk.number + 1
+                self._signal[t].notify_all()
 
-    def _tree_down(self, job: Job, t: int, c: int) -> None:
-        desc, g, b = job.plan.desc, job.first_chunk + c, self._buf(job, c)
-        h0, h1 = self._tree_half(job, t, c)
-        out = self._view(self._shape.out_offset(b), desc.dtype, h0, h1)
-        payload = memoryview(out.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
+    def _down(self, job: Job, t: int, chunk: TreeChunk) -> None:
+        desc, c, g, check = job.plan.desc, chunk.index, chunk.number, self._failures.check
+        h0, h1 = chunk.half
+        payload = memoryview(chunk.out.view(torch.uint8).numpy()) if h1 > h0 else memoryview(b"")
         parent = self._parents[t]
         if parent is None:
-            cond = self._tree_signal[t]
+            cond = self._signal[t]
             with cond:
                 while not reached(self._root_ready[t], g + 1):
-                    self._check()
+                    check()
                     if time.monotonic() > job.tree_deadline + SELF_GRACE:  # its reduce-up gives up first
-                        behind = "; ".join(f"{', '.join(self.describe(r) for r in rs)} ({what})"
-                                           for rs, what in self.waited_on(job.seq))
-                        raise CollectiveTimeout(f"{desc} timed out on {self.describe(self.rank)} in tree {t}"
+                        behind = self._failures.behind(job.seq)
+                        raise CollectiveTimeout(f"{desc} timed out on {self._describe(self.rank)} in tree {t}"
                                                 + (f"; its reduce-up was waiting for {behind}" if behind else ""))
                     cond.wait(_SLICE)
         else:
-            self._wait("done", range(self.local_size), g - self.config.depth + 1, job, f"tree {t} broadcast", late=True)
+            self._node.wait_out_free(job, chunk)
             what = f"receiving chunk {c} of {desc} from the parent in tree {t}"
-            self._waiting(job, [parent.peer_rank], what)
+            self._failures.waiting(job.seq, [parent.peer_rank], what)
             self._expect(parent, job, c, len(payload), what)
             if h1 > h0:
-                parent.recv_all(payload, self._check, job.tree_deadline, what)
-            self._done_waiting()
+                parent.recv_all(payload, check, job.tree_deadline, what)
+            self._failures.done_waiting()
         for link in self._children[t]:
-            link.send_frame(job.seq, c, desc.pack(), payload, self._check, job.tree_deadline, f"sending chunk {c} down tree {t}")
-        with self._tree_lock:
-            self._tree_done[t] = g + 1
-            if reached(self._tree_done[1 - t], g + 1):
-                self._arena.publish("out", self.local_rank, g + 1)
+            link.send_frame(job.seq, c, desc.pack(), payload, check, job.tree_deadline, f"sending chunk {c} down tree {t}")
+        with self._done_lock:
+            self._done[t] = g + 1
+            if reached(self._done[1 - t], g + 1):
+                self._node.publish_out(chunk)
 
-    def _scratch(self, t: int, i: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    def _scratch_for(self, t: int, i: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """Where tree ``t``'s reduce-up receives child ``i``'s partial of ``n`` elements."""
         key = (t, i)
-        store = self.__dict__.setdefault("_scratch_bufs", {})
-        buf = store.get(key)
+        buf = self._scratch.get(key)
         need = n * dtype.itemsize
         if buf is None or buf.numel() < need:
-            buf = torch.empty(max(need, self.config.chunk_bytes), dtype=torch.uint8)
-            store[key] = buf
+            buf = torch.empty(max(need, self._scratch_bytes), dtype=torch.uint8)
+            self._scratch[key] = buf
         return buf[:need].view(dtype)
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1] or (a == b)
-
-
