@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fireflyer.hfreduce.errors import HFReduceError, PeerFailure
-from fireflyer.hfreduce.exchange import _overlap, _rows, direct_bytes
+from fireflyer.hfreduce.exchange import _overlap, split_rows, direct_bytes
 from fireflyer.hfreduce.transfers import Kind, Op, Transfer, dest_bytes, describe_digest, digest, source_bytes
 
 
@@ -78,16 +78,16 @@ def test_a_copy_back_that_fails_reaches_the_caller():
 
 def test_all_to_all_single_splits_are_checked_as_gloo_checks_them():
     t = torch.zeros(10, 3)
-    assert _rows(t, [], 5, "input") == [2] * 5
-    assert _rows(t, [0, 4, 6], 3, "input") == [0, 4, 6]
+    assert split_rows(t, [], 5, "input") == [2] * 5
+    assert split_rows(t, [0, 4, 6], 3, "input") == [0, 4, 6]
     with pytest.raises(ValueError, match="dim 0 \\(10\\) does not divide into 3 equal parts"):
-        _rows(t, None, 3, "input")
+        split_rows(t, None, 3, "input")
     with pytest.raises(ValueError, match="output_split_sizes=\\[1, 2\\] must give 3"):
-        _rows(t, [1, 2], 3, "output")
+        split_rows(t, [1, 2], 3, "output")
     with pytest.raises(ValueError, match="sum to the input's dim 0"):
-        _rows(t, [1, 2, 3], 3, "input")
+        split_rows(t, [1, 2, 3], 3, "input")
     with pytest.raises(ValueError, match="at least one dimension"):
-        _rows(torch.tensor(1.0), [], 1, "input")
+        split_rows(torch.tensor(1.0), [], 1, "input")
 
 
 def test_overlap_of_tensors_in_one_buffer():

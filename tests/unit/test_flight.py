@@ -115,7 +115,7 @@ def test_concurrent_recording_and_dumping(tmp_path):
 def test_unknown_op_and_bad_arguments(tmp_path):
     fr = recorder(tmp_path)
     with pytest.raises(ValueError, match="allreduce"):
-        allreduce(fr, 0, op="all_to_all")
+        allreduce(fr, 0, op="scan")
     with pytest.raises(ValueError, match="rank"):
         FlightRecorder(rank=4, world_size=4, global_ranks=[0, 1, 2, 3], group_name="0", dump_dir=tmp_path)
     with pytest.raises(ValueError, match="global_ranks"):

@@ -361,6 +361,9 @@ class Communicator:
     # ------------------------------------------------------------------ the stages
     def _execute(self, job: Job) -> None:
         """Run one collective through the stages (on the engine thread, or a caller's)."""
+        if job.plan.run is not None:  # a collective that is not a reduction over chunks
+            job.plan.run(job)
+            return
         self._node_stage.prepare(job, job.plan.timeout or self.config.timeout)
         self.flight.started(job.seq)
         if self._trees is not None:

@@ -75,7 +75,7 @@ def direct_bytes() -> int:
     return value
 
 
-def _rows(t: torch.Tensor, splits: list[int] | None, world: int, what: str) -> list[int]:
+def split_rows(t: torch.Tensor, splits: list[int] | None, world: int, what: str) -> list[int]:
     """Rows per rank of an all_to_all_single tensor, checked as gloo checks them."""
     if t.dim() == 0:
         raise ValueError(f"hfreduce all_to_all_single needs an {what} tensor with at least one dimension (rows)")
@@ -208,8 +208,8 @@ class Exchange:
                           input_splits: list[int] | None, *, timeout: float | None = None, sync: bool = False) -> Op:
         """Rows (dim 0) ``input_splits[r]`` of ``input`` go to rank ``r``, in rank order; ``output`` takes
         ``output_splits[r]`` rows from rank ``r``. Empty or None splits: equal parts."""
-        rows_in = _rows(input, input_splits, self.world_size, "input")
-        rows_out = _rows(output, output_splits, self.world_size, "output")
+        rows_in = split_rows(input, input_splits, self.world_size, "input")
+        rows_out = split_rows(output, output_splits, self.world_size, "output")
         if _overlap(input, output):
             input = input.clone()  # in place: the rows sent must not be overwritten by the rows received
         finish: list = []

@@ -74,6 +74,7 @@ PROFILING_NAMES = {
     "allgather": "nccl:all_gather",
     "reduce_scatter": "nccl:reduce_scatter",
     "barrier": "nccl:barrier",
+    "all_to_all": "nccl:all_to_all",
 }
 """The engine's collective names, and the ``profiling_name`` torch's analyzer matches on. It only
 knows the ``nccl:`` (and a few other vendors') prefix. It checks that an all_gather's

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from fireflyer.hfreduce import node_all_to_all
 from fireflyer.hfreduce.errors import HFReduceError
+from fireflyer.hfreduce.exchange import split_rows
 from fireflyer.hfreduce.work import HFReduceWork, seconds
 
 
@@ -68,9 +70,17 @@ class ExchangeCollectives:
         if output.dtype != input.dtype:
             raise TypeError(f"hfreduce all_to_all_single needs one dtype, got input {input.dtype} and output "
                             f"{output.dtype}")
-        op = self._exchange().all_to_all_single(output, input, list(output_split_sizes or []),
-                                                list(input_split_sizes or []), timeout=_timeout(opts),
-                                                sync=_sync(opts))
+        exchange = self._exchange()
+        out_splits, in_splits = list(output_split_sizes or []), list(input_split_sizes or [])
+        # One node: a one-shot through the arena, in the engine's order (node_all_to_all.py).
+        if self.comm.num_nodes == 1:
+            w = self.size()
+            p = node_all_to_all.plan(self.comm, output, input, split_rows(output, out_splits, w, "output"),
+                                     split_rows(input, in_splits, w, "input"), even=not out_splits and not in_splits)
+            if p is not None:
+                return self._work([p], [output], opts, "all_to_all_single", [input], [output])
+        op = exchange.all_to_all_single(output, input, out_splits, in_splits, timeout=_timeout(opts),
+                                        sync=_sync(opts))
         return self._exchange_work(op, [output], "all_to_all_single")
 
     alltoall_base = all_to_all_single

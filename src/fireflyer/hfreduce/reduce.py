@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Any, Callable
 from enum import IntEnum
 
 import torch
@@ -38,6 +39,7 @@ class Kind(IntEnum):
     BROADCAST = 3
     BARRIER = 4
     REDUCE = 5
+    ALL_TO_ALL = 6  # one node, through the arena (node_all_to_all.py)
 
 
 # The wire code of each dtype (Descriptor.pack); codes are fixed, the order is how errors list them.
@@ -157,6 +159,7 @@ class Plan:
     timeout: float | None = None  # seconds this collective may take; None: the communicator's timeout
     trace: tuple | None = None  # (input sizes, input dtypes, output sizes, output dtypes) as the caller passed them
     seq: int = -1  # set by the communicator at submission: the collective's number in its group
+    run: Callable[[Any], None] | None = None  # runs the job itself instead of the stages (node_all_to_all.py)
 
     @property
     def dense(self) -> bool:
