@@ -211,6 +211,8 @@ class Jobs:
             self.running = None
             self._flight.failed(job.seq, str(error))
             if job.future is None:  # run in the caller's thread: the caller raises it
+                if isinstance(exc, KeyboardInterrupt):  # Ctrl-C stays Ctrl-C; the group has failed all the same
+                    raise
                 raise fresh(error) from None
             job.future.set_exception(fresh(error))
         else:
