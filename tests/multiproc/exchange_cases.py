@@ -100,10 +100,15 @@ def run_case(ctx, case: Case) -> str | None:
 
 def run_cases(ctx, cases: list[Case]) -> list[str]:
     init(ctx)
+    return run_named(CASES, ctx, cases)
+
+
+def run_named(table: dict, ctx, cases: list) -> list[str]:
+    """Run each case's function ``table[case.kind](rank, world, case)``; what went wrong, case by case."""
     out = []
     for case in cases:
         try:
-            bad = CASES[case.kind](ctx.rank, ctx.world_size, case)
+            bad = table[case.kind](ctx.rank, ctx.world_size, case)
         except Exception as exc:  # noqa: BLE001 - reported with its case
             bad = f"{type(exc).__name__}: {exc}"
         if bad:

@@ -210,16 +210,10 @@ CASES = {"ag_tensor": _allgather, "ag_list": _allgather, "ag_inplace": _allgathe
 
 
 def run_cases(ctx, cases: list[Case]) -> list[str]:
+    from exchange_cases import run_named
+
     init(ctx)
-    out = []
-    for case in cases:
-        try:
-            bad = CASES[case.kind](ctx.rank, ctx.world_size, case)
-        except Exception as exc:  # noqa: BLE001 - reported with its case
-            bad = f"{type(exc).__name__}: {exc}"
-        if bad:
-            out.append(f"{case}: {bad}")
-    return out
+    return run_named(CASES, ctx, cases)
 
 
 def deterministic(ctx, case: Case, reps: int) -> list[bytes]:

@@ -32,6 +32,7 @@ from fireflyer.hfreduce.bench_report import (
     default_warmup,
     format_ms,
     format_size,
+    layout_title,
     make_console,
     median,
     parse_size,
@@ -152,11 +153,8 @@ def print_layout(console: Any, res: LayoutResult) -> None:
     """One table per layout: each system's median time and algbw, the speedup, the wrong elements."""
     from rich.table import Table
 
-    title = f"{res.layout}: {res.nodes} node(s) x {res.local} ranks, world {res.world}"
-    if res.link_mbit:
-        title += f", link {res.link_mbit:g} Mbit/s each way"
-    if res.skipped:
-        console.print(f"[yellow]{title}: skipped: {res.skipped}[/yellow]")
+    title = layout_title(console, res)
+    if title is None:
         return
     console.print(f"[italic]{title} - all_to_all_single fp32, median ms of the slowest rank per op[/italic]")
     t = Table(show_edge=False, pad_edge=False)

@@ -323,16 +323,24 @@ def _present(res: LayoutResult) -> list[str]:
     return [s for s in SYSTEMS if any(s in row for row in res.rows)]
 
 
-def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
-    """One table per layout: each system's median time, the memory floor, the candidate's
-    share of it and its speedup over each peer; then the floors and the peers' notes."""
-    from rich.table import Table
-
+def layout_title(console: Any, res: Any) -> str | None:
+    """A layout's table title (nodes, ranks, the shaped link); None, after saying why, when it was skipped."""
     title = f"{res.layout}: {res.nodes} node(s) x {res.local} ranks, world {res.world}"
     if res.link_mbit:
         title += f", link {res.link_mbit:g} Mbit/s each way"
     if res.skipped:
         console.print(f"[yellow]{title}: skipped: {res.skipped}[/yellow]")
+        return None
+    return title
+
+
+def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
+    """One table per layout: each system's median time, the memory floor, the candidate's
+    share of it and its speedup over each peer; then the floors and the peers' notes."""
+    from rich.table import Table
+
+    title = layout_title(console, res)
+    if title is None:
         return
     systems = _present(res)
     cand = _label(cfg.candidate)

@@ -52,7 +52,7 @@ from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, fresh
 from fireflyer.hfreduce.reduce import Kind
 from fireflyer.hfreduce.reduce import Op, Plan, acc_dtype
 from fireflyer.hfreduce.topology import Layout
-from fireflyer.hfreduce.transfers import COLLECTIVE, byte_view, digest
+from fireflyer.hfreduce.transfers import COLLECTIVE, byte_view, digest, settle
 from fireflyer.hfreduce.transfers import Kind as Digest  # its frames' kinds: ALL_GATHER, BROADCAST, REDUCE_SCATTER + op
 from fireflyer.hfreduce.work import HFReduceWork, seconds
 
@@ -197,14 +197,8 @@ class Flow:
             last = self._open == 0 and self._error is None
         if not last:
             return
-        try:
-            for fn in self.finish:
-                fn()
-        except BaseException as exc:  # noqa: BLE001 - e.g. a CUDA copy failed: the caller must see it
-            self.future.set_exception(HFReduceError(f"hfreduce {self.name}: copying the result out failed: {exc}"))
-            return
         _count(self.cross_bytes)
-        self.future.set_result(self._result)
+        settle(self.future, self.name, self.finish, self._result)
 
     # -- the Work's hooks ---------------------------------------------------------------------
     def time_out(self, seq: int, what: str, seconds: float) -> HFReduceError:

@@ -171,13 +171,7 @@ class Op:
         if not last:
             return
         self._forget(self)
-        try:
-            for fn in self._finish:
-                fn()
-        except BaseException as exc:  # noqa: BLE001 - e.g. a CUDA copy failed: the caller must see it
-            self.future.set_exception(HFReduceError(f"hfreduce {self.name}: copying the result out failed: {exc}"))
-            return
-        self.future.set_result(self._result)
+        settle(self.future, self.name, self._finish, self._result)
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -186,3 +180,16 @@ class Op:
             self.settled = True
         self._forget(self)
         self.future.set_exception(fresh(error))
+
+
+def settle(future: torch.futures.Future, name: str, finish: list[Callable[[], None]], result: object) -> bool:
+    """Run a finished call's ``finish`` copies, then complete its future with ``result``; False if a
+    copy failed (the future then holds that error)."""
+    try:
+        for fn in finish:
+            fn()
+    except BaseException as exc:  # noqa: BLE001 - e.g. a CUDA copy failed: the caller must see it
+        future.set_exception(HFReduceError(f"hfreduce {name}: copying the result out failed: {exc}"))
+        return False
+    future.set_result(result)
+    return True
