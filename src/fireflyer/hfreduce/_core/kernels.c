@@ -125,9 +125,6 @@ DEF_PORT_ORDERED(i16, int16_t)
 DEF_PORT_ORDERED(i32, int32_t)
 DEF_PORT_ORDERED(i64, int64_t)
 
-#define FLOAT_ENTRIES(K, KIND, N)                                                                      \
-    [K][O_SUM][N] = port_##KIND##_sum_##N, [K][O_PROD][N] = port_##KIND##_prod_##N,                     \
-    [K][O_MIN][N] = port_##KIND##_min_##N, [K][O_MAX][N] = port_##KIND##_max_##N
 #define UNSIGNED_ENTRIES(K, KIND)                                                                      \
     [K][O_SUM][0] = port_##KIND##_sum_0, [K][O_PROD][0] = port_##KIND##_prod_0,                         \
     [K][O_AND][0] = port_##KIND##_and_0, [K][O_OR][0] = port_##KIND##_or_0,                             \
@@ -135,22 +132,14 @@ DEF_PORT_ORDERED(i64, int64_t)
 #define ORDERED_ENTRIES(K, KIND) [K][O_MIN][0] = port_##KIND##_min_0, [K][O_MAX][0] = port_##KIND##_max_0
 
 static const hfr_kernel portable_table[K_COUNT][O_COUNT][2] = {
-    FLOAT_ENTRIES(K_F32, f32, 0),
-    FLOAT_ENTRIES(K_F16, f16, 0), FLOAT_ENTRIES(K_F16, f16, 1),
-    FLOAT_ENTRIES(K_BF16, bf16, 0), FLOAT_ENTRIES(K_BF16, bf16, 1),
-    FLOAT_ENTRIES(K_E4M3, e4m3, 0), FLOAT_ENTRIES(K_E4M3, e4m3, 1),
-    FLOAT_ENTRIES(K_E5M2, e5m2, 0), FLOAT_ENTRIES(K_E5M2, e5m2, 1),
-    FLOAT_ENTRIES(K_F64, f64, 0),
+    HFR_FLOAT_TABLE(port),
     UNSIGNED_ENTRIES(K_U8, u8), UNSIGNED_ENTRIES(K_U16, u16),
     UNSIGNED_ENTRIES(K_U32, u32), UNSIGNED_ENTRIES(K_U64, u64),
     ORDERED_ENTRIES(K_U8, u8), ORDERED_ENTRIES(K_I8, i8), ORDERED_ENTRIES(K_I16, i16),
     ORDERED_ENTRIES(K_I32, i32), ORDERED_ENTRIES(K_I64, i64),
 };
 
-hfr_kernel hfr_portable_kernel(int kind, int op, int narrow) {
-    if (kind < 0 || kind >= K_COUNT || op < 0 || op >= O_COUNT || narrow < 0 || narrow > 1) return NULL;
-    return portable_table[kind][op][narrow];
-}
+HFR_LOOKUP(hfr_portable_kernel, portable_table)
 
 /* ---- the choice of instruction set ---- */
 

@@ -168,25 +168,7 @@ DEF_I64(k_u64_sum_0, _mm512_add_epi64)
 DEF_I64(k_i64_min_0, _mm512_min_epi64)
 DEF_I64(k_i64_max_0, _mm512_max_epi64)
 
-#define FLOAT_ENTRIES(K, KIND, N)                                                          \
-    [K][O_SUM][N] = k_##KIND##_sum_##N, [K][O_PROD][N] = k_##KIND##_prod_##N,               \
-    [K][O_MIN][N] = k_##KIND##_min_##N, [K][O_MAX][N] = k_##KIND##_max_##N
-
-static const hfr_kernel table[K_COUNT][O_COUNT][2] = {
-    FLOAT_ENTRIES(K_F32, f32, 0),
-    FLOAT_ENTRIES(K_F16, f16, 0), FLOAT_ENTRIES(K_F16, f16, 1),
-    FLOAT_ENTRIES(K_BF16, bf16, 0), FLOAT_ENTRIES(K_BF16, bf16, 1),
-    FLOAT_ENTRIES(K_E4M3, e4m3, 0), FLOAT_ENTRIES(K_E4M3, e4m3, 1),
-    FLOAT_ENTRIES(K_E5M2, e5m2, 0), FLOAT_ENTRIES(K_E5M2, e5m2, 1),
-    FLOAT_ENTRIES(K_F64, f64, 0),
-    [K_U32][O_SUM][0] = k_u32_sum_0, [K_I32][O_MIN][0] = k_i32_min_0, [K_I32][O_MAX][0] = k_i32_max_0,
-    [K_U64][O_SUM][0] = k_u64_sum_0, [K_I64][O_MIN][0] = k_i64_min_0, [K_I64][O_MAX][0] = k_i64_max_0,
-};
-
-hfr_kernel hfr_avx512_kernel(int kind, int op, int narrow) {
-    if (kind < 0 || kind >= K_COUNT || op < 0 || op >= O_COUNT || narrow < 0 || narrow > 1) return NULL;
-    return table[kind][op][narrow];
-}
+HFR_SIMD_TABLE(hfr_avx512_kernel)
 
 #else /* not x86: no AVX-512 kernels */
 

@@ -32,6 +32,38 @@ hfr_kernel hfr_portable_kernel(int kind, int op, int narrow);
 hfr_kernel hfr_avx2_kernel(int kind, int op, int narrow);
 hfr_kernel hfr_avx512_kernel(int kind, int op, int narrow);
 
+/* Table rows of a float kind's four kernels, named PREFIX_KIND_OP_N (N: narrow). */
+#define HFR_FLOAT_ENTRIES(PREFIX, K, KIND, N)                                                          \
+    [K][O_SUM][N] = PREFIX##_##KIND##_sum_##N, [K][O_PROD][N] = PREFIX##_##KIND##_prod_##N,             \
+    [K][O_MIN][N] = PREFIX##_##KIND##_min_##N, [K][O_MAX][N] = PREFIX##_##KIND##_max_##N
+
+/* Every float kind, in both widths where it has two. */
+#define HFR_FLOAT_TABLE(PREFIX)                                                                        \
+    HFR_FLOAT_ENTRIES(PREFIX, K_F32, f32, 0),                                                           \
+    HFR_FLOAT_ENTRIES(PREFIX, K_F16, f16, 0), HFR_FLOAT_ENTRIES(PREFIX, K_F16, f16, 1),                 \
+    HFR_FLOAT_ENTRIES(PREFIX, K_BF16, bf16, 0), HFR_FLOAT_ENTRIES(PREFIX, K_BF16, bf16, 1),             \
+    HFR_FLOAT_ENTRIES(PREFIX, K_E4M3, e4m3, 0), HFR_FLOAT_ENTRIES(PREFIX, K_E4M3, e4m3, 1),             \
+    HFR_FLOAT_ENTRIES(PREFIX, K_E5M2, e5m2, 0), HFR_FLOAT_ENTRIES(PREFIX, K_E5M2, e5m2, 1),             \
+    HFR_FLOAT_ENTRIES(PREFIX, K_F64, f64, 0)
+
+/* An ISA's lookup: its table's entry, or NULL (the portable kernel runs) out of range or absent. */
+#define HFR_LOOKUP(FN, TABLE)                                                                          \
+    hfr_kernel FN(int kind, int op, int narrow) {                                                      \
+        if (kind < 0 || kind >= K_COUNT || op < 0 || op >= O_COUNT || narrow < 0 || narrow > 1)        \
+            return NULL;                                                                               \
+        return TABLE[kind][op][narrow];                                                                \
+    }
+
+/* The SIMD ISAs' table: every float kind, and wrapping sums and MIN/MAX of the 32- and 64-bit
+ * integers (the rest falls to the portable kernels). */
+#define HFR_SIMD_TABLE(FN)                                                                             \
+    static const hfr_kernel simd_table[K_COUNT][O_COUNT][2] = {                                        \
+        HFR_FLOAT_TABLE(k),                                                                            \
+        [K_U32][O_SUM][0] = k_u32_sum_0, [K_I32][O_MIN][0] = k_i32_min_0, [K_I32][O_MAX][0] = k_i32_max_0, \
+        [K_U64][O_SUM][0] = k_u64_sum_0, [K_I64][O_MIN][0] = k_i64_min_0, [K_I64][O_MAX][0] = k_i64_max_0, \
+    };                                                                                                 \
+    HFR_LOOKUP(FN, simd_table)
+
 /* fp8 -> fp32, exact; filled once by hfr_tables_init() before any kernel runs. */
 extern float hfr_e4m3_to_f32_table[256];
 extern float hfr_e5m2_to_f32_table[256];
