@@ -374,6 +374,9 @@ def fault(ctx, cell: str, what: str, victim: int, timeout: float) -> dict:
     warm = torch.zeros(world)
     dist.all_to_all_single(warm, torch.full((world,), float(me)))  # every link in use once
     assert warm.tolist() == [float(r) for r in range(world)]
+    # Every rank done with the warm-up before the fault: else a fast victim's fault can fail the
+    # group while a slow rank's warm-up is still in flight (the group's rule), and the cell fails.
+    dist.barrier()
     if what in ("a2a_killed", "a2a_absent") and me != victim:  # waiting in a synchronous all_to_all_single
         out = torch.zeros(world)
         report = _outcome(lambda: dist.all_to_all_single(out, torch.ones(world)))
