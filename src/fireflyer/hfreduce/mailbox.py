@@ -297,7 +297,14 @@ class Ring:
         free = self.free()
         if free <= 0 or done >= n:
             return 0
-        k = self._append(raw, tensor, done, n, free)
+        off = self._head % self._size
+        k = min(n - done, free, self._size - off, PIECE)
+        if raw is not None:
+            start = self._offset + off
+            self._mm[start : start + k] = raw[done : done + k]
+        else:
+            self.data[off : off + k].copy_(tensor[done : done + k])
+        self._head += k
         if publish:
             self._publish_head()
         return k
@@ -332,7 +339,11 @@ class Ring:
         n = tensor.numel()
         if not avail or done >= n:
             return 0
-        return self._consume(None, tensor, done, n, avail)
+        off = self._tail % self._size
+        k = min(n - done, avail, self._size - off, PIECE)
+        tensor[done : done + k].copy_(self.data[off : off + k])
+        self.skip(k)
+        return k
 
     def word(self, which: str) -> tuple[int, int]:
         """(address, current value) of the ``head``, ``tail`` or ``ack`` word, for a futex wait on it."""
@@ -363,36 +374,17 @@ class Ring:
                 self._publish_head()  # what is written must be seen before this side sleeps
                 self._sleep(self._tail_i, self._tail_addr, tail, check, deadline, what)
                 continue
-            k = self._append(raw, tensor, done, n, free)
+            off = self._head % size
+            k = min(n - done, free, size - off, PIECE)
+            if raw is not None:
+                start = self._offset + off
+                self._mm[start : start + k] = raw[done : done + k]
+            else:
+                self.data[off : off + k].copy_(tensor[done : done + k])
+            self._head += k
             done += k
             if k >= PIECE // 4:  # announce big pieces at once; small ones with the frame's end
                 self._publish_head()
-
-    def _append(self, raw, tensor: torch.Tensor | None, done: int, n: int, free: int) -> int:
-        """Copy the next piece of ``raw`` or ``tensor`` (from byte ``done`` of ``n``) into the ring's
-        ``free`` bytes, unannounced; the bytes copied."""
-        off = self._head % self._size
-        k = min(n - done, free, self._size - off, PIECE)
-        if raw is not None:
-            start = self._offset + off
-            self._mm[start : start + k] = raw[done : done + k]
-        else:
-            self.data[off : off + k].copy_(tensor[done : done + k])
-        self._head += k
-        return k
-
-    def _consume(self, raw, tensor: torch.Tensor | None, done: int, n: int, avail: int) -> int:
-        """Copy the next piece of the ``avail`` bytes there into ``raw`` or ``tensor`` (from byte ``done``
-        of ``n``) and tell the sender; the bytes copied."""
-        off = self._tail % self._size
-        k = min(n - done, avail, self._size - off, PIECE)
-        if raw is not None:
-            start = self._offset + off
-            raw[done : done + k] = self._mm[start : start + k]
-        else:
-            tensor[done : done + k].copy_(self.data[off : off + k])
-        self.skip(k)
-        return k
 
     def _publish_head(self) -> None:
         value = _i32(self._head)
@@ -414,14 +406,24 @@ class Ring:
     def _take(self, raw: memoryview | None, tensor: torch.Tensor | None, check, deadline: float, what: str) -> None:
         n = len(raw) if raw is not None else tensor.numel()
         done = 0
-        words = self._words
+        words, size = self._words, self._size
         while done < n:
             head = words[self._head_i]
             avail = (head - self._tail) & _MASK
             if avail == 0:
                 self._sleep(self._head_i, self._head_addr, head, check, deadline, what)
                 continue
-            done += self._consume(raw, tensor, done, n, avail)
+            off = self._tail % size
+            k = min(n - done, avail, size - off, PIECE)
+            if raw is not None:
+                start = self._offset + off
+                raw[done : done + k] = self._mm[start : start + k]
+            else:
+                tensor[done : done + k].copy_(self.data[off : off + k])
+            self._tail += k
+            done += k
+            self._words[self._tail_i] = _i32(self._tail)
+            futex.wake(self._tail_addr)
 
 
 # -- cross-memory attach: one copy from a peer's memory into ours ------------------------------
