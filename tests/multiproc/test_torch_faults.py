@@ -148,6 +148,25 @@ def test_a_failed_collective_raises_on_every_survivor(clusters, cell):
     assert len(reports) == cluster.world_size - (fault in ("between", "during", "absent", "aborts"))
 
 
+@pytest.mark.parametrize("layout", ["1x4", "2x2"])
+def test_a_collective_already_done_returns_though_a_peer_fails_the_group_right_after(clusters, layout):
+    """Rank 0 aborts as soon as its all_reduce returns. Its node peers' copies of that all_reduce
+    (their result already in the arena, its last chunks perhaps still being copied out) return the
+    right sum; their next call raises. Several cells, since who finishes first is up to the scheduler."""
+    cluster = clusters(layout)
+    world = cluster.world_size
+    peers = [1] if layout == "2x2" else [1, 2, 3]  # rank 0's node; in 2x2 the other node may see either
+    for _ in range(4):
+        reports = _run_cell(cluster, F.abort_right_after, (1 << 20,), 0, "aborts", TIMEOUT)
+        assert len(reports) == world - 1
+        for r, rep in reports.items():
+            if r in peers:
+                assert rep["raised"] is None and rep["correct"], (r, rep["raised"], rep["msg"][:400])
+            else:  # the other node's ranks: the right sum, or the abort by name; never a wrong sum
+                assert rep["correct"] if rep["raised"] is None else _raised(rep, "PeerFailure"), (r, rep)
+            assert all(rep["after"][s][0] != "returned" for s in ("sync", "async", "future", "barrier")), (r, rep)
+
+
 @pytest.mark.parametrize("how", ["wait", "opts"])
 def test_a_per_call_timeout_is_honoured_and_names_the_rank_waited_for(clusters, how):
     """``work.wait(timeout)`` and the options' timeout cut a collective short long before the group's 60 s."""

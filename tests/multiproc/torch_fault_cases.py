@@ -144,6 +144,36 @@ def plain(ctx, fault: str, style: str, victim: int) -> dict:
     return _leave(report)
 
 
+def abort_right_after(ctx, n: int) -> dict:
+    """Rank 0 aborts the group the moment its all_reduce of ``n`` ones returns; the others report theirs.
+
+    A collective whose result is already in place must return it: a failure that comes after
+    (here a peer's abort, in a real job its next call failing) is not that collective's.
+    """
+    world, x = ctx.world_size, torch.ones(n)
+    if ctx.rank == 0:
+        dist.all_reduce(x)
+        dist.distributed_c10d._get_default_group().abort()
+        return _leave({"victim": True, "correct": bool((x == world).all())})
+    stop = threading.Event()
+    busy = threading.Thread(target=_hold_the_gil, args=(stop,), daemon=True)  # slows this rank, so rank 0 is first
+    busy.start()
+    try:
+        report = _outcome(lambda: dist.all_reduce(x), lambda: bool((x == world).all()))
+    finally:
+        stop.set()
+        busy.join()
+    report["after"] = _afterwards()
+    return _leave(report)
+
+
+def _hold_the_gil(stop: threading.Event) -> None:
+    """Pure-Python work until ``stop``: this rank's other threads get the interpreter only in turns."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+
+
 def _until_failure(style: str, n: int, world: int, rounds: int) -> dict:
     """Collectives back to back until one raises; every one that returned must hold the right sum."""
     x = torch.ones(n)

@@ -34,7 +34,7 @@ import torch
 
 from fireflyer.hfreduce.arena import STAGES, Arena
 from fireflyer.hfreduce.config import HFReduceConfig
-from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, error_from_text
+from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, error_from_text, fresh
 from fireflyer.hfreduce.failures import Failures, mismatch
 from fireflyer.hfreduce.jobs import Job
 from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Op, Plan, acc_dtype, chunk_elems
@@ -52,6 +52,16 @@ JOB_SPEC = struct.Struct("<20q")  # _core/node.h: hfr_job
 _PIPELINE, _NODE_STAGE, ONESHOT = 1, 2, 3
 CORE_DONE, CORE_NEED_PYTHON, _CORE_TIMEOUT, _CORE_ABORTED, _CORE_PEER_DEAD = 0, 1, 2, 3, 4
 CORE_DTYPES = frozenset(DTYPES)
+
+
+class StageOut:
+    """One collective's stage-out on the stage-out thread: ``done`` when it is over, ``error`` if it failed."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
 
 
 class NodeStage:
@@ -128,7 +138,7 @@ class NodeStage:
         desc = job.plan.desc
         # One node: stage each chunk out right after reducing it, while it is still in cache.
         # Several nodes: the stage-out thread does, as the trees finish each chunk.
-        staged_out = threading.Event() if self._out_queue is not None else None
+        staged_out = StageOut() if self._out_queue is not None else None
         if staged_out is not None:
             self._out_queue.put((job, staged_out))
         # One node, one small chunk, no registered buffer anywhere (known once every local
@@ -138,7 +148,7 @@ class NodeStage:
         staged = self.run_core(job, oneshot) if self.core_comm is not None else None
         self.pipeline(job, oneshot, staged, staged_out)
 
-    def pipeline(self, job: Job, oneshot: bool, staged: str | None, staged_out: threading.Event | None) -> None:
+    def pipeline(self, job: Job, oneshot: bool, staged: str | None, staged_out: StageOut | None) -> None:
         """The Python loop over the chunks, from the start or from where the core stopped (``staged``)."""
         depth, L, lr, arena = self.config.depth, self.local_size, self.local_rank, self.arena
         all_local, rails = range(L), range(self.rails)
@@ -170,14 +180,17 @@ class NodeStage:
                 self._wait("out", rails, g - depth + 1, job, late=True)
                 self._reduce(job, c, final=False)
                 arena.publish("red", lr, g + 1)
-        check = self._failures.check
-        while staged_out is not None and not staged_out.is_set():
-            check()
+        if staged_out is None:
+            return
+        # The stage-out thread's own waits notice a failed group. Once it has staged this
+        # collective out, the result is in place, and a failure after that (a peer's next
+        # call failing the group) is not this collective's: it returns.
+        while not staged_out.done.wait(_SLICE):
             if time.monotonic() > job.tree_deadline + 2 * _OUT_GRACE:  # the stage-out's own waits give up first
                 raise CollectiveTimeout(f"{job.plan.desc} timed out on {self._describe(self.rank)} waiting for its "
                                         "stage-out")
-            staged_out.wait(_SLICE)
-        check()
+        if staged_out.error is not None:
+            raise fresh(staged_out.error)
 
     def _out_loop(self) -> None:
         torch.set_num_threads(1)
@@ -189,9 +202,9 @@ class NodeStage:
             try:
                 for c in range(job.nchunks):
                     self._stage_out(job, c)
-                staged_out.set()
             except BaseException as exc:  # noqa: BLE001
-                self._failures.fail(exc)
+                staged_out.error = self._failures.fail(exc)
+            staged_out.done.set()
 
     # ------------------------------------------------------------------ handoffs
     def _wait(self, stage: str, local_ranks: Iterable[int], target: int, job: Job, *, late: bool = False) -> None:
