@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fireflyer.hfreduce import mailbox
-from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.mailbox import Mailboxes, MailboxShape, read_remote, ring_bytes_for
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
@@ -125,6 +125,18 @@ def test_a_refused_direct_read_says_so_and_a_bad_address_raises(monkeypatch):
         read_remote(os.getpid(), 8, dst, _ok, "nobody")  # address 8 is never mapped
     monkeypatch.setattr(mailbox, "_vm_readv", None)
     assert read_remote(os.getpid(), dst.data_ptr(), dst, _ok, "x") is False
+
+
+def test_a_direct_read_from_a_process_that_died_is_a_peer_failure():
+    """A peer that exits while its bytes are read is reported as a dead peer (by name), not an I/O error."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)  # reaped: its pid names no process now
+    dst = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(PeerFailure, match=r"rank 5 \(node 1, local rank 1\) \(pid \d+\) died"):
+        read_remote(child.pid, dst.data_ptr(), dst, _ok, "rank 5 (node 1, local rank 1)")
 
 
 def test_ring_size_from_the_environment_is_checked(monkeypatch):

@@ -44,7 +44,8 @@ import torch
 
 from fireflyer.hfreduce.arena import map_shared
 from fireflyer.hfreduce import fdshare, futex
-from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
+from fireflyer.hfreduce.procs import pid_alive
 
 MAGIC = 0x48465842  # "HFXB"
 _HEADER = struct.Struct("<IIQ")  # magic, local_size, ring_bytes
@@ -465,7 +466,9 @@ def read_remote(pid: int, address: int, dst: torch.Tensor, check: Callable[[], N
             err = ctypes.get_errno()
             if done == 0 and err in _REFUSED:
                 return False
-            check()  # a dead peer is reported as such, by the host's liveness check
+            check()  # the group's own failure first, if it has one
+            if err == errno.ESRCH or not pid_alive(pid):  # the liveness check looks only now and then
+                raise PeerFailure(f"{peer_desc} (pid {pid}) died while this rank was reading {k} bytes from it")
             raise HFReduceError(f"reading {k} bytes from {peer_desc} (pid {pid}) failed: "
                                 f"{os.strerror(err) if got < 0 else 'nothing read'}")
         done += got

@@ -1,59 +1,13 @@
 /* hfreduce's node stage in C; see node.h for the protocol. */
 #define _GNU_SOURCE
-#include "node.h"
-
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "kernels.h"
-
-#define LINE 64
-#define DESC_SLOT 64
-#define NSTAGES 4
-#define SLICE_NS 50000000LL    /* futex sleeps at most this long between checks */
-#define LIVENESS_NS 50000000LL /* how often the local peers' processes are looked at */
-#define MAX_LOCAL 256
-
-static inline int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static inline volatile int32_t *flag(const hfr_comm *c, int stage, int64_t k) {
-    return (volatile int32_t *)(c->base + c->flags_offset + (stage * c->local_size + k) * LINE);
-}
-
-static inline int reached(int32_t value, int64_t target) {
-    return (uint32_t)((uint32_t)value - (uint32_t)target) < 0x80000000u;
-}
-
-static void publish(const hfr_comm *c, int stage, int64_t value) {
-    volatile int32_t *w = flag(c, stage, c->local_rank);
-    __atomic_store_n((int32_t *)w, (int32_t)(uint32_t)value, __ATOMIC_RELEASE);
-    syscall(SYS_futex, (int32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
-static inline int aborted(const hfr_comm *c) {
-    return __atomic_load_n((int32_t *)(c->base + c->abort_offset), __ATOMIC_ACQUIRE) != 0;
-}
+#include "arena.h"
 
 /* Dead, or a zombie; a process we may not signal counts as alive (as procs.pid_alive). */
 static int pid_dead(int64_t pid) {
@@ -75,17 +29,19 @@ static int pid_dead(int64_t pid) {
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
-typedef struct {
-    const hfr_comm *comm;
-    const hfr_job *job;
-    hfr_where *where;
-    int64_t next_liveness;
-    hfr_interrupt_hook interrupted;
-    void *arg;
-} run_state;
+int64_t hfr_dead_peer(run_state *st, int64_t now) {
+    const hfr_comm *c = st->comm;
+    if (now < st->next_liveness)
+        return -1;
+    st->next_liveness = now + LIVENESS_NS;
+    const int64_t *pids = (const int64_t *)(c->base + c->pid_offset);
+    for (int64_t j = 0; j < c->local_size; j++)
+        if (j != c->local_rank && pid_dead(__atomic_load_n(&pids[j], __ATOMIC_RELAXED)))
+            return j;
+    return -1;
+}
 
-/* Wait until flag (stage, k) reaches target. 0, or an HFR_* code with *where filled. */
-static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t chunk, int late) {
+int hfr_wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t chunk, int late) {
     const hfr_comm *c = st->comm;
     volatile int32_t *w = flag(c, stage, k);
     int32_t v = __atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE);
@@ -110,15 +66,10 @@ static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t
         if (aborted(c))
             return HFR_ABORTED;
         t = now_ns();
-        if (t >= st->next_liveness) {
-            st->next_liveness = t + LIVENESS_NS;
-            const int64_t *pids = (const int64_t *)(c->base + c->pid_offset);
-            for (int64_t j = 0; j < c->local_size; j++) {
-                if (j != c->local_rank && pid_dead(__atomic_load_n(&pids[j], __ATOMIC_RELAXED))) {
-                    st->where->local_rank = j;
-                    return HFR_PEER_DEAD;
-                }
-            }
+        int64_t dead = hfr_dead_peer(st, t);
+        if (dead >= 0) {
+            st->where->local_rank = dead;
+            return HFR_PEER_DEAD;
         }
         if (t >= deadline)
             return HFR_TIMEOUT;
@@ -142,48 +93,11 @@ static int wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t
 
 static int wait_all(run_state *st, int stage, int64_t n, int64_t target, int64_t chunk, int late) {
     for (int64_t k = 0; k < n; k++) {
-        int rc = wait_one(st, stage, k, target, chunk, late);
+        int rc = hfr_wait_one(st, stage, k, target, chunk, late);
         if (rc)
             return rc;
     }
     return 0;
-}
-
-static inline char *in_slot(const hfr_comm *c, int64_t b, int64_t k) {
-    return (char *)(c->base + c->control_bytes + (b * c->local_size + k) * c->chunk_bytes);
-}
-
-static inline char *red_buf(const hfr_comm *c, int64_t b) {
-    return (char *)(c->base + c->control_bytes + c->depth * c->local_size * c->chunk_bytes + b * c->red_bytes);
-}
-
-static inline char *out_buf(const hfr_comm *c, int64_t b) {
-    return (char *)(c->base + c->control_bytes + c->depth * (c->local_size * c->chunk_bytes + c->red_bytes) +
-                    b * c->chunk_bytes);
-}
-
-static int64_t itemsize(int64_t dtype) {
-    switch (dtype) {
-    case HFR_F64:
-    case HFR_I64:
-        return 8;
-    case HFR_F32:
-    case HFR_I32:
-        return 4;
-    case HFR_F16:
-    case HFR_BF16:
-    case HFR_I16:
-        return 2;
-    default:
-        return 1;
-    }
-}
-
-/* topology.split: part `index` of `total` items cut into `parts` near-equal pieces. */
-static void split(int64_t total, int64_t parts, int64_t index, int64_t *lo, int64_t *hi) {
-    int64_t base = total / parts, extra = total % parts;
-    *lo = index * base + (index < extra ? index : extra);
-    *hi = *lo + base + (index < extra ? 1 : 0);
 }
 
 /* Every local rank's descriptor matches ours and none uses a registered buffer. Each pipeline buffer
