@@ -346,3 +346,31 @@ def test_extension_reads_the_isa_request_at_import() -> None:
         assert res.returncode == 0, res.stderr
         got_isa, got_note = res.stdout.strip().split(" ", 1)
         assert got_isa == isa and note in got_note
+
+
+# -- the tree root's finish of an fp32 partial -------------------------------------------
+
+
+@needs_core
+@pytest.mark.parametrize("dtype", sorted(LOW_PRECISION, key=str))
+@pytest.mark.parametrize("divisor", [0, 3, 4])
+def test_round_into_a_low_precision_matches_the_reference(dtype: torch.dtype, divisor: int) -> None:
+    """An fp32 partial (ordinary values, specials of fp32 and of the dtype, raw bit patterns), divided
+    and rounded once: the bits of ``div_`` then ``.to()``, NaN compared as NaN."""
+    g = torch.Generator().manual_seed(DTYPES[dtype] * 10 + divisor)
+    edges = _specials(dtype).to(torch.float32)
+    for n in SIZES + [65537]:
+        acc = torch.cat([_values(torch.float32, n, g, special=0.1, scale=s) for s in (0, 8, -20)] + [edges])
+        got, want = torch.empty(acc.numel(), dtype=dtype), torch.empty(acc.numel(), dtype=dtype)
+        kernels.round_into(got, acc, divisor=divisor)
+        kernels.reference_round(want, acc, divisor=divisor)
+        assert_same(got, want, Op.AVG if divisor else Op.SUM, f"{dtype} n={n} divisor={divisor}")
+
+
+def test_round_into_refuses_what_it_does_not_take() -> None:
+    with pytest.raises(ValueError, match="contiguous CPU fp32"):
+        kernels.round_into(torch.empty(4, dtype=torch.float32), torch.zeros(4))
+    with pytest.raises(ValueError, match="contiguous CPU fp32"):
+        kernels.round_into(torch.empty(3, dtype=torch.bfloat16), torch.zeros(4))
+    with pytest.raises(ValueError, match="divisor"):
+        kernels.round_into(torch.empty(4, dtype=torch.bfloat16), torch.zeros(4), divisor=-1)

@@ -44,7 +44,7 @@ import threading
 
 import torch
 
-from fireflyer.hfreduce.reduce import DTYPES, Op, Reducer, acc_dtype, check_dtype, check_op
+from fireflyer.hfreduce.reduce import DTYPES, LOW_PRECISION, Op, Reducer, acc_dtype, check_dtype, check_op
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,27 @@ def reference_reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, d
         work = reducer.acc_scratch(n)
         reducer.reduce_into(work, inputs, op)
         reducer.finish(out, work, finish_op, divisor)
+
+
+def round_into(out: torch.Tensor, acc: torch.Tensor, *, divisor: int = 0) -> None:
+    """``out = (acc / divisor).to(out.dtype)`` for a contiguous fp32 ``acc`` and a low-precision ``out``
+    (fp16, bf16, fp8): the tree root's finish of a partial sum, rounded once to nearest even."""
+    if acc.dtype != torch.float32 or out.dtype not in LOW_PRECISION or out.numel() != acc.numel() or \
+            not out.is_contiguous() or not acc.is_contiguous() or out.is_cuda or acc.is_cuda:
+        raise ValueError(f"round_into takes a contiguous CPU fp32 accumulation and a low-precision output of its "
+                         f"size, got {acc.dtype} {tuple(acc.shape)} into {out.dtype} {tuple(out.shape)}")
+    if divisor < 0:
+        raise ValueError(f"divisor must be 0 (none) or positive, got {divisor}")
+    if not available():
+        _warn_fallback()
+        reference_round(out, acc, divisor=divisor)
+        return
+    _core.round(out.data_ptr(), DTYPES[out.dtype], acc.data_ptr(), acc.numel(), divisor)
+
+
+def reference_round(out: torch.Tensor, acc: torch.Tensor, *, divisor: int = 0) -> None:
+    """What :func:`round_into` computes, as the engine's torch ops do it (``Reducer.finish``); ``acc`` is kept."""
+    _reducer().finish(out, acc.clone(), Op.AVG if divisor else Op.SUM, divisor)
 
 
 def _reducer() -> Reducer:

@@ -293,3 +293,28 @@ int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in
     fn(out, ins, nin, 0, n, divisor);
     return HFR_OK;
 }
+
+#define ROUND_INTO(T, NARROW)                                                                          \
+    do {                                                                                               \
+        T *restrict o = (T *)out;                                                                      \
+        if (divisor > 0)                                                                               \
+            for (int64_t i = 0; i < n; i++) o[i] = NARROW(acc[i] / d);                                 \
+        else                                                                                           \
+            for (int64_t i = 0; i < n; i++) o[i] = NARROW(acc[i]);                                     \
+    } while (0)
+
+int hfr_round(void *out, int out_dtype, const float *acc, int64_t n, int64_t divisor) {
+    if (n < 0 || divisor < 0) return HFR_EARG;
+    if (n == 0) return HFR_OK;
+    if (out == NULL || acc == NULL) return HFR_EARG;
+    if ((uintptr_t)acc % 4 || (uintptr_t)out % (uintptr_t)itemsize(out_dtype)) return HFR_EALIGN;
+    const float d = (float)divisor;
+    switch (out_dtype) {
+    case HFR_F16: ROUND_INTO(uint16_t, N_F16); break;
+    case HFR_BF16: ROUND_INTO(uint16_t, N_BF16); break;
+    case HFR_F8E4M3FN: ROUND_INTO(uint8_t, N_E4M3); break;
+    case HFR_F8E5M2: ROUND_INTO(uint8_t, N_E5M2); break;
+    default: return HFR_EDTYPE;
+    }
+    return HFR_OK;
+}

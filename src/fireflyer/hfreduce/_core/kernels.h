@@ -70,6 +70,10 @@ enum {
 int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
                int64_t divisor);
 
+/* out[i] = round(acc[i] / divisor) (divisor 0: no divide) into fp16, bf16 or fp8, to nearest even as
+ * torch's .to() does: the finish of a partial kept in fp32 (the tree root's, for a low precision). */
+int hfr_round(void *out, int out_dtype, const float *acc, int64_t n, int64_t divisor);
+
 int hfr_isa(void);             /* the instruction set hfr_reduce uses now */
 int hfr_isa_best(void);        /* the best one this CPU supports */
 int hfr_set_isa(int isa);      /* use a lower one (tests); HFR_OK or HFR_EISA */

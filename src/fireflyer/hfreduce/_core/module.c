@@ -1,7 +1,8 @@
 /* fireflyer.hfreduce._core: the Python face of the compiled core.
  *
  * reduce(out_ptr, out_dtype, in_ptrs, in_dtype, n, op, divisor=0) runs hfr_reduce on raw
- * addresses with the GIL released; fireflyer.hfreduce.kernels wraps it for tensors.
+ * addresses with the GIL released; fireflyer.hfreduce.kernels wraps it for tensors, as it does
+ * round(out_ptr, out_dtype, acc_ptr, n, divisor), the finish of an fp32 partial (hfr_round).
  * isa(), best_isa() and set_isa(name) report and lower the instruction set. At import,
  * FIREFLYER_HFREDUCE_ISA=avx512|avx2|portable asks for a lower one; a request this CPU
  * cannot honour (or a name it does not know) leaves the best one and says so in isa_note.
@@ -68,6 +69,25 @@ static PyObject *py_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_round(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *acc_obj;
+    int out_dtype;
+    long long n, divisor;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OiOLL", &out_obj, &out_dtype, &acc_obj, &n, &divisor))
+        return NULL;
+    void *out = PyLong_AsVoidPtr(out_obj);
+    if (out == NULL && PyErr_Occurred()) return NULL;
+    const float *acc = PyLong_AsVoidPtr(acc_obj);
+    if (acc == NULL && PyErr_Occurred()) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hfr_round(out, out_dtype, acc, (int64_t)n, (int64_t)divisor);
+    Py_END_ALLOW_THREADS
+    if (rc != HFR_OK) return raise_rc(rc);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyUnicode_FromString(hfr_isa_name(hfr_isa()));
@@ -96,16 +116,22 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 }
 
 PyObject *hfr_py_node_run(PyObject *self, PyObject *args); /* node_py.c */
+PyObject *hfr_py_tree_run(PyObject *self, PyObject *args); /* node_py.c */
 
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))py_reduce, METH_VARARGS | METH_KEYWORDS,
      "reduce(out, out_dtype, ins, in_dtype, n, op, divisor=0): hfr_reduce on raw addresses, GIL released."},
+    {"round", py_round, METH_VARARGS,
+     "round(out, out_dtype, acc, n, divisor): hfr_round (an fp32 accumulation into a low precision), GIL released."},
     {"isa", py_isa, METH_NOARGS, "The instruction set reduce uses now: 'avx512', 'avx2' or 'portable'."},
     {"best_isa", py_best_isa, METH_NOARGS, "The best instruction set this CPU supports."},
     {"set_isa", py_set_isa, METH_O, "Use the named instruction set (at most best_isa())."},
     {"node_run", hfr_py_node_run, METH_VARARGS,
      "node_run(comm, job) -> (rc, stage, local_rank, chunk, late): one collective's chunks through the arena "
      "(node.h), GIL released."},
+    {"tree_run", hfr_py_tree_run, METH_VARARGS,
+     "tree_run(comm, job) -> (rc, link, sending, chunk, stage, local_rank, kind, seq, frame_chunk, nbytes, digest): "
+     "one tree's reduce-up or broadcast-down of one collective over handed-over sockets (tree.h), GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
-/* The Python door to hfr_node_run: _core.node_run(comm: bytes, job: bytes) -> (rc, stage, local_rank, chunk, late).
+/* The Python doors to hfr_node_run and hfr_tree_run.
  *
+ * _core.node_run(comm: bytes, job: bytes) -> (rc, stage, local_rank, chunk, late):
  * comm and job are the int64 fields of hfr_comm and hfr_job (node.h) packed in order. The GIL is
  * released for the whole run, so the engine's other threads (the trees) go on meanwhile; on the
  * main thread it is taken back between futex slices to run pending signal handlers, and a
@@ -9,6 +10,7 @@
 #include <Python.h>
 
 #include "node.h"
+#include "tree.h"
 
 typedef struct {
     PyThreadState *save;
@@ -76,4 +78,35 @@ PyObject *hfr_py_node_run(PyObject *self, PyObject *args) {
     }
     return Py_BuildValue("(iLLLL)", rc, (long long)where.stage, (long long)where.local_rank, (long long)where.chunk,
                          (long long)where.late);
+}
+
+/* _core.tree_run(comm: bytes, job: bytes) -> (rc, link, sending, chunk, stage, local_rank, kind, seq,
+ * frame_chunk, nbytes, digest): one tree's part of one collective (tree.h), GIL released. */
+PyObject *hfr_py_tree_run(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer comm, job;
+    if (!PyArg_ParseTuple(args, "y*y*", &comm, &job))
+        return NULL;
+    if (comm.len != (Py_ssize_t)sizeof(hfr_comm) || job.len != (Py_ssize_t)sizeof(hfr_tree_job)) {
+        PyErr_Format(PyExc_ValueError, "tree_run: comm must be %zd bytes and job %zd, got %zd and %zd",
+                     sizeof(hfr_comm), sizeof(hfr_tree_job), comm.len, job.len);
+        PyBuffer_Release(&comm);
+        PyBuffer_Release(&job);
+        return NULL;
+    }
+    hfr_comm c;
+    hfr_tree_job j;
+    memcpy(&c, comm.buf, sizeof c);
+    memcpy(&j, job.buf, sizeof j);
+    PyBuffer_Release(&comm);
+    PyBuffer_Release(&job);
+    hfr_tree_where w;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hfr_tree_run(&c, &j, &w);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(iLLLLLLLLLy#)", rc, (long long)w.link, (long long)w.sending, (long long)w.chunk,
+                         (long long)w.stage, (long long)w.local_rank, (long long)w.kind, (long long)w.seq,
+                         (long long)w.frame_chunk, (long long)w.nbytes, (const char *)w.digest,
+                         (Py_ssize_t)sizeof w.digest);
 }
