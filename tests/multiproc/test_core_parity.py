@@ -107,6 +107,45 @@ def test_through_torch_distributed_too(clusters):
             c.run(_destroy_torch, timeout=120)
 
 
+MIXED = [1, 2, 1, 2]  # four nodes (trees with two children), one rail: ranks 0, 1, 3 and 4
+
+
+def mixed_trees(ctx, cases: list[Case]) -> tuple[bool, list[torch.Tensor]]:
+    """Ranks of even nodes run the tree stage in the compiled core, the others in Python, on the same links."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from fireflyer.hfreduce import Communicator, HFReduceConfig
+
+    config = HFReduceConfig.from_env(core_trees=ctx.node % 2 == 0)
+    comm = Communicator(dist.PrefixStore("mixed", ctx.store), ctx.rank, ctx.world_size, config=config)
+    try:
+        trees = comm._trees
+        in_core = trees is not None and trees._core is not None
+        return in_core, [run_case(dataclasses.replace(ctx, comm=comm), c) for c in cases]
+    finally:
+        comm.close()
+
+
+def test_ranks_with_the_compiled_trees_and_ranks_with_the_python_ones_interoperate_bit_for_bit():
+    env = {"FIREFLYER_HFREDUCE_CHUNK_BYTES": "8192", "FIREFLYER_HFREDUCE_DEPTH": "3"}
+    cases, seed = [], 0
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            for numel in (0, 1, 7, 1000, 20011):
+                seed += 1
+                cases.append(Case("allreduce", dtype, numel, op, seed=seed))
+    with LocalCluster(MIXED, env={**env, "FIREFLYER_TEST_COMM": "0"}) as mixed:
+        got = mixed.run(mixed_trees, cases, timeout=300)
+    with LocalCluster(MIXED, env={**env, "FIREFLYER_HFREDUCE_CORE": "0"}) as reference:
+        want = reference.run(run_all, cases, timeout=300)
+    assert [used for used, _ in got] == [True, False, False, True, False, False]  # rails 0 and 3: C; 1 and 4: Python
+    for rank, ((_, mine), (_, theirs)) in enumerate(zip(got, want)):
+        for case, a, b in zip(cases, mine, theirs):
+            assert _same_bytes(a, b), (rank, case)
+
+
 def _init_torch(ctx) -> None:
     import torch.distributed as dist
 

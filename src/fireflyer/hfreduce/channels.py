@@ -270,7 +270,7 @@ class TcpOut:
             except (BlockingIOError, socket.timeout):
                 break
             except OSError as exc:
-                raise link._lost(tr.what) from exc
+                raise link.lost(tr.what) from exc
             moved = True
         if tr.pos >= total:
             tr.stage = DONE
@@ -288,7 +288,7 @@ class TcpOut:
             except (BlockingIOError, socket.timeout):
                 return False
             except OSError as exc:
-                raise self.link._lost(tr.what) from exc
+                raise self.link.lost(tr.what) from exc
         if tr.pos >= len(head) + len(payload):
             tr.stage = DONE
         return tr.stage == DONE
@@ -376,9 +376,9 @@ class TcpIn:
             except (BlockingIOError, socket.timeout):
                 return False
             except OSError as exc:
-                raise link._lost(tr.what) from exc
+                raise link.lost(tr.what) from exc
             if not raw:
-                raise link._lost(tr.what)
+                raise link.lost(tr.what)
             if len(raw) < FRAME.size:
                 return False
             kind, space, key, nbytes, dig = FRAME.unpack(raw)
@@ -397,9 +397,9 @@ class TcpIn:
             except (BlockingIOError, socket.timeout):
                 break
             except OSError as exc:
-                raise link._lost(tr.what) from exc
+                raise link.lost(tr.what) from exc
             if not k:
-                raise link._lost(tr.what)
+                raise link.lost(tr.what)
             tr.pos += k
             moved = True
         if tr.pos >= n:

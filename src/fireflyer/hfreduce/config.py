@@ -27,6 +27,9 @@ class HFReduceConfig:
     use the same value (as with chunk_bytes). At most one chunk counts, whatever this says."""
     core: bool = True
     """Run the node stage in the compiled core when it is built (``False``: the pure-Python reference)."""
+    core_trees: bool = True
+    """With ``core``: run the tree stage's sends, receives and combines in the compiled core too
+    (``False``: the Python loop of trees.py, on the same frames; ranks may mix the two)."""
     spin: int = 64
     """Busy polls of a flag before a waiting rank yields its core (compiled core)."""
     yields: int = 16
@@ -53,7 +56,7 @@ class HFReduceConfig:
         kw: dict = {}
         env = os.environ
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
-                           ("oneshot_bytes", int), ("core", _flag), ("spin", int), ("yields", int)):
+                           ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int)):
             raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
             if raw:
                 try:

@@ -126,7 +126,8 @@ class Communicator:
                                     rail_ranks=[self.layout.rail_peer(n, self.local_rank)
                                                 for n in range(self.num_nodes)],
                                     world_size=self.world_size, describe=self.describe,
-                                    scratch_bytes=self.config.chunk_bytes, compiled=core is not None)
+                                    scratch_bytes=self.config.chunk_bytes, compiled=core is not None,
+                                    core=core if self.config.core_trees else None)
             self._failures.on_failure(self._trees.tell)
             self._trees.connect(store=self._store, host=route_address(self.config), secret=self._secret,
                                 deadline=deadline)

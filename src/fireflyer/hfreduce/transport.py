@@ -192,7 +192,7 @@ class Link:
         self.send_lock = threading.Lock()
         self._header = bytearray(FRAME.size)
 
-    def _lost(self, what: str) -> ConnectionLost:
+    def lost(self, what: str) -> ConnectionLost:
         return ConnectionLost(f"lost the connection to {self.peer_desc} while {what} (the process died or aborted)")
 
     def send_all(self, data: memoryview, check: Callable[[], None], deadline: float, what: str) -> None:
@@ -205,7 +205,7 @@ class Link:
                 if time.monotonic() > deadline:
                     raise CollectiveTimeout(f"timed out sending to {self.peer_desc} while {what}") from None
             except OSError as exc:
-                raise self._lost(what) from exc
+                raise self.lost(what) from exc
 
     def recv_all(self, into: memoryview, check: Callable[[], None], deadline: float, what: str) -> None:
         got, n = 0, len(into)
@@ -218,9 +218,9 @@ class Link:
                     raise CollectiveTimeout(f"timed out waiting for {self.peer_desc} while {what}") from None
                 continue
             except OSError as exc:
-                raise self._lost(what) from exc
+                raise self.lost(what) from exc
             if k == 0:
-                raise self._lost(what)
+                raise self.lost(what)
             got += k
 
     def send_frame(self, seq: int, chunk: int, digest: bytes, payload: memoryview, check, deadline: float, what: str) -> None:
@@ -234,15 +234,19 @@ class Link:
         self.recv_all(memoryview(self._header), check, deadline, what)
         kind, seq, chunk, nbytes, digest = FRAME.unpack(self._header)
         if kind == ERROR:
-            msg = bytearray(max(0, min(nbytes, 1 << 16)))
-            try:
-                self.recv_all(memoryview(msg), check, time.monotonic() + 2.0, what)
-            except HFReduceError:
-                pass
-            raise error_from_text(msg.decode(errors="replace") or f"{self.peer_desc} aborted")
+            raise self.error_frame(nbytes, check, what)
         if kind != DATA:
             raise PeerFailure(f"garbled frame from {self.peer_desc} while {what}")
         return kind, seq, chunk, nbytes, digest
+
+    def error_frame(self, nbytes: int, check, what: str) -> HFReduceError:
+        """The failure a neighbour sent (an ERROR frame whose header said ``nbytes`` of text follow)."""
+        msg = bytearray(max(0, min(nbytes, 1 << 16)))
+        try:
+            self.recv_all(memoryview(msg), check, time.monotonic() + 2.0, what)
+        except HFReduceError:
+            pass
+        return error_from_text(msg.decode(errors="replace") or f"{self.peer_desc} aborted")
 
     def send_error(self, message: str) -> None:
         """Best effort: tell the neighbour why this rank is aborting, if no frame is half sent."""

@@ -16,28 +16,37 @@ waits on go through the communicator's :class:`~fireflyer.hfreduce.failures.Fail
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from types import ModuleType
 from typing import Protocol
 
 import torch
 
 from fireflyer.hfreduce.arena import reached
-from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.failures import Failures, mismatch
 from fireflyer.hfreduce.jobs import Job
-from fireflyer.hfreduce.reduce import Descriptor, Op, acc_dtype
+from fireflyer.hfreduce.reduce import DTYPES, Descriptor, Op, acc_dtype
 from fireflyer.hfreduce.reducing import SliceReducer
 from fireflyer.hfreduce.topology import tree_links
 from fireflyer.hfreduce.transport import Link, Listener, connect
 
 _SLICE = 0.05  # seconds between checks while the root waits for its own reduce-up
 SELF_GRACE = 0.5  # seconds a wait on this rank's own threads outlasts their waits on other ranks
+TREE_JOB = struct.Struct("<23q")  # _core/tree.h: hfr_tree_job
+_UP, _DOWN = 1, 2
+_CORE_TIMEOUT, _CORE_ABORTED, _CORE_PEER_DEAD = 2, 3, 4
+_CORE_LOST, _CORE_MISMATCH, _CORE_ERROR_FRAME, _CORE_GARBLED = 8, 9, 10, 11
+_NODE_FLAG, _OWN_REDUCE_UP = -2, -3
 
 
 @dataclass(frozen=True)
@@ -66,16 +75,26 @@ class NodeSide(Protocol):
     def publish_out(self, chunk: TreeChunk) -> None:
         """Announce that this rail's whole slice of the chunk (both halves) is in the result buffer."""
 
+    # For the compiled tree stage, which does the handoffs above itself, in the arena:
+    core_comm: bytes | None
+    """The arena's layout as the compiled core takes it (None: no core, the Python loop runs)."""
+
+    def core_failure(self, job: Job, rc: int, stage: int, k: int, chunk: int) -> HFReduceError:
+        """The error of a core wait on local rank ``k``'s flag ``stage`` that stopped with ``rc``."""
+
 
 class TreeStage:
     """One rail rank's links to its neighbours in both trees, its four threads, and their work per chunk.
 
     ``rail_ranks[n]`` is the rank of this rail on node n; ``scratch_bytes`` sizes the buffers
-    a child's partial is received into; ``compiled`` lets the kernels combine (see reducing.py).
+    a child's partial is received into; ``compiled`` lets the kernels combine (see reducing.py);
+    ``core`` (the compiled core module, or None) runs each tree's whole part of a collective in C
+    (``_core/tree.c``: the same frames and handoffs, the GIL released) instead of the loop here.
     """
 
     def __init__(self, *, node: NodeSide, failures: Failures, rank: int, node_index: int, rail_ranks: list[int],
-                 world_size: int, describe: Callable[[int], str], scratch_bytes: int, compiled: bool) -> None:
+                 world_size: int, describe: Callable[[int], str], scratch_bytes: int, compiled: bool,
+                 core: ModuleType | None = None) -> None:
         self.rank = rank
         self.listener: Listener | None = None
         self.links: list[Link] = []
@@ -96,6 +115,8 @@ class TreeStage:
         self._done = [0, 0]
         self._done_lock = threading.Lock()
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._core = core
+        self._core_state = (ctypes.c_int32 * 4)()  # the compiled runs' root_ready[2] and done[2]
 
     # ------------------------------------------------------------------ life cycle
     def connect(self, *, store: "torch.distributed.Store", host: str, secret: bytes, deadline: float) -> None:
@@ -170,6 +191,9 @@ class TreeStage:
             if self._failures.error is not None:
                 continue
             try:
+                if self._runs_in_core(job):
+                    self._run_core(job, t, role)
+                    continue
                 for c in range(job.nchunks):
                     chunk = self._node.tree_chunk(job, t, c)
                     if role == "up":
@@ -181,14 +205,94 @@ class TreeStage:
 
     def _expect(self, link: Link, job: Job, c: int, nbytes: int, what: str) -> None:
         _, seq, chunk, got, digest = link.recv_header(self._failures.check, job.tree_deadline, what)
-        desc = job.plan.desc.pack()
-        if digest != desc:
+        self._check_frame(link, job, c, nbytes, seq, chunk, got, digest)
+
+    def _check_frame(self, link: Link, job: Job, c: int, nbytes: int, seq: int, chunk: int, got: int,
+                     digest: bytes) -> None:
+        """Raise unless a data frame's header is for chunk ``c`` of ``job`` with ``nbytes`` payload bytes."""
+        if digest != job.plan.desc.pack():
             raise mismatch(job, self._describe(self.rank), link.peer_desc, Descriptor.unpack(digest), seq)
         if seq != job.seq & 0xFFFFFFFF or chunk != c or got != nbytes:
             raise CollectiveMismatch(
                 f"collective mismatch: {link.peer_desc} sent collective #{seq} chunk {chunk} ({got} bytes) while "
                 f"{self._describe(self.rank)} expected #{job.seq} chunk {c} ({nbytes} bytes) of {job.plan.desc}"
             )
+
+    # ------------------------------------------------------------------ in the compiled core
+    def _runs_in_core(self, job: Job) -> bool:
+        return self._core is not None and self._node.core_comm is not None and job.plan.desc.op != Op.COPY \
+            and job.plan.desc.dtype in DTYPES
+
+    def _run_core(self, job: Job, t: int, role: str) -> None:
+        """Tree ``t``'s ``role`` of every chunk of ``job`` in one call of the core (see tree.h)."""
+        desc = job.plan.desc
+        acc = acc_dtype(desc.dtype, desc.op)
+        parent, children = self._parents[t], self._children[t]
+        scratch = [0, 0]
+        room = 0
+        if role == "up" and children:
+            h0, h1 = self._node.tree_chunk(job, t, 0).half  # the first chunk is the largest
+            for i in range(len(children)):
+                buf = self._scratch_for(t, i, acc, h1 - h0)
+                scratch[i] = buf.data_ptr()
+            room = (h1 - h0) * acc.itemsize
+        fds = [link.sock.fileno() for link in children] + [-1, -1]
+        spec = TREE_JOB.pack(_UP if role == "up" else _DOWN, t, job.first_chunk, job.nchunks, job.elems, desc.numel,
+                             DTYPES[desc.dtype], DTYPES[acc], int(desc.op), self._world_size, job.seq,
+                             int(job.tree_deadline * 1e9), int((job.tree_deadline + SELF_GRACE) * 1e9),
+                             parent.sock.fileno() if parent is not None else -1, len(children), fds[0], fds[1],
+                             scratch[0], scratch[1], room, ctypes.addressof(self._core_state),
+                             *struct.unpack("<qq", desc.pack()))
+        # This thread is the only sender on these links; holding their locks keeps a failure's
+        # error frame (tell) from cutting into a frame the core is sending.
+        senders = ([parent] if parent is not None else []) if role == "up" else children
+        waited = [link.peer_rank for link in (children if role == "up" else [parent] if parent is not None else [])]
+        self._failures.waiting(job.seq, waited, f"tree {t}'s {'reduce-up' if role == 'up' else 'broadcast-down'} "
+                               "(compiled core)")
+        with contextlib.ExitStack() as held:
+            for link in senders:
+                held.enter_context(link.send_lock)
+            rc, where, sending, c, stage, k, kind, seq, chunk, nbytes, digest = \
+                self._core.tree_run(self._node.core_comm, spec)
+        self._failures.done_waiting()
+        if rc:
+            raise self._core_error(job, t, role, rc, where, bool(sending), c, stage, k, seq, chunk, nbytes, digest)
+
+    def _core_error(self, job: Job, t: int, role: str, rc: int, where: int, sending: bool, c: int, stage: int,
+                    k: int, seq: int, chunk: int, nbytes: int, digest: bytes) -> BaseException:
+        """The error a compiled run that stopped with ``rc`` means, in the words of the loop here."""
+        desc = job.plan.desc
+        if rc in (_CORE_ABORTED, _CORE_PEER_DEAD) or where == _NODE_FLAG:
+            return self._node.core_failure(job, rc, stage, k, c)
+        if where == _OWN_REDUCE_UP:
+            behind = self._failures.behind(job.seq)
+            return CollectiveTimeout(f"{desc} timed out on {self._describe(self.rank)} in tree {t}"
+                                     + (f"; its reduce-up was waiting for {behind}" if behind else ""))
+        if rc < 0 or where not in (-1, 0, 1):
+            return HFReduceError(f"hfreduce's compiled tree stage failed on {desc}: error {rc}")
+        link = self._parents[t] if where == -1 else self._children[t][where]
+        if role == "up":
+            what = f"sending chunk {c} up tree {t}" if sending else f"receiving chunk {c} of {desc} from a child in tree {t}"
+        else:
+            what = f"sending chunk {c} down tree {t}" if sending else \
+                f"receiving chunk {c} of {desc} from the parent in tree {t}"
+        if rc == _CORE_TIMEOUT:
+            return CollectiveTimeout(f"timed out {'sending to' if sending else 'waiting for'} {link.peer_desc} "
+                                     f"while {what}")
+        if rc == _CORE_LOST:
+            return link.lost(what)
+        if rc == _CORE_ERROR_FRAME:
+            return link.error_frame(nbytes, self._failures.check, what)
+        if rc == _CORE_GARBLED:
+            return PeerFailure(f"garbled frame from {link.peer_desc} while {what}")
+        if rc == _CORE_MISMATCH:
+            h0, h1 = self._node.tree_chunk(job, t, c).half
+            size = (acc_dtype(desc.dtype, desc.op) if role == "up" else desc.dtype).itemsize
+            try:
+                self._check_frame(link, job, c, (h1 - h0) * size, seq, chunk, nbytes, digest)
+            except CollectiveMismatch as exc:
+                return exc
+        return HFReduceError(f"hfreduce's compiled tree stage failed on {desc}: error {rc}")
 
     def _up(self, job: Job, t: int, chunk: TreeChunk, reducer: SliceReducer) -> None:
         desc, c, check, failures = job.plan.desc, chunk.index, self._failures.check, self._failures
