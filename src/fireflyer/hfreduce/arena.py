@@ -61,6 +61,12 @@ class ArenaShape:
     def flags_offset(self) -> int:
         return 4096
 
+    @property
+    def remote_wait_offset(self) -> int:
+        """One int32 per local rank (after the header, in the first page): the remote rank its tree
+        stage last blocked on, plus one (0: none yet)."""
+        return 1024
+
     def flag_index(self, stage: str, local_rank: int) -> int:
         """Index of a flag in int32 units from the start of the arena."""
         return (self.flags_offset + (STAGES.index(stage) * self.local_size + local_rank) * _LINE) // 4
@@ -317,6 +323,15 @@ class Arena:
                 futex.wait(addr, value, min(SLICE, left))
             if unblocked is not None:
                 unblocked()
+
+    def note_remote_wait(self, local_rank: int, rank: int) -> None:
+        """``local_rank``'s tree stage now blocks on global rank ``rank`` of another node."""
+        self._words[self.shape.remote_wait_offset // 4 + local_rank] = rank + 1
+
+    def remote_wait(self, local_rank: int) -> int | None:
+        """The remote rank ``local_rank``'s tree stage last blocked on (None: none yet), for a local timeout's message."""
+        value = self._words[self.shape.remote_wait_offset // 4 + local_rank]
+        return value - 1 if value > 0 else None
 
     def set_pid(self, local_rank: int, pid: int) -> None:
         struct.pack_into("<q", self._mm, self.shape.pid_offset + 8 * local_rank, pid)

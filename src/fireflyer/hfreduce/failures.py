@@ -178,6 +178,10 @@ class Failures:
         if ranks:
             self._waits[threading.get_ident()] = (seq, ranks, what)
             self._flight.waiting(seq, ranks, what)
+            remote = next((r for r in ranks if r not in self._members), None)
+            arena = self._arena
+            if remote is not None and arena is not None:  # for the local peers' timeouts, which wait on this rank
+                arena.note_remote_wait(self._members.index(self.rank), remote)
 
     def done_waiting(self) -> None:
         self._waits.pop(threading.get_ident(), None)

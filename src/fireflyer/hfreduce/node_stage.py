@@ -233,6 +233,10 @@ class NodeStage:
         behind = self._failures.behind(job.seq, but=self.members[k])
         if behind:  # what this rank's other threads (its trees) were stuck on: closer to the cause
             whom += "; its tree stage was waiting for " + behind
+        elif k != self.local_rank and self.num_nodes > 1:
+            remote = self.arena.remote_wait(k)  # what that local rank's trees were stuck on, if anything
+            if remote is not None:
+                whom += f", whose tree stage last waited for {self._describe(remote)}"
         return CollectiveTimeout(
             f"{job.plan.desc} (#{job.seq}) timed out after {job.timeout:g}s "
             f"on {self._describe(self.rank)} waiting for {whom}"

@@ -12,6 +12,13 @@ result buffers), and three handoffs: wait for the node's partial of the half, wa
 the result buffer to be free, and announce the finished chunk. Deadlines are the
 collective's tree deadline; liveness checks, failures and the note of whom a thread
 waits on go through the communicator's :class:`~fireflyer.hfreduce.failures.Failures`.
+
+Where the compiled core is built, each thread hands its whole part of a collective (every
+chunk of its tree and direction) to ``_core.tree_run`` instead: the same frames on the same
+authenticated sockets and the same arena handoffs, in C with the GIL released, so a rank
+running either interoperates with neighbours running the other. It measured 10-25% faster
+than the loop here at 2x2 on loopback (4 KiB to 64 MiB). ``FIREFLYER_HFREDUCE_CORE_TREES=0``
+keeps the loop, which also takes what the core does not (COPY, or no core built).
 """
 
 from __future__ import annotations
