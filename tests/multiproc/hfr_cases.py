@@ -239,7 +239,10 @@ def mismatched(ctx, what: str):
 
 
 def _mismatched(comm, ctx, what: str):
-    x = torch.ones(1000 + (ctx.rank == ctx.world_size - 1 and what == "size"))
+    # "node_size": every rank of the last node calls another size, so the node agrees with itself
+    # and only the trees' frames (a descriptor digest that differs) can see it.
+    last_node = ctx.node == comm.num_nodes - 1
+    x = torch.ones(1000 + (ctx.rank == ctx.world_size - 1 and what == "size") + (last_node and what == "node_size"))
     if what == "dtype" and ctx.rank == ctx.world_size - 1:
         x = x.double()
     op = "max" if what == "op" and ctx.rank == ctx.world_size - 1 else "sum"

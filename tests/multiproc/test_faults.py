@@ -57,7 +57,7 @@ def test_missing_rank_times_out_and_is_named():
 @pytest.mark.parametrize("layout", [[3], [2, 2]], ids=["1x3", "2x2"])
 def test_mismatched_calls_fail_on_every_rank(layout):
     with LocalCluster(layout, env=ENV) as cluster:
-        for what in ("size", "dtype", "op"):
+        for what in ("size", "dtype", "op") + (("node_size",) if len(layout) > 1 else ()):
             results = cluster.run(mismatched, what, timeout=60)
             for r, (kind, msg) in enumerate(results):
                 assert kind == "CollectiveMismatch", (what, r, kind, msg)

@@ -90,6 +90,15 @@ static inline void split(int64_t total, int64_t parts, int64_t index, int64_t *l
     *hi = *lo + base + (index < extra ? 1 : 0);
 }
 
+/* The next sleep of a wait that gives up at `deadline`: at most SLICE_NS, so its checks run between. */
+static inline struct timespec slice_until(int64_t deadline, int64_t now) {
+    int64_t left = deadline - now;
+    if (left > SLICE_NS)
+        left = SLICE_NS;
+    struct timespec ts = {left / 1000000000LL, left % 1000000000LL};
+    return ts;
+}
+
 /* A run's waits: whose collective, where it stopped, when the local peers were last looked at. */
 typedef struct {
     const hfr_comm *comm;

@@ -81,10 +81,7 @@ int hfr_wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t ch
             sched_yield();
             continue;
         }
-        int64_t left = deadline - t;
-        if (left > SLICE_NS)
-            left = SLICE_NS;
-        struct timespec ts = {left / 1000000000LL, left % 1000000000LL};
+        struct timespec ts = slice_until(deadline, t);
         syscall(SYS_futex, (int32_t *)w, FUTEX_WAIT, v, &ts, NULL, 0);
         if (st->interrupted && st->interrupted(st->arg))
             return HFR_INTERRUPTED;

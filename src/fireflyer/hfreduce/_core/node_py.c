@@ -44,24 +44,30 @@ static int signal_pending(void *arg) {
     return raised;
 }
 
+/* The (comm, job) byte strings of a run, copied into c and job (job_size bytes): 0, or -1 with an error set. */
+static int unpack(PyObject *args, const char *name, hfr_comm *c, void *job, size_t job_size) {
+    Py_buffer comm, spec;
+    if (!PyArg_ParseTuple(args, "y*y*", &comm, &spec))
+        return -1;
+    int ok = comm.len == (Py_ssize_t)sizeof *c && spec.len == (Py_ssize_t)job_size;
+    if (ok) {
+        memcpy(c, comm.buf, sizeof *c);
+        memcpy(job, spec.buf, job_size);
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s: comm must be %zd bytes and job %zd, got %zd and %zd", name, sizeof *c,
+                     job_size, comm.len, spec.len);
+    }
+    PyBuffer_Release(&comm);
+    PyBuffer_Release(&spec);
+    return ok ? 0 : -1;
+}
+
 PyObject *hfr_py_node_run(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer comm, job;
-    if (!PyArg_ParseTuple(args, "y*y*", &comm, &job))
-        return NULL;
-    if (comm.len != (Py_ssize_t)sizeof(hfr_comm) || job.len != (Py_ssize_t)sizeof(hfr_job)) {
-        PyErr_Format(PyExc_ValueError, "node_run: comm must be %zd bytes and job %zd, got %zd and %zd",
-                     sizeof(hfr_comm), sizeof(hfr_job), comm.len, job.len);
-        PyBuffer_Release(&comm);
-        PyBuffer_Release(&job);
-        return NULL;
-    }
     hfr_comm c;
     hfr_job j;
-    memcpy(&c, comm.buf, sizeof c);
-    memcpy(&j, job.buf, sizeof j);
-    PyBuffer_Release(&comm);
-    PyBuffer_Release(&job);
+    if (unpack(args, "node_run", &c, &j, sizeof j))
+        return NULL;
     hfr_where where = {0, 0, 0, 0};
     int rc;
     /* Only the main thread runs Python's signal handlers: there a wait that sleeps looks at them
@@ -84,22 +90,10 @@ PyObject *hfr_py_node_run(PyObject *self, PyObject *args) {
  * frame_chunk, nbytes, digest): one tree's part of one collective (tree.h), GIL released. */
 PyObject *hfr_py_tree_run(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer comm, job;
-    if (!PyArg_ParseTuple(args, "y*y*", &comm, &job))
-        return NULL;
-    if (comm.len != (Py_ssize_t)sizeof(hfr_comm) || job.len != (Py_ssize_t)sizeof(hfr_tree_job)) {
-        PyErr_Format(PyExc_ValueError, "tree_run: comm must be %zd bytes and job %zd, got %zd and %zd",
-                     sizeof(hfr_comm), sizeof(hfr_tree_job), comm.len, job.len);
-        PyBuffer_Release(&comm);
-        PyBuffer_Release(&job);
-        return NULL;
-    }
     hfr_comm c;
     hfr_tree_job j;
-    memcpy(&c, comm.buf, sizeof c);
-    memcpy(&j, job.buf, sizeof j);
-    PyBuffer_Release(&comm);
-    PyBuffer_Release(&job);
+    if (unpack(args, "tree_run", &c, &j, sizeof j))
+        return NULL;
     hfr_tree_where w;
     int rc;
     Py_BEGIN_ALLOW_THREADS

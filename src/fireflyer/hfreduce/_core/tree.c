@@ -59,10 +59,7 @@ static int ready(tree_run *tr, int fd, short events) {
             return rc;
         if (t >= tr->job->deadline_ns)
             return HFR_TIMEOUT;
-        int64_t left = tr->job->deadline_ns - t;
-        if (left > SLICE_NS)
-            left = SLICE_NS;
-        struct timespec ts = {left / 1000000000LL, left % 1000000000LL};
+        struct timespec ts = slice_until(tr->job->deadline_ns, t);
         struct pollfd p = {fd, events, 0};
         int r = ppoll(&p, 1, &ts, NULL);
         if (r > 0)
@@ -269,10 +266,7 @@ static int own_reduce_up(tree_run *tr, int64_t g, int64_t chunk) {
             return rc;
         if (t >= tr->job->self_deadline_ns)
             return HFR_TIMEOUT;
-        int64_t left = tr->job->self_deadline_ns - t;
-        if (left > SLICE_NS)
-            left = SLICE_NS;
-        struct timespec ts = {left / 1000000000LL, left % 1000000000LL};
+        struct timespec ts = slice_until(tr->job->self_deadline_ns, t);
         syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
     }
 }
