@@ -265,9 +265,16 @@ class Link:
                 pass
             self.send_lock.release()
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """End both directions: a transfer blocked on the link (in Python or in the core) returns at once.
+
+        The descriptor stays open until :meth:`close`, so a compiled run still holding its number
+        never reads or writes a descriptor the process has since reused."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.shutdown()
         self.sock.close()

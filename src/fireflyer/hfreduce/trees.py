@@ -172,17 +172,21 @@ class TreeStage:
         for link in self.links:
             link.send_error(text)
         for link in self.links:
-            link.close()
+            link.shutdown()  # closed in close(), once no thread (nor a compiled run) uses them
         for cond in self._signal:
             with cond:
                 cond.notify_all()
 
     def close(self) -> None:
+        self.stop()  # again, harmlessly, in case the engine thread never got to it
         for link in self.links:
-            link.close()
-        self.links = []
+            link.shutdown()  # ends any transfer in flight, in Python or in the core
         for th in self._threads:
             th.join(timeout=2)
+        if not any(th.is_alive() for th in self._threads):  # else a compiled run may still hold a descriptor
+            for link in self.links:
+                link.close()
+            self.links = []
         if self.listener is not None:
             self.listener.close()
             self.listener = None
