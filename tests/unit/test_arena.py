@@ -390,3 +390,31 @@ def test_sweep_stale_survives_an_out_of_range_pid_suffix(tmp_path) -> None:
     removed = sweep_stale(str(tmp_path))
     assert f"{NAME_PREFIX}y-{dead}" in removed
 
+
+
+# -- waits -----------------------------------------------------------------------------
+
+
+def test_a_wait_counts_a_flag_published_just_before_the_peer_died(arenas) -> None:
+    """The peer publishes and dies while the waiter checks for failures: the wait returns, the flag counts.
+
+    (The race behind a fault-matrix flake: a rank whose peer finished a collective and then
+    exited raised PeerFailure although every flag it needed was up.)"""
+    a = arenas.create()
+
+    def check() -> None:  # the peer publishes, then the check finds it dead
+        a.publish("red", 1, 5)
+        raise HFReduceError("rank 1 died")
+
+    a.wait("red", [1], 5, time.monotonic() + 5.0, check, lambda k: HFReduceError("timed out"))
+    assert a.read_flag("red", 1) == 5
+
+
+def test_a_wait_still_raises_when_the_flag_never_came(arenas) -> None:
+    a = arenas.create()
+
+    def check() -> None:
+        raise HFReduceError("rank 1 died")
+
+    with pytest.raises(HFReduceError, match="rank 1 died"):
+        a.wait("red", [1], 5, time.monotonic() + 5.0, check, lambda k: HFReduceError("timed out"))

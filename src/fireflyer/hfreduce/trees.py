@@ -352,7 +352,12 @@ class TreeStage:
             cond = self._signal[t]
             with cond:
                 while not reached(self._root_ready[t], g + 1):
-                    check()
+                    try:
+                        check()
+                    except HFReduceError:
+                        if reached(self._root_ready[t], g + 1):  # it finished while we looked
+                            break
+                        raise
                     if time.monotonic() > job.tree_deadline + SELF_GRACE:  # its reduce-up gives up first
                         behind = self._failures.behind(job.seq)
                         raise CollectiveTimeout(f"{desc} timed out on {self._describe(self.rank)} in tree {t}"

@@ -63,11 +63,15 @@ int hfr_wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t ch
         st->where->local_rank = k;
         st->where->chunk = chunk;
         st->where->late = late;
+        /* A failure seen here counts only if the flag is still short: a peer may publish and then
+           die (or the group fail) between the load above and these checks. */
         if (aborted(c))
-            return HFR_ABORTED;
+            return reached(__atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE), target) ? 0 : HFR_ABORTED;
         t = now_ns();
         int64_t dead = hfr_dead_peer(st, t);
         if (dead >= 0) {
+            if (reached(__atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE), target))
+                return 0;
             st->where->local_rank = dead;
             return HFR_PEER_DEAD;
         }

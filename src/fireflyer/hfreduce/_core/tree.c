@@ -262,8 +262,8 @@ static int own_reduce_up(tree_run *tr, int64_t g, int64_t chunk) {
         at(tr, OWN_REDUCE_UP, 0, chunk);
         int64_t t = now_ns();
         int rc = failed_here(tr, t);
-        if (rc)
-            return rc;
+        if (rc) /* unless the reduce-up finished while we looked */
+            return reached(__atomic_load_n(w, __ATOMIC_ACQUIRE), g + 1) ? 0 : rc;
         if (t >= tr->job->self_deadline_ns)
             return HFR_TIMEOUT;
         struct timespec ts = slice_until(tr->job->self_deadline_ns, t);
