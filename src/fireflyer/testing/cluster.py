@@ -11,8 +11,8 @@ test module pays the start-up cost once.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import queue
 import secrets
 import signal
 import time
@@ -69,9 +69,9 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
             from fireflyer.hfreduce import Communicator, HFReduceConfig
 
             comm = Communicator(dist.PrefixStore("test", store), rank, world, config=HFReduceConfig.from_env())
-        outbox.put((rank, "ready", None))
+        outbox.send((rank, "ready", None))
     except BaseException:  # noqa: BLE001
-        outbox.put((rank, "error", traceback.format_exc()))
+        outbox.send((rank, "error", traceback.format_exc()))
         return
     ctx = RankContext(rank, world, node, local_rank, comm, store)
     while True:
@@ -80,9 +80,9 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
             break
         fn, args = item
         try:
-            outbox.put((rank, "ok", fn(ctx, *args)))
+            outbox.send((rank, "ok", fn(ctx, *args)))
         except BaseException as exc:  # noqa: BLE001
-            outbox.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+            outbox.send((rank, "error", f"{type(exc).__name__}: {exc}"))
     if comm is not None:
         comm.close()
     if dist.is_initialized():
@@ -103,7 +103,10 @@ class LocalCluster:
         self.layout = list(layout)
         self.world_size = sum(layout)
         self._mp = mp.get_context("spawn")
-        self._outbox = self._mp.Queue()
+        # One pipe per rank for its answers, written synchronously: a rank killed in the middle of
+        # an answer breaks only its own pipe (a queue shared by every rank has one write lock,
+        # which a killed writer can take with it, silencing every other rank).
+        self._answers: list[Any] = []
         self._inboxes = []
         self.procs = []
         self._env = dict(env or {})
@@ -135,13 +138,32 @@ class LocalCluster:
 
     def _start(self, rank: int, inbox) -> Any:
         node, local, size = self._places[rank]
+        answers, outbox = self._mp.Pipe(duplex=False)
         p = self._mp.Process(
             target=_rank_main,
-            args=(rank, self.world_size, node, local, size, self._port, self._env, inbox, self._outbox, self.store is None),
+            args=(rank, self.world_size, node, local, size, self._port, self._env, inbox, outbox, self.store is None),
             daemon=True,
         )
         p.start()
+        outbox.close()  # the child holds the write end: its death ends the pipe
+        if rank < len(self._answers):
+            if self._answers[rank] is not None:
+                self._answers[rank].close()
+            self._answers[rank] = answers
+        else:
+            self._answers.append(answers)
         return p
+
+    def _next(self, timeout: float, only: int | None = None) -> tuple[int, str, Any] | None:
+        """The next answer of any rank (or of rank ``only``), or None when none came within ``timeout``."""
+        ends = {end: r for r, end in enumerate(self._answers) if end is not None and only in (None, r)}
+        for end in mp.connection.wait(list(ends), timeout):
+            try:
+                return end.recv()
+            except (EOFError, OSError):  # the rank's process is gone: nothing more will come from it
+                self._answers[ends[end]] = None
+                end.close()
+        return None
 
     def respawn(self, rank: int, timeout: float = 120.0) -> None:
         """Start a new process for ``rank`` (after it died); needs ``parent_store=True``."""
@@ -158,12 +180,12 @@ class LocalCluster:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"rank {rank} did not restart within {timeout:.0f}s")
-            try:
-                r, status, value = self._outbox.get(timeout=min(left, 0.5))
-            except queue.Empty:
+            item = self._next(min(left, 0.5), only=rank)
+            if item is None:
                 if not self.procs[rank].is_alive():
-                    raise RankFailed({rank: f"process exited with code {self.procs[rank].exitcode}"}) from None
+                    raise RankFailed({rank: f"process exited with code {self.procs[rank].exitcode}"})
                 continue
+            r, status, value = item
             if r == rank and status == "ready":
                 return
             if r == rank and status == "error":
@@ -179,13 +201,13 @@ class LocalCluster:
                 missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
                 self._dump_stacks(missing)
                 raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout:.0f}s")
-            try:
-                rank, status, value = self._outbox.get(timeout=min(left, 0.5))
-            except queue.Empty:
+            item = self._next(min(left, 0.5))
+            if item is None:
                 for r, p in enumerate(self.procs):
                     if not p.is_alive() and r not in results and r not in errors:
                         errors[r] = f"process exited with code {p.exitcode}"
                 continue
+            rank, status, value = item
             if status == "error":
                 errors[rank] = value
                 results.pop(rank, None)
@@ -215,10 +237,10 @@ class LocalCluster:
             if left <= 0:
                 self._dump_stacks(sorted(want - set(got)))
                 raise TimeoutError(f"ranks {sorted(want - set(got))} did not answer within {timeout:.0f}s")
-            try:
-                rank, status, value = self._outbox.get(timeout=min(left, 0.5))
-            except queue.Empty:
+            item = self._next(min(left, 0.5))
+            if item is None:
                 continue
+            rank, status, value = item
             got[rank] = (status, value)
         return got
 
