@@ -316,14 +316,8 @@ class Arena:
                 value = words[i]
                 if ((value - target) & 0xFFFFFFFF) < 0x80000000:
                     break
-                try:
-                    check()
-                except BaseException:
-                    # The peer may have published and then died (or the group failed) while this
-                    # rank was checking: what it published still counts.
-                    if ((words[i] - target) & 0xFFFFFFFF) < 0x80000000:
-                        break
-                    raise
+                if check_unless(check, lambda: reached(words[i], target)):  # noqa: B023 - called at once
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise timed_out(k)
@@ -391,6 +385,22 @@ def _to_i32(value: int) -> int:
 def reached(value: int, target: int) -> bool:
     """Whether counter ``value`` has reached ``target``, modulo 2**32."""
     return ((value - target) & 0xFFFFFFFF) < (1 << 31)
+
+
+def check_unless(check: Callable[[], None], done: Callable[[], bool]) -> bool:
+    """A wait's failure check, between its looks at what it waits for.
+
+    Returns False when ``check()`` passed. When it raised but ``done()`` has come true
+    meanwhile (a peer delivered, then died or failed the group), returns True: the delivery
+    counts and the wait is over. Otherwise the failure propagates.
+    """
+    try:
+        check()
+    except BaseException:
+        if done():
+            return True
+        raise
+    return False
 
 
 def _unlink_quietly(path: str) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fireflyer.hfreduce.arena import check_unless
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.node_stage import CORE_DONE, CORE_NEED_PYTHON, JOB_SPEC, SHARED_EXT
 from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan
@@ -141,12 +142,8 @@ def _through_exchange(comm: "Communicator", job: "Job", input: torch.Tensor, out
                  timeout=max(1e-3, job.deadline - time.monotonic()))
     give_up = job.deadline + 2.0  # the exchange's own deadline ends the call first
     while not op.future.done():
-        try:
-            comm._check()
-        except HFReduceError:
-            if op.future.done():  # it finished first: a failure after is not this call's
-                break
-            raise
+        if check_unless(comm._check, op.future.done):  # it finished first: a failure after is not this call's
+            break
         if time.monotonic() > give_up:
             raise CollectiveTimeout(f"all_to_all_single timed out on {comm.describe(me)} in the exchange")
         time.sleep(_WAIT_SLICE)

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from fireflyer.hfreduce.arena import reached
+from fireflyer.hfreduce.arena import check_unless, reached
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.failures import Failures, mismatch
 from fireflyer.hfreduce.jobs import Job
@@ -352,12 +352,8 @@ class TreeStage:
             cond = self._signal[t]
             with cond:
                 while not reached(self._root_ready[t], g + 1):
-                    try:
-                        check()
-                    except HFReduceError:
-                        if reached(self._root_ready[t], g + 1):  # it finished while we looked
-                            break
-                        raise
+                    if check_unless(check, lambda: reached(self._root_ready[t], g + 1)):
+                        break
                     if time.monotonic() > job.tree_deadline + SELF_GRACE:  # its reduce-up gives up first
                         behind = self._failures.behind(job.seq)
                         raise CollectiveTimeout(f"{desc} timed out on {self._describe(self.rank)} in tree {t}"
