@@ -216,23 +216,25 @@ class TreeStage:
 
     def _expect(self, link: Link, job: Job, c: int, nbytes: int, what: str) -> None:
         _, seq, chunk, got, digest = link.recv_header(self._failures.check, job.tree_deadline, what)
-        self._check_frame(link, job, c, nbytes, seq, chunk, got, digest)
+        error = self._frame_error(link, job, c, nbytes, seq, chunk, got, digest)
+        if error is not None:
+            raise error
 
-    def _check_frame(self, link: Link, job: Job, c: int, nbytes: int, seq: int, chunk: int, got: int,
-                     digest: bytes) -> None:
-        """Raise unless a data frame's header is for chunk ``c`` of ``job`` with ``nbytes`` payload bytes."""
+    def _frame_error(self, link: Link, job: Job, c: int, nbytes: int, seq: int, chunk: int, got: int,
+                     digest: bytes) -> CollectiveMismatch | None:
+        """None when a data frame's header is for chunk ``c`` of ``job`` with ``nbytes`` payload bytes; else the mismatch."""
         if digest != job.plan.desc.pack():
-            raise mismatch(job, self._describe(self.rank), link.peer_desc, Descriptor.unpack(digest), seq)
+            return mismatch(job, self._describe(self.rank), link.peer_desc, Descriptor.unpack(digest), seq)
         if seq != job.seq & 0xFFFFFFFF or chunk != c or got != nbytes:
-            raise CollectiveMismatch(
+            return CollectiveMismatch(
                 f"collective mismatch: {link.peer_desc} sent collective #{seq} chunk {chunk} ({got} bytes) while "
                 f"{self._describe(self.rank)} expected #{job.seq} chunk {c} ({nbytes} bytes) of {job.plan.desc}"
             )
+        return None
 
     # ------------------------------------------------------------------ in the compiled core
     def _runs_in_core(self, job: Job) -> bool:
-        return self._core is not None and self._node.core_comm is not None and job.plan.desc.op != Op.COPY \
-            and job.plan.desc.dtype in DTYPES
+        return self._core is not None and self._node.core_comm is not None and job.plan.desc.op != Op.COPY
 
     def _run_core(self, job: Job, t: int, role: str) -> None:
         """Tree ``t``'s ``role`` of every chunk of ``job`` in one call of the core (see tree.h)."""
@@ -299,10 +301,9 @@ class TreeStage:
         if rc == _CORE_MISMATCH:
             h0, h1 = self._node.tree_chunk(job, t, c).half
             size = (acc_dtype(desc.dtype, desc.op) if role == "up" else desc.dtype).itemsize
-            try:
-                self._check_frame(link, job, c, (h1 - h0) * size, seq, chunk, nbytes, digest)
-            except CollectiveMismatch as exc:
-                return exc
+            error = self._frame_error(link, job, c, (h1 - h0) * size, seq, chunk, nbytes, digest)
+            if error is not None:
+                return error
         return HFReduceError(f"hfreduce's compiled tree stage failed on {desc}: error {rc}")
 
     def _up(self, job: Job, t: int, chunk: TreeChunk, reducer: SliceReducer) -> None:

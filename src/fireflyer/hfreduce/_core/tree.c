@@ -69,6 +69,16 @@ static int ready(tree_run *tr, int fd, short events) {
     }
 }
 
+/* After a socket call that failed with errno: 0 to call it again (interrupted, or ready after it
+ * would have blocked), else why not. */
+static int again(tree_run *tr, int fd, short events) {
+    if (errno == EINTR)
+        return 0;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+        return HFR_LOST;
+    return ready(tr, fd, events);
+}
+
 static int recv_all(tree_run *tr, int fd, void *buf, int64_t n) {
     char *p = (char *)buf;
     int64_t got = 0;
@@ -80,11 +90,7 @@ static int recv_all(tree_run *tr, int fd, void *buf, int64_t n) {
         }
         if (k == 0)
             return HFR_LOST;
-        if (errno == EINTR)
-            continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return HFR_LOST;
-        int rc = ready(tr, fd, POLLIN);
+        int rc = again(tr, fd, POLLIN);
         if (rc)
             return rc;
     }
@@ -104,11 +110,7 @@ static int send_frame(tree_run *tr, int fd, int64_t chunk, const void *payload, 
         m.msg_iovlen = (size_t)(count - i);
         ssize_t k = sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (k < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK)
-                return HFR_LOST;
-            int rc = ready(tr, fd, POLLOUT);
+            int rc = again(tr, fd, POLLOUT);
             if (rc)
                 return rc;
             continue;
