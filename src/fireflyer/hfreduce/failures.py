@@ -57,6 +57,7 @@ class Failures:
                  running: Callable[[], Job | None]) -> None:
         self.rank = rank
         self._members = members
+        self._local_rank = members.index(rank)
         self._pids = pids
         self._describe = describe
         self._store = store
@@ -181,7 +182,7 @@ class Failures:
             remote = next((r for r in ranks if r not in self._members), None)
             arena = self._arena
             if remote is not None and arena is not None:  # for the local peers' timeouts, which wait on this rank
-                arena.note_remote_wait(self._members.index(self.rank), remote)
+                arena.note_remote_wait(self._local_rank, remote)
 
     def done_waiting(self) -> None:
         self._waits.pop(threading.get_ident(), None)

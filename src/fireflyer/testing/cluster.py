@@ -106,7 +106,7 @@ class LocalCluster:
         # One pipe per rank for its answers, written synchronously: a rank killed in the middle of
         # an answer breaks only its own pipe (a queue shared by every rank has one write lock,
         # which a killed writer can take with it, silencing every other rank).
-        self._answers: list[Any] = []
+        self._answers: list[Any] = [None] * self.world_size
         self._inboxes = []
         self.procs = []
         self._env = dict(env or {})
@@ -146,12 +146,9 @@ class LocalCluster:
         )
         p.start()
         outbox.close()  # the child holds the write end: its death ends the pipe
-        if rank < len(self._answers):
-            if self._answers[rank] is not None:
-                self._answers[rank].close()
-            self._answers[rank] = answers
-        else:
-            self._answers.append(answers)
+        if self._answers[rank] is not None:  # a respawned rank's old pipe
+            self._answers[rank].close()
+        self._answers[rank] = answers
         return p
 
     def _next(self, timeout: float, only: int | None = None) -> tuple[int, str, Any] | None:
