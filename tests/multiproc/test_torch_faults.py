@@ -30,7 +30,8 @@ SLACK = 3.0  # the engine's tree margin plus scheduling on a loaded machine
 ENV = {"FIREFLYER_TEST_COMM": "0", "FIREFLYER_HFREDUCE_CHUNK_BYTES": "262144", "OMP_NUM_THREADS": "1"}
 LAYOUTS = {"1x4": [4], "2x2": [2, 2], "3+1": [3, 1]}
 EXPECTED = {"between": "PeerFailure", "during": "PeerFailure", "absent": "CollectiveTimeout", "aborts": "PeerFailure",
-            "size": "CollectiveMismatch", "dtype": "CollectiveMismatch", "op": "CollectiveMismatch"}
+            "size": "CollectiveMismatch", "dtype": "CollectiveMismatch", "op": "CollectiveMismatch",
+            "node_size": "CollectiveMismatch"}
 
 # (layout, door, fault, style or wrapper, victim)
 CELLS = [
@@ -45,6 +46,7 @@ CELLS = [
     ("1x4", "plain", "size", "sync", 0), ("1x4", "plain", "dtype", "async", 3), ("1x4", "plain", "op", "future", 3),
     ("2x2", "plain", "size", "sync", 0), ("2x2", "plain", "dtype", "sync", 3), ("2x2", "plain", "op", "async", 3),
     ("3+1", "plain", "size", "sync", 3),
+    ("2x2", "plain", "node_size", "sync", 2),  # every rank of the victim's node: only the trees' frames can tell
     ("2x2", "plain", "aborts", "async", 2),  # a rank calls ProcessGroup.abort()
     # functional collectives (what DTensor calls)
     ("2x2", "plain", "between", "funcol", 1), ("1x4", "plain", "during", "funcol", 0),

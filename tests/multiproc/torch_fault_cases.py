@@ -116,7 +116,7 @@ def _leave(report: dict) -> dict:
 def plain(ctx, fault: str, style: str, victim: int) -> dict:
     """``fault``: between (the victim exits before the call), during (dies while the ranks run
     collectives back to back), absent (never calls), size / dtype / op (the victim calls a
-    different collective)."""
+    different collective), node_size (every rank of the victim's node calls another size)."""
     world = ctx.world_size
     me = ctx.rank
     if fault == "during":
@@ -125,6 +125,8 @@ def plain(ctx, fault: str, style: str, victim: int) -> dict:
         return _leave(_until_failure(style, BIG, world, rounds=200))
     x = torch.ones(1000)
     op = dist.ReduceOp.SUM
+    if fault == "node_size" and ctx.node == _node_of(ctx, victim):
+        x = torch.ones(1001)
     if me == victim:
         if fault == "between":
             _die_now()
@@ -172,6 +174,12 @@ def _hold_the_gil(stop: threading.Event) -> None:
     n = 0
     while not stop.is_set():
         n += 1
+
+
+def _node_of(ctx, rank: int) -> int:
+    """The node of ``rank``, as every rank of the cell tells it on the job's store."""
+    ctx.store.set(f"{_CELL['name']}/node/{ctx.rank}", str(ctx.node))
+    return int(ctx.store.get(f"{_CELL['name']}/node/{rank}"))
 
 
 def _until_failure(style: str, n: int, world: int, rounds: int) -> dict:
