@@ -41,6 +41,20 @@ def test_the_ring_wraps_at_capacity_and_keeps_the_newest(tmp_path):
     assert [e["collective_seq_id"] for e in fr.entries()] == [3, 4, 5]
 
 
+def test_a_reused_slot_keeps_nothing_of_the_collective_it_held(tmp_path):
+    fr = recorder(tmp_path, capacity=2)
+    allreduce(fr, 0, n=7)
+    fr.waiting(0, [3], "reduce of chunk 0 of 1")
+    fr.failed(0, "PeerFailure: rank 3 died")
+    allreduce(fr, 1)
+    allreduce(fr, 2, n=9, op="broadcast")  # takes seq 0's slot
+    fr.completed(0)  # aged out: must not touch the slot's new collective
+    e = fr.entries()[-1]
+    assert e["collective_seq_id"] == 2 and e["profiling_name"] == "nccl:broadcast" and e["input_sizes"] == [[9]]
+    assert e["state"] == "scheduled" and not e["retired"] and e["error"] is None
+    assert e["waiting_on"] == [] and e["waiting_for"] is None and e["time_discovered_started_ns"] is None
+
+
 def test_states_from_scheduled_to_completed_or_failed(tmp_path):
     fr = recorder(tmp_path, rank=1, global_ranks=[4, 6, 8, 10], group_desc="dp")
     allreduce(fr, 0)

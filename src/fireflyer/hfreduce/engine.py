@@ -251,14 +251,14 @@ class Communicator:
         """
         return self._jobs.run_now(plan)
 
-    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None, trace: tuple) -> bool:
+    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
         """``dist.all_reduce`` of a small contiguous CPU tensor on one node, as one call of the core.
 
         The same protocol, descriptors, flight record and errors as :meth:`run_now`, with none of
         its bookkeeping: True when it ran (its error raised otherwise); False when it is not a
         collective this door takes, or the engine is busy (the caller then takes the general path).
         """
-        return self._door is not None and self._door.allreduce_now(tensor, op, timeout, trace)
+        return self._door is not None and self._door.allreduce_now(tensor, op, timeout)
 
     # Direct API: each returns a torch.futures.Future that completes when the result is in place.
     def allreduce(self, tensor: torch.Tensor, op: Op | str = Op.SUM) -> torch.futures.Future:

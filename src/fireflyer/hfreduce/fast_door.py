@@ -15,7 +15,7 @@ import torch
 
 from fireflyer.hfreduce.errors import fresh
 from fireflyer.hfreduce.failures import Failures
-from fireflyer.hfreduce.flight import FlightRecorder
+from fireflyer.hfreduce.flight import FlightRecorder, trace_of
 from fireflyer.hfreduce.jobs import Job, Jobs
 from fireflyer.hfreduce.node_stage import (
     CORE_DONE,
@@ -44,31 +44,33 @@ class FastDoor:
         self._timeout = timeout
         self._fast: dict = {}  # (dtype, numel, op) -> what the door packs for the core
 
-    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None, trace: tuple) -> bool:
+    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
         """True when it ran (its error raised otherwise); False when it is not a collective this door
         takes, or the engine is busy (the caller then takes the general path)."""
         node, jobs = self._node, self._jobs
         if jobs.closed or self._failures.error is not None:
             return False
-        numel, dtype = tensor.numel(), tensor.dtype
-        key = (dtype, numel, op)
+        key = (tensor.dtype, tensor.shape, op)
         fast = self._fast.get(key)
         if fast is None:
-            cfg = node.config
+            dtype, numel, cfg = tensor.dtype, tensor.numel(), node.config
             if dtype not in CORE_DTYPES or numel * dtype.itemsize > min(cfg.oneshot_bytes, cfg.chunk_bytes):
                 return False
             check_op(op, dtype)
             desc = Descriptor(Kind.ALLREDUCE, dtype, numel, op)
             if len(self._fast) > 1024:
                 self._fast.clear()
+            # The flight record keeps the trace's lists: one pair per shape, so a call leaves none behind.
+            sizes, dtypes = trace_of([tensor])
             fast = self._fast[key] = (desc, desc.pack() + bytes(SHARED_EXT.size), DTYPES[dtype],
-                                      DTYPES[acc_dtype(dtype, op)], node.world_size if op == Op.AVG else 0)
+                                      DTYPES[acc_dtype(dtype, op)], node.world_size if op == Op.AVG else 0,
+                                      numel, (sizes, dtypes, sizes, dtypes))
         if not tensor.is_contiguous() or tensor.is_cuda or (node.shared is not None and
                                                              node.shared.locate(tensor) is not None):
             return False
         if timeout is not None and not timeout > 0:
             raise ValueError(f"a collective's timeout must be positive seconds, got {timeout}")
-        desc, packed, dtype_code, acc_code, divisor = fast
+        desc, packed, dtype_code, acc_code, divisor, numel, trace = fast
         seconds = timeout or self._timeout()
         seq = jobs.claim(lambda seq: self._flight.record(seq, "allreduce", input_sizes=trace[0],
                                                          input_dtypes=trace[1], output_sizes=trace[2],

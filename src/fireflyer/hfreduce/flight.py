@@ -138,6 +138,22 @@ def json_path(dump_dir: str | os.PathLike, global_rank: int) -> Path:
     return Path(dump_dir) / f"{JSON_PREFIX}{global_rank}{JSON_SUFFIX}"
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype as the dump names it ("float32")."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def trace_of(tensors: list) -> tuple[list[list[int]], list[str]]:
+    """The sizes and dtypes of a collective's tensors, as :meth:`FlightRecorder.record` takes them."""
+    return [list(t.shape) for t in tensors], [dtype_name(t.dtype) for t in tensors]
+
+
 class _Entry:
     """One collective as this rank saw it. Mutated only under its recorder's lock."""
 
@@ -147,6 +163,13 @@ class _Entry:
 
     def __init__(self, record_id: int, seq: int, op: str, input_sizes: list, input_dtypes: list,
                  output_sizes: list, output_dtypes: list, timeout_ms: int, frames: list | None) -> None:
+        self.reset(record_id, seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes, timeout_ms, frames)
+
+    def reset(self, record_id: int, seq: int, op: str, input_sizes: list, input_dtypes: list,
+              output_sizes: list, output_dtypes: list, timeout_ms: int, frames: list | None) -> None:
+        """Make this entry a new collective's (the ring reuses its entries: a collective then
+        leaves no new long-lived object behind, which would bring on the cycle collector's full
+        passes, tens of ms each in a process that holds torch)."""
         self.record_id = record_id
         self.seq = seq
         self.op = op
@@ -238,14 +261,17 @@ class FlightRecorder:
             return
         if op not in PROFILING_NAMES:
             raise ValueError(f"unknown collective {op!r}; the flight recorder knows {', '.join(PROFILING_NAMES)}")
-        e = _Entry(next(self._file.ids), seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes,
-                   int(timeout_s * 1000), _frames(sys._getframe(1)) if self._stack else None)
+        args = (next(self._file.ids), seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes,
+                int(timeout_s * 1000), _frames(sys._getframe(1)) if self._stack else None)
         with self._lock:
             i = self._next
-            old = self._ring[i]
-            if old is not None and self._by_seq.get(old.seq) is old:
-                del self._by_seq[old.seq]
-            self._ring[i] = e
+            e = self._ring[i]
+            if e is None:
+                e = self._ring[i] = _Entry(*args)
+            else:
+                if self._by_seq.get(e.seq) is e:
+                    del self._by_seq[e.seq]
+                e.reset(*args)
             self._next = i + 1 if i + 1 < self.capacity else 0
             self._by_seq[seq] = e
             self._recorded += 1

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fireflyer.hfreduce import collectives, spread
 from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.hfreduce.flight import trace_of
 from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
 from fireflyer.hfreduce.reduce import Op, Plan
 from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
@@ -74,20 +75,6 @@ def _unsupported(name: str) -> NotImplementedError:
     )
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _shapes(tensors: list[torch.Tensor]) -> tuple[list[list[int]], list[str]]:
-    return [list(t.shape) for t in tensors], [_dtype_name(t.dtype) for t in tensors]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
-
-
 class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     """A process group whose collectives run on :class:`~fireflyer.hfreduce.engine.Communicator`."""
 
@@ -127,7 +114,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def _work(self, plans: list[Plan], result: list[torch.Tensor], opts, what: str,
               inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> HFReduceWork:
         timeout = seconds(getattr(opts, "timeout", None))
-        trace = (*_shapes(inputs), *_shapes(outputs)) if len(plans) == 1 else None
+        trace = (*trace_of(inputs), *trace_of(outputs)) if len(plans) == 1 else None
         for p in plans:
             p.timeout = timeout
             if trace is not None:
@@ -152,9 +139,8 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         t = _one(tensors, "allreduce")
         if not getattr(opts, "asyncOp", True) and isinstance(t, torch.Tensor):
             # dist.all_reduce of a small CPU tensor on one node: one call of the compiled core
-            shape, dtype = [list(t.shape)], [_dtype_name(t.dtype)]
             try:
-                if self.comm.allreduce_now(t, op, seconds(opts.timeout), (shape, dtype, shape, dtype)):
+                if self.comm.allreduce_now(t, op, seconds(opts.timeout)):
                     return DoneWork(tensors, self.comm._seq - 1, "all_reduce")
             except HFReduceError as exc:
                 failed: torch.futures.Future = torch.futures.Future()
