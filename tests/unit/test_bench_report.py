@@ -71,8 +71,8 @@ def _cfg(**kw) -> HFReduceConfig:
 
 @pytest.mark.parametrize("layout,nbytes,itemsize,config,path", [
     ((1, 4), 4 << 10, 4, {}, "one-shot"),
-    ((1, 4), 64 << 10, 4, {}, "one-shot"),             # the default one-shot limit, inclusive
-    ((1, 4), 256 << 10, 2, {}, "pipeline"),
+    ((1, 4), 256 << 10, 4, {}, "one-shot"),            # the default one-shot limit, inclusive
+    ((1, 4), (256 << 10) + 2, 2, {}, "pipeline"),
     ((1, 4), 64 << 20, 4, {}, "pipeline"),
     ((1, 4), 4 << 10, 4, {"oneshot_bytes": 0}, "pipeline"),
     ((1, 4), 64 << 10, 4, {"chunk_bytes": 32 << 10}, "pipeline"),  # one chunk at most
@@ -99,12 +99,12 @@ def test_path_traffic_multiples() -> None:
 
 
 def test_thresholds_follow_the_config() -> None:
-    assert report.thresholds(_cfg()) == {"oneshot_bytes": 64 << 10, "chunk_one_node": 256 << 10,
+    assert report.thresholds(_cfg()) == {"oneshot_bytes": 256 << 10, "chunk_one_node": 256 << 10,
                                          "chunk_many_nodes": 4 << 20}
     assert report.thresholds(_cfg(chunk_bytes=32 << 10)) == {"oneshot_bytes": 32 << 10, "chunk_one_node": 32 << 10,
                                                              "chunk_many_nodes": 32 << 10}
     line = report.format_thresholds(report.thresholds(_cfg()))
-    assert "one-shot up to 64KiB" in line and "256KiB on one node" in line and "4MiB across nodes" in line
+    assert "one-shot up to 256KiB" in line and "256KiB on one node" in line and "4MiB across nodes" in line
     assert "one-shot off" in report.format_thresholds(report.thresholds(_cfg(oneshot_bytes=0)))
     assert "\n" not in line
 

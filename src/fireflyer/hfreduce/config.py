@@ -21,10 +21,12 @@ class HFReduceConfig:
     """Seconds a collective may take before every rank raises CollectiveTimeout."""
     ifaddr: str | None = None
     """IPv4 address to listen on for other nodes. Default: the address that routes to MASTER_ADDR."""
-    oneshot_bytes: int = 64 << 10
+    oneshot_bytes: int = 256 << 10
     """On one node, collectives up to this size (and one chunk) run one-shot: every rank stages its whole
     input in and reduces all of it into its own result, with no second handoff. Every rank of a group must
-    use the same value (as with chunk_bytes). At most one chunk counts, whatever this says."""
+    use the same value (as with chunk_bytes). At most one chunk counts, whatever this says. On this machine
+    kind (2 cores), a 256 KiB fp32 all_reduce takes 0.27 ms one-shot against 0.32 ms pipelined at 1x4,
+    0.04 against 0.09 ms at 1x2, and about the same at 1x8."""
     core: bool = True
     """Run the node stage in the compiled core when it is built (``False``: the pure-Python reference)."""
     core_trees: bool = True
