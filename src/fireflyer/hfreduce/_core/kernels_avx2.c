@@ -44,15 +44,6 @@ I2 __m256 c_max(__m256 a, __m256 b) {
 }
 
 I2 void s_f32(void *o, int64_t i, __m256 v) { _mm256_storeu_ps((float *)o + i, v); }
-I2 void s_bf16(void *o, int64_t i, __m256 v) {
-    __m256i x = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-    __m256i nan = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128((__m128i *)((uint16_t *)o + i), h);
-}
 I2 void s_f16(void *o, int64_t i, __m256 v) {
     _mm_storeu_si128((__m128i *)((uint16_t *)o + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -111,8 +102,52 @@ DEF_F32(k_f32_sum_0, K_F32, O_SUM, 0, w_f32, c_sum, s_f32)
 DEF_F32(k_f32_prod_0, K_F32, O_PROD, 0, w_f32, c_prod, s_f32)
 DEF_F32(k_f32_min_0, K_F32, O_MIN, 0, w_f32, c_min, s_f32)
 DEF_F32(k_f32_max_0, K_F32, O_MAX, 0, w_f32, c_max, s_f32)
+/* ---- bf16 in and bf16 out, 16 elements a vector ----
+ * As in the AVX-512 kernels: a 32-bit lane holds an even element in its low half and an odd
+ * one in its high half, so a shift and a mask widen one load into two fp32 vectors, and the two
+ * rounded vectors go back into one with no packing. Same order, same rounding, same bits. */
+I2 __m256i r_bf16_high(__m256 v) { /* rounded into each lane's high half; the low half is debris */
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
+    return _mm256_blendv_epi8(r, _mm256_or_si256(x, _mm256_set1_epi32(0x400000)),
+                              _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+#define DEF_BF16_PAIRS(NAME, O, C)                                                                        \
+    static T2 void NAME(void *out, const void *const *ins, int nin, int64_t lo, int64_t hi, int64_t divisor) { \
+        const __m256 d = _mm256_set1_ps((float)(divisor > 0 ? divisor : 1));                             \
+        const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);                                         \
+        int64_t i = lo;                                                                                   \
+        for (; i + 16 <= hi; i += 16) {                                                                   \
+            __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)ins[0] + i));              \
+            __m256 ev = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));                                    \
+            __m256 od = _mm256_castsi256_ps(_mm256_and_si256(x, high));                                   \
+            for (int k = 1; k < nin; k++) {                                                               \
+                x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)ins[k] + i));                  \
+                ev = C(ev, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));                                \
+                od = C(od, _mm256_castsi256_ps(_mm256_and_si256(x, high)));                               \
+            }                                                                                             \
+            if (divisor > 0) {                                                                            \
+                ev = _mm256_div_ps(ev, d);                                                                \
+                od = _mm256_div_ps(od, d);                                                                \
+            }                                                                                             \
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),                                         \
+                                _mm256_or_si256(_mm256_and_si256(r_bf16_high(od), high),                  \
+                                                _mm256_srli_epi32(r_bf16_high(ev), 16)));                 \
+        }                                                                                                 \
+        if (i < hi) hfr_portable_kernel(K_BF16, O, 1)(out, ins, nin, i, hi, divisor);                     \
+    }
+
 DEF_LOWP(K_F16, f16)
-DEF_LOWP(K_BF16, bf16)
+DEF_F32(k_bf16_sum_0, K_BF16, O_SUM, 0, w_bf16, c_sum, s_f32)
+DEF_F32(k_bf16_prod_0, K_BF16, O_PROD, 0, w_bf16, c_prod, s_f32)
+DEF_F32(k_bf16_min_0, K_BF16, O_MIN, 0, w_bf16, c_min, s_f32)
+DEF_F32(k_bf16_max_0, K_BF16, O_MAX, 0, w_bf16, c_max, s_f32)
+DEF_BF16_PAIRS(k_bf16_sum_1, O_SUM, c_sum)
+DEF_BF16_PAIRS(k_bf16_prod_1, O_PROD, c_prod)
+DEF_BF16_PAIRS(k_bf16_min_1, O_MIN, c_min)
+DEF_BF16_PAIRS(k_bf16_max_1, O_MAX, c_max)
 DEF_LOWP(K_E4M3, e4m3)
 DEF_LOWP(K_E5M2, e5m2)
 

@@ -49,14 +49,6 @@ I512 __m512 c_max(__m512 a, __m512 b) {
 }
 
 I512 void s_f32(void *o, int64_t i, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps((float *)o + i, m, v); }
-I512 void s_bf16(void *o, int64_t i, __m512 v, __mmask16 m) {
-    __m512i x = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    __m512i nan = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm256_mask_storeu_epi16((uint16_t *)o + i, m, _mm512_cvtepi32_epi16(r));
-}
 I512 void s_f16(void *o, int64_t i, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16((uint16_t *)o + i, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -119,8 +111,54 @@ DEF_F32(k_f32_sum_0, w_f32, c_sum, s_f32)
 DEF_F32(k_f32_prod_0, w_f32, c_prod, s_f32)
 DEF_F32(k_f32_min_0, w_f32, c_min, s_f32)
 DEF_F32(k_f32_max_0, w_f32, c_max, s_f32)
+/* ---- bf16 in and bf16 out, 32 elements a vector ----
+ * A 32-bit lane holds two bf16: the even element in its low half, the odd one in its high half.
+ * Shifting left by 16 widens the even ones and clearing the low half widens the odd ones, so one
+ * load gives two fp32 vectors with no shuffle; each is rounded into its lanes' high halves and the
+ * two go back into one vector with no narrowing. Every element is combined in the same order, in
+ * fp32, and rounded to nearest even as torch rounds (a NaN stays a quiet NaN of its sign and payload). */
+/* v rounded to bf16 in each lane's high half (the low half is rounding debris, cleared by the caller) */
+I512 __m512i r_bf16_high(__m512 v) {
+    __m512i x = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), x, _mm512_set1_epi32(0x400000));
+}
+
+#define DEF_BF16_PAIRS(NAME, C)                                                                          \
+    static T512 void NAME(void *out, const void *const *ins, int nin, int64_t lo, int64_t hi, int64_t divisor) { \
+        const __m512 d = _mm512_set1_ps((float)(divisor > 0 ? divisor : 1));                            \
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                                        \
+        for (int64_t i = lo; i < hi; i += 32) {                                                          \
+            const __mmask32 m = hi - i >= 32 ? ~(__mmask32)0 : (__mmask32)(((uint64_t)1 << (hi - i)) - 1); \
+            __m512i x = _mm512_maskz_loadu_epi16(m, (const uint16_t *)ins[0] + i);                       \
+            __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));                                   \
+            __m512 od = _mm512_castsi512_ps(_mm512_and_si512(x, high));                                  \
+            for (int k = 1; k < nin; k++) {                                                              \
+                x = _mm512_maskz_loadu_epi16(m, (const uint16_t *)ins[k] + i);                           \
+                ev = C(ev, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));                               \
+                od = C(od, _mm512_castsi512_ps(_mm512_and_si512(x, high)));                              \
+            }                                                                                            \
+            if (divisor > 0) {                                                                           \
+                ev = _mm512_div_ps(ev, d);                                                               \
+                od = _mm512_div_ps(od, d);                                                               \
+            }                                                                                            \
+            /* (odd & high) | (even >> 16), in one ternary-logic op */                                  \
+            _mm512_mask_storeu_epi16((uint16_t *)out + i, m,                                             \
+                                     _mm512_ternarylogic_epi32(r_bf16_high(od), high,                    \
+                                                               _mm512_srli_epi32(r_bf16_high(ev), 16), 0xEA)); \
+        }                                                                                                \
+    }
+
 DEF_LOWP(f16)
-DEF_LOWP(bf16)
+DEF_F32(k_bf16_sum_0, w_bf16, c_sum, s_f32)
+DEF_F32(k_bf16_prod_0, w_bf16, c_prod, s_f32)
+DEF_F32(k_bf16_min_0, w_bf16, c_min, s_f32)
+DEF_F32(k_bf16_max_0, w_bf16, c_max, s_f32)
+DEF_BF16_PAIRS(k_bf16_sum_1, c_sum)
+DEF_BF16_PAIRS(k_bf16_prod_1, c_prod)
+DEF_BF16_PAIRS(k_bf16_min_1, c_min)
+DEF_BF16_PAIRS(k_bf16_max_1, c_max)
 DEF_LOWP(e4m3)
 DEF_LOWP(e5m2)
 
