@@ -42,7 +42,7 @@ class FastDoor:
         self._failures = failures
         self._flight = flight
         self._timeout = timeout
-        self._fast: dict = {}  # (dtype, numel, op) -> what the door packs for the core
+        self._fast: dict = {}  # (dtype, shape, op) -> what the door packs for the core, and its trace
 
     def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
         """True when it ran (its error raised otherwise); False when it is not a collective this door

@@ -85,7 +85,6 @@ SCHEDULED, STARTED, COMPLETED = "scheduled", "started", "completed"
 _MAX_FRAMES = 32
 
 
-
 def capacity_from_env(env: Mapping[str, str] = os.environ) -> int:
     raw = env.get(BUFFER_ENV, "").strip()
     if not raw:
