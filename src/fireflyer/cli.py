@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from fireflyer.errors import UserError
+from fireflyer.errors import FireflyerError, UserError
 
 
 BENCHES = {
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fireflyer {command}: interrupted", file=sys.stderr)
         return 130
-    except (RuntimeError, OSError, ValueError, TypeError) as exc:
+    except (FireflyerError, RuntimeError, OSError, ValueError, TypeError) as exc:
         print(f"fireflyer {command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from fireflyer.errors import FireflyerError
 from fireflyer.ports import free_port
 
 
-class LaunchFailed(RuntimeError):
+class LaunchFailed(FireflyerError, RuntimeError):
     """A rank of a local job failed; the message carries its last error line."""
 
 

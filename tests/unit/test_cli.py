@@ -49,3 +49,27 @@ def test_hfreduce_clean_reports_what_it_removed():
     done = fireflyer("hfreduce", "clean")
     assert done.returncode == 0, done.stderr
     assert "removed" in done.stdout and "stale arena" in done.stdout
+
+
+def test_every_user_facing_error_derives_from_the_one_root():
+    from fireflyer.checkpoint.errors import CheckpointError
+    from fireflyer.errors import FireflyerError, UserError
+    from fireflyer.hfreduce.errors import HFReduceError
+    from fireflyer.launch import LaunchFailed
+    from fireflyer.platform.accounts import AccountProblem
+    from fireflyer.platform.api import ApiError, Conflict, Forbidden, NotFound, Unavailable
+    from fireflyer.platform.daemon import AlreadyRunning
+    from fireflyer.platform.remote import Unauthorized
+    from fireflyer.platform.server.auth import UserProblem
+    from fireflyer.platform.slurm import SlurmError
+    from fireflyer.platform.store import StoreUnavailable, UnknownTask
+    from fireflyer.storage.errors import StorageError
+    from fireflyer.validator.profiles import ProfileError
+
+    errors = [CheckpointError, HFReduceError, LaunchFailed, AccountProblem, ApiError, Conflict, Forbidden, NotFound,
+              Unavailable, AlreadyRunning, Unauthorized, UserProblem, SlurmError, StoreUnavailable, UnknownTask,
+              StorageError, ProfileError, UserError]
+    assert [e.__name__ for e in errors if not issubclass(e, FireflyerError)] == []
+    # the standard bases they had stay, so every handler that caught them still does
+    assert issubclass(SlurmError, RuntimeError) and issubclass(UnknownTask, LookupError)
+    assert issubclass(AccountProblem, ValueError) and not issubclass(AccountProblem, UserError)

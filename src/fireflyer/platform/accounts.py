@@ -23,6 +23,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from fireflyer.errors import FireflyerError
+
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 PASSED_ON = ("LANG", "LC_ALL", "TZ", "PYTHONPATH")
 """The daemon's variables an isolated task still gets (how to find the platform's own code,
@@ -34,7 +36,7 @@ accounts, hand them their folders, write and read in those folders, and stop the
 CHECK_TIMEOUT_S = 10.0
 
 
-class AccountProblem(ValueError):
+class AccountProblem(FireflyerError, ValueError):
     """A task cannot run as its owner's account (none mapped, unknown, root, or the platform's own)."""
 
 

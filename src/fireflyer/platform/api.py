@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from fireflyer.errors import FireflyerError
 from fireflyer.platform import config as platform_config
 from fireflyer.fsutil import open_owned
 from fireflyer.platform.accounts import DEFAULT_PATH, AccountProblem, run_as
@@ -36,7 +37,7 @@ ENV_PASSED = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TM
 """The submitter's variables a local submit passes on (HAI passes its task spec's environments)."""
 
 
-class ApiError(Exception):
+class ApiError(FireflyerError):
     """A request that cannot be done; the message is one line for the user."""
 
     status = 400

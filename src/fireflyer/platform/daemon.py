@@ -31,6 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fireflyer.errors import FireflyerError
 from fireflyer.fsutil import open_owned, private_dir
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
@@ -366,7 +367,7 @@ def _last_line(adir: AttemptDir) -> str:
 
 
 # ---------------------------------------------------------------------- the process
-class AlreadyRunning(RuntimeError):
+class AlreadyRunning(FireflyerError, RuntimeError):
     pass
 
 

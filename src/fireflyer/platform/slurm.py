@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fireflyer.errors import FireflyerError
 from fireflyer.platform.accounts import Account
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir
@@ -61,7 +62,7 @@ _USABLE = frozenset({"idle", "mixed", "allocated", "completing", "planned"})
 _DRAINED = frozenset({"drained", "draining", "drain"})
 
 
-class SlurmError(RuntimeError):
+class SlurmError(FireflyerError, RuntimeError):
     """A Slurm command failed, timed out, printed something unexpected, or is not installed."""
 
 

@@ -25,6 +25,7 @@ from enum import IntFlag
 from pathlib import Path
 from typing import Any, Iterable
 
+from fireflyer.errors import FireflyerError
 from fireflyer.fsutil import private_dir, private_file
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
 
@@ -109,11 +110,11 @@ class TaskRow:
 
 
 
-class UnknownTask(LookupError):
+class UnknownTask(FireflyerError, LookupError):
     """No such task; the message names it."""
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(FireflyerError, RuntimeError):
     """The platform's state cannot be written (or read) now: its disk is full or failing, or another process
     held the database past the timeout. The change was not made (its transaction rolled back); retry once
     the message's cause is fixed."""

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from fireflyer.errors import FireflyerError
+
 TOKEN_PREFIX = "ff_"
 _TOKEN_RE = re.compile(r"^ff_[A-Za-z0-9_-]{43}$")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
@@ -34,7 +36,7 @@ CREATE TABLE IF NOT EXISTS users (
 """
 
 
-class UserProblem(ValueError):
+class UserProblem(FireflyerError, ValueError):
     """A bad user name, an unknown user, or one that exists already; the message says which."""
 
 
