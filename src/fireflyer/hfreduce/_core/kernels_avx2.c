@@ -88,11 +88,15 @@ I2 void s_e5m2(void *o, int64_t i, __m256 v) {
 #define DEF_F32(NAME, K, O, N, W, C, S) \
     DEF_KERNEL(NAME, K, O, N, __m256, 8, W, C, S, _mm256_div_ps, _mm256_set1_ps, float)
 
-#define DEF_LOWP(K, KIND)                                          \
+/* a narrow kind into fp32 (the _0 kernels), then into its own kind (_1) */
+#define DEF_WIDEN(K, KIND)                                          \
     DEF_F32(k_##KIND##_sum_0, K, O_SUM, 0, w_##KIND, c_sum, s_f32)   \
     DEF_F32(k_##KIND##_prod_0, K, O_PROD, 0, w_##KIND, c_prod, s_f32) \
     DEF_F32(k_##KIND##_min_0, K, O_MIN, 0, w_##KIND, c_min, s_f32)   \
-    DEF_F32(k_##KIND##_max_0, K, O_MAX, 0, w_##KIND, c_max, s_f32)   \
+    DEF_F32(k_##KIND##_max_0, K, O_MAX, 0, w_##KIND, c_max, s_f32)
+
+#define DEF_LOWP(K, KIND)                                          \
+    DEF_WIDEN(K, KIND)                                               \
     DEF_F32(k_##KIND##_sum_1, K, O_SUM, 1, w_##KIND, c_sum, s_##KIND)   \
     DEF_F32(k_##KIND##_prod_1, K, O_PROD, 1, w_##KIND, c_prod, s_##KIND) \
     DEF_F32(k_##KIND##_min_1, K, O_MIN, 1, w_##KIND, c_min, s_##KIND)   \
@@ -140,10 +144,7 @@ I2 __m256i r_bf16_high(__m256 v) { /* rounded into each lane's high half; the lo
     }
 
 DEF_LOWP(K_F16, f16)
-DEF_F32(k_bf16_sum_0, K_BF16, O_SUM, 0, w_bf16, c_sum, s_f32)
-DEF_F32(k_bf16_prod_0, K_BF16, O_PROD, 0, w_bf16, c_prod, s_f32)
-DEF_F32(k_bf16_min_0, K_BF16, O_MIN, 0, w_bf16, c_min, s_f32)
-DEF_F32(k_bf16_max_0, K_BF16, O_MAX, 0, w_bf16, c_max, s_f32)
+DEF_WIDEN(K_BF16, bf16)
 DEF_BF16_PAIRS(k_bf16_sum_1, O_SUM, c_sum)
 DEF_BF16_PAIRS(k_bf16_prod_1, O_PROD, c_prod)
 DEF_BF16_PAIRS(k_bf16_min_1, O_MIN, c_min)

@@ -97,11 +97,15 @@ I512 void s_e5m2(void *o, int64_t i, __m512 v, __mmask16 m) {
 
 #define DEF_F32(NAME, W, C, S) DEF_KERNEL(NAME, __m512, __mmask16, 16, W, C, S, _mm512_div_ps, _mm512_set1_ps, float)
 
-#define DEF_LOWP(KIND)                               \
+/* a narrow kind into fp32 (the _0 kernels), then into its own kind (_1) */
+#define DEF_WIDEN(KIND)                              \
     DEF_F32(k_##KIND##_sum_0, w_##KIND, c_sum, s_f32)  \
     DEF_F32(k_##KIND##_prod_0, w_##KIND, c_prod, s_f32) \
     DEF_F32(k_##KIND##_min_0, w_##KIND, c_min, s_f32)  \
-    DEF_F32(k_##KIND##_max_0, w_##KIND, c_max, s_f32)  \
+    DEF_F32(k_##KIND##_max_0, w_##KIND, c_max, s_f32)
+
+#define DEF_LOWP(KIND)                               \
+    DEF_WIDEN(KIND)                                    \
     DEF_F32(k_##KIND##_sum_1, w_##KIND, c_sum, s_##KIND)  \
     DEF_F32(k_##KIND##_prod_1, w_##KIND, c_prod, s_##KIND) \
     DEF_F32(k_##KIND##_min_1, w_##KIND, c_min, s_##KIND)  \
@@ -116,8 +120,8 @@ DEF_F32(k_f32_max_0, w_f32, c_max, s_f32)
  * Shifting left by 16 widens the even ones and clearing the low half widens the odd ones, so one
  * load gives two fp32 vectors with no shuffle; each is rounded into its lanes' high halves and the
  * two go back into one vector with no narrowing. Every element is combined in the same order, in
- * fp32, and rounded to nearest even as torch rounds (a NaN stays a quiet NaN of its sign and payload). */
-/* v rounded to bf16 in each lane's high half (the low half is rounding debris, cleared by the caller) */
+ * fp32, and rounded to nearest even as torch rounds (a NaN stays a quiet NaN of its sign and payload).
+ * r_bf16_high: v rounded in each lane's high half (the low half is rounding debris, cleared by the caller). */
 I512 __m512i r_bf16_high(__m512 v) {
     __m512i x = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
@@ -151,10 +155,7 @@ I512 __m512i r_bf16_high(__m512 v) {
     }
 
 DEF_LOWP(f16)
-DEF_F32(k_bf16_sum_0, w_bf16, c_sum, s_f32)
-DEF_F32(k_bf16_prod_0, w_bf16, c_prod, s_f32)
-DEF_F32(k_bf16_min_0, w_bf16, c_min, s_f32)
-DEF_F32(k_bf16_max_0, w_bf16, c_max, s_f32)
+DEF_WIDEN(bf16)
 DEF_BF16_PAIRS(k_bf16_sum_1, c_sum)
 DEF_BF16_PAIRS(k_bf16_prod_1, c_prod)
 DEF_BF16_PAIRS(k_bf16_min_1, c_min)
