@@ -58,6 +58,30 @@ class LocalJob:
         return self.nodes * self.ranks_per_node
 
 
+def node_name(node: int) -> str:
+    """The ``FIREFLYER_NODE_ID`` of emulated node ``node``: what tells this machine's nodes apart."""
+    return f"node{node}"
+
+
+def rank_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int, node: int | str,
+             master_addr: str = "127.0.0.1", master_port: int) -> dict[str, str]:
+    """The variables one rank of an emulated node gets, as torchrun sets them on a cluster.
+
+    The one place that names them: every starter of emulated nodes (the local launcher, the
+    platform's local ranks, the benchmarks, the test harness) builds a rank's environment here.
+    ``node`` is the emulated node's index (named by :func:`node_name`) or its name.
+    """
+    if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size:
+        raise ValueError(f"rank {rank}/{world_size} (local {local_rank}/{local_world_size}) is out of range")
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(rank // local_world_size), "NODE_RANK": str(rank // local_world_size),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "FIREFLYER_NODE_ID": node if isinstance(node, str) else node_name(node),
+    }
+
+
 def threads_per_rank(world_size: int) -> int:
     """Intra-op threads for one rank so the ranks together use the cores once, not oversubscribe them."""
     return max(1, (os.cpu_count() or 1) // world_size)
@@ -78,7 +102,7 @@ def run_local(job: LocalJob) -> Path:
         for node in range(job.nodes):
             env = dict(os.environ)
             env.update(
-                FIREFLYER_NODE_ID=f"node{node}",
+                FIREFLYER_NODE_ID=node_name(node),
                 OMP_NUM_THREADS=str(threads),
                 PYTHONUNBUFFERED="1",
             )
