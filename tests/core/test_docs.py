@@ -32,11 +32,14 @@ def test_site_builds_strict(tmp_path):
 _PATH = re.compile(r"`((?:src|tests|benchmarks|docs|\.ci)/[\w.*/-]+)`")
 # `python -m fireflyer.x.y` in backticks or a code block.
 _MODULE = re.compile(r"python3? -m (fireflyer(?:\.\w+)*)")
+# A relative Markdown link or image, ](target) or ](target#anchor); mkdocs checks docs/, this the README too.
+_LINK = re.compile(r"\]\((?![a-z]+:|#)([^)#\s]+)")
 
 
 def _named(page: Path) -> tuple[set[str], set[str]]:
     text = page.read_text()
-    return set(_PATH.findall(text)), set(_MODULE.findall(text))
+    links = {os.path.relpath(os.path.normpath(page.parent / t), ROOT) for t in _LINK.findall(text)}
+    return set(_PATH.findall(text)) | links, set(_MODULE.findall(text))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
