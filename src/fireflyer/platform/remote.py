@@ -14,10 +14,11 @@ import urllib.parse
 import urllib.request
 from typing import Any, Iterator
 
+from fireflyer.platform import env
 from fireflyer.platform.api import ApiError, Conflict, Forbidden, NotFound, Unavailable
 
-TOKEN_ENV = "FIREFLYER_TOKEN"
-SERVER_ENV = "FIREFLYER_SERVER"
+TOKEN_ENV = env.TOKEN
+SERVER_ENV = env.SERVER
 TIMEOUT_S = 30.0
 _BY_STATUS = {403: Forbidden, 404: NotFound, 409: Conflict, 503: Unavailable}
 
