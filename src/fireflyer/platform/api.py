@@ -436,7 +436,7 @@ class PlatformApi:
             if t.state in (RUNNING, SUSPENDING):
                 used[(t.user, t.group, t.priority)] = used.get((t.user, t.group, t.priority), 0) + t.nodes
         quotas = self.store.quotas()
-        default = self._config().policy(len(nodes)).default_quota
+        default = self._config().policy.for_nodes(len(nodes)).default_quota
         keys = sorted(set(used) | set(quotas), key=lambda k: (k[0], k[1], -k[2]))
         quota_use = [{"user": u, "group": g, "priority": p.name, "used": used.get((u, g, p), 0),
                       "quota": quotas.get((u, g, p), quotas.get(("public", g, p), default))}

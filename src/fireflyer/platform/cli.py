@@ -10,6 +10,7 @@ Every command prints a table, or JSON with ``--json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -25,7 +26,8 @@ from fireflyer.errors import UserError
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executor import Timeouts
-from fireflyer.platform.layout import HOME_ENV, Home
+from fireflyer.platform.env import HOME as HOME_ENV
+from fireflyer.platform.layout import Home
 from fireflyer.platform.policy import Priority
 from fireflyer.platform.api import ENV_PASSED, MAX_GROUP, MAX_TASK_ID, ApiError, PlatformApi, Unavailable, check_text
 from fireflyer.platform.remote import SERVER_ENV, TOKEN_ENV, RemoteApi
@@ -215,7 +217,7 @@ def _quota(args: Any) -> int:
     finally:
         store.close()
     data = [{"user": u, "group": g, "priority": p.name, "nodes": n} for (u, g, p), n in rows]
-    default = (platform_config.load(Home(args.home)) or PlatformConfig()).default_quota
+    default = (platform_config.load(Home(args.home)) or PlatformConfig()).policy.default_quota
     held = "half the nodes" if default == "half" else f"{default} node(s)"
     fallback = ("every user may hold every node" if default is None else f"a user without a row holds {held} for "
                 "sure per group and priority, and beyond that only borrows idle nodes (default_quota)")
@@ -260,15 +262,16 @@ def _configure(home: Home, args: Any) -> PlatformConfig:
         changes = {k: v for k, v in {
             "executor": args.executor, "nodes": args.nodes, "zones": args.zones,
             "ranks_per_node": args.ranks_per_node, "tick": args.tick, "max_restarts": args.max_restarts,
-            "time_share_after": args.time_share_after, "demote_after": args.demote_after,
             "partition": args.partition, "isolate": args.isolate, "allow_root_tasks": args.allow_root_tasks,
             "runs_dir": os.path.abspath(args.runs_dir) if args.runs_dir else None,
             "prolog": tuple(shlex.split(args.prolog)) if args.prolog else None}.items() if v is not None}
-        cfg = cfg.replace(timeouts=timeouts, **changes)
+        policy = {k: v for k, v in {"time_share_after": args.time_share_after,
+                                    "demote_after": args.demote_after}.items() if v is not None}
         if args.default_quota is not None:
             text = args.default_quota.strip().lower()
-            cfg = cfg.replace(default_quota=None if text == "none" else text if text == "half" else
-                              int(text) if text.isdigit() else args.default_quota)
+            policy["default_quota"] = (None if text == "none" else text if text == "half" else
+                                       int(text) if text.isdigit() else args.default_quota)
+        cfg = cfg.replace(timeouts=timeouts, policy=dataclasses.replace(cfg.policy, **policy), **changes)
     except (TypeError, ValueError) as exc:
         raise UserError(str(exc)) from None
     return cfg

@@ -20,7 +20,8 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.platform.layout import HOME_ENV, Home
+from fireflyer.platform.env import HOME as HOME_ENV
+from fireflyer.platform.layout import Home
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
