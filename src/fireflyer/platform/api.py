@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Protocol
 
 from fireflyer.errors import FireflyerError, UserError
-from fireflyer.platform import env
+from fireflyer.platform import env as names
 from fireflyer.platform import config as platform_config
 from fireflyer.fsutil import open_owned
 from fireflyer.platform.accounts import DEFAULT_PATH, AccountProblem, run_as
@@ -72,7 +72,7 @@ def open_home(root: str | os.PathLike | Home | None = None) -> Home:
     home = root if isinstance(root, Home) else Home(root)
     if not home.db.exists():
         raise NoPlatform(f"no platform in {home.root}: start one with 'fireflyer platform start'"
-                         + ("" if root is not None else f" (or point --home/{env.HOME} at one)"))
+                         + ("" if root is not None else f" (or point --home/{names.HOME} at one)"))
     return home
 
 

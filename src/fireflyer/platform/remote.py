@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Iterator
 
-from fireflyer.platform import env
+from fireflyer.platform import env as names
 from fireflyer.platform.api import Api, ApiError, Conflict, Forbidden, NotFound, Unavailable
 
 TIMEOUT_S = 30.0
@@ -32,7 +32,7 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
         if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
             raise ApiError(f"the platform server redirected to another origin ({new.scheme}://{new.netloc}); "
-                           "not sending the token there: point --server / FIREFLYER_SERVER at the final address")
+                           f"not sending the token there: point --server / {names.SERVER} at the final address")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -45,7 +45,7 @@ class RemoteApi(Api):
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ApiError(f"--server must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}")
         if not token:
-            raise Unauthorized(f"no token: set {env.TOKEN} (an admin creates one with 'fireflyer platform user add')")
+            raise Unauthorized(f"no token: set {names.TOKEN} (an admin creates one with 'fireflyer platform user add')")
         self.base = url.rstrip("/")
         self.token = token
         self.timeout = timeout

@@ -4,8 +4,9 @@ The platform's daemon stays the scheduler; Slurm only runs what it is given. For
 attempt, :meth:`SlurmExecutor.launch` writes ``slurm.sh`` into the attempt's directory and
 submits it with ``sbatch`` on exactly the chosen nodes (``--nodelist``, ``--exclusive``).
 The script runs the attempt's supervisor (``python -m fireflyer.platform.supervisor
-ATTEMPT_DIR --slurm``), which starts the ranks with one ``srun`` (:func:`fireflyer.platform.starters.srun_ranks`) and
-then runs the same watch as on the local executor: handshake, watchdog, ``status.json``.
+ATTEMPT_DIR --slurm``), which starts the ranks with one ``srun``
+(:func:`fireflyer.platform.starters.srun_ranks`) and then runs the same watch as on the
+local executor: handshake, watchdog, ``status.json``.
 
 Slurm's own signals reach the same handshake:
 

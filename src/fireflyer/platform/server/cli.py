@@ -18,6 +18,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
+from fireflyer.platform import env
 from fireflyer.platform.api import open_home
 from fireflyer.platform.render import day, table, to_json
 from fireflyer.platform.task_cli import home_arg as _home_arg
@@ -57,8 +58,8 @@ def _user(argv: list[str]) -> int:
                 secret = users.add(args.name, admin=args.admin, unix=args.unix)
                 runs = f", running tasks as Unix account {args.unix}" if args.unix else ""
                 print(f"user {args.name} added{' (admin)' if args.admin else ''}{runs}; their token follows, shown "
-                      "only this once (clients send it as 'Authorization: Bearer TOKEN'; the CLI reads "
-                      "FIREFLYER_TOKEN)", file=sys.stderr)
+                      f"only this once (clients send it as 'Authorization: Bearer TOKEN'; the CLI reads "
+                      f"{env.TOKEN})", file=sys.stderr)
                 print(secret)
             elif args.action == "token":
                 secret = users.rotate(args.name)
