@@ -113,46 +113,6 @@ class Api(Protocol):
     def nodes(self) -> list[dict[str, Any]]: ...
     def drain(self, node: str, reason: str = "drained by an admin") -> dict[str, Any]: ...
     def undrain(self, node: str) -> dict[str, Any]: ...
-    # ------------------------------------------------------------------ quotas and groups (admins)
-    def _admin(self, what: str) -> None:
-        if not self.admin:
-            raise Forbidden(f"only an admin may {what}")
-
-    def quotas(self) -> list[dict[str, Any]]:
-        """Every quota row, by user, group and priority (highest first)."""
-        rows = sorted(self.store.quotas().items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2]))
-        return [{"user": u, "group": g, "priority": p.name, "nodes": n} for (u, g, p), n in rows]
-
-    def set_quota(self, user: str, group: str, priority: str | int, nodes: int | str) -> list[dict[str, Any]]:
-        """Let ``user`` (``public``: everyone without a row) hold ``nodes`` nodes in ``group`` at ``priority``."""
-        self._admin("set quotas")
-        prio = parse_priority(priority)
-        try:
-            self.store.set_quota(user, group, prio, int(nodes))
-        except ValueError as exc:
-            raise ApiError(str(exc)) from None
-        return self.quotas()
-
-    def default_quota(self) -> int | str | None:
-        """The platform's ``default_quota`` setting (``"half"``, a node count, or None: no default)."""
-        return self._config().policy.default_quota
-
-    def groups(self) -> list[dict[str, Any]]:
-        """Every group with members (everyone is in ``default`` without being listed)."""
-        return [{"group": g, "users": us} for g, us in sorted(self.store.members().items())]
-
-    def set_members(self, group: str, users: list[str], *, member: bool) -> list[dict[str, Any]]:
-        """Put ``users`` in ``group`` (or, ``member=False``, take them out)."""
-        self._admin("change groups")
-        check_text("group", group, 1, MAX_GROUP)
-        for user in users:
-            check_text("user", user, 1, MAX_GROUP)
-        if group == "default":
-            raise ApiError("everyone is in group 'default'; it has no members to change")
-        for user in users:
-            self.store.set_member(user, group, member=member)
-        return self.groups()
-
     def overview(self, *, hours: float = 24.0, buckets: int = 96) -> dict[str, Any]: ...
 
 
