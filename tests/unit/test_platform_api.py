@@ -8,7 +8,7 @@ from fireflyer.platform import config as platform_config
 from fireflyer.platform.api import Conflict, Forbidden, NotFound, PlatformApi, ApiError, task_json
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
-from fireflyer.platform.policy import Decisions, Start
+from fireflyer.platform.policy import Decisions, PolicyConfig, Start
 from fireflyer.platform.store import StopCode, Store
 
 
@@ -211,12 +211,12 @@ def test_no_default_quota_leaves_a_running_task_alone(tmp_path):
     from fireflyer.platform.policy import schedule
 
     h = Home(tmp_path)
-    cfg = PlatformConfig(nodes=2, default_quota=None)
+    cfg = PlatformConfig(nodes=2, policy=PolicyConfig(default_quota=None))
     store = Store(h.db)
     store.add_nodes(cfg.emulated_nodes())
     big = store.submit(user="alice", nodes=2, command=["true"])
     store.apply(Decisions(starts=[Start(big, ("node0", "node1"))]))
     store.submit(user="bob", nodes=1, command=["true"])
-    decisions = schedule(store.nodes(), store.policy_tasks(), store.quotas(), cfg.policy(len(store.nodes())))
+    decisions = schedule(store.nodes(), store.policy_tasks(), store.quotas(), cfg.policy.for_nodes(len(store.nodes())))
     assert not decisions.suspends and not decisions.starts  # bob waits for turn-taking (4 h) instead
     store.close()

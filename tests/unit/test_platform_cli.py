@@ -10,6 +10,7 @@ from fireflyer.cli import main
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
+from fireflyer.platform.policy import PolicyConfig
 from fireflyer.platform.store import Store
 
 
@@ -146,7 +147,7 @@ def test_groups_are_kept_by_an_admin(home, capsys):
 def test_quota_says_what_a_user_without_a_row_gets(home, capsys):
     code, out, _ = run(capsys, "platform", "quota")
     assert code == 0 and "no quota rows: a user without a row holds half the nodes for sure" in out
-    platform_config.save(home, PlatformConfig(nodes=3, default_quota=None))
+    platform_config.save(home, PlatformConfig(nodes=3, policy=PolicyConfig(default_quota=None)))
     assert "every user may hold every node" in run(capsys, "platform", "quota")[1]
 
 

@@ -232,10 +232,10 @@ def test_a_quota_row_is_a_hard_limit_not_a_default():
 def test_the_platforms_default_quota_is_half_its_nodes_rounded_up():
     from fireflyer.platform.config import PlatformConfig
 
-    assert PlatformConfig(nodes=5).policy().default_quota == 3
-    assert PlatformConfig(nodes=5).policy(nodes=8).default_quota == 4  # Slurm: the nodes the store has
-    assert PlatformConfig(default_quota=None).policy().default_quota is None
-    assert PlatformConfig(default_quota=1).policy().default_quota == 1
+    assert PlatformConfig(nodes=5).policy.for_nodes(5).default_quota == 3
+    assert PlatformConfig(nodes=5).policy.for_nodes(8).default_quota == 4  # Slurm: the nodes the store has
+    assert PlatformConfig(policy=PolicyConfig(default_quota=None)).policy.for_nodes(2).default_quota is None
+    assert PlatformConfig(policy=PolicyConfig(default_quota=1)).policy.for_nodes(2).default_quota == 1
     for bad in (-1, "all", 1.5, True):
         with pytest.raises(ValueError, match="default_quota"):
-            PlatformConfig(default_quota=bad)
+            PlatformConfig(policy=PolicyConfig(default_quota=bad))

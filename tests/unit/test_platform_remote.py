@@ -75,3 +75,19 @@ def test_a_redirect_within_the_same_origin_is_followed_with_the_token():
         assert all(s["authorization"] == "Bearer ff_t0ken_value_here" for s in Hop.seen)
     finally:
         server.shutdown()
+
+
+def test_both_apis_implement_every_method_of_the_protocol():
+    import inspect
+
+    from fireflyer.platform.api import Api, PlatformApi
+
+    wanted = [n for n, v in vars(Api).items() if inspect.isfunction(v) and (not n.startswith("_") or n in (
+        "__enter__", "__exit__"))]
+    assert {"submit", "tasks", "describe", "logs", "follow", "drain", "close"} <= set(wanted)
+    for cls in (PlatformApi, RemoteApi):
+        for name in wanted:
+            assert name in vars(cls), f"{cls.__name__} does not implement Api.{name}"
+            theirs = inspect.signature(getattr(cls, name)).parameters
+            for param in inspect.signature(getattr(Api, name)).parameters.values():
+                assert param.name in theirs, f"{cls.__name__}.{name} takes no {param.name}"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fireflyer.platform.policy import Priority
+from fireflyer.platform.policy import PolicyConfig, Priority
 from fireflyer.platform.simulate import (
     DEFAULT_CLASSES,
     POLICIES,
@@ -109,7 +109,7 @@ def test_a_preempted_task_loses_work_since_its_checkpoint_pays_the_restart_and_r
 
 def test_preemption_only_takes_nodes_from_lower_priorities_without_turn_taking():
     jobs = make_workload(DEFAULT_CLASSES, seed=2, max_nodes=64)
-    r = simulate(jobs, SimConfig(nodes=64, zones=2, hours=24.0, time_share_after=math.inf), "hai")
+    r = simulate(jobs, SimConfig(nodes=64, zones=2, hours=24.0, policy=PolicyConfig(time_share_after=math.inf)), "hai")
     assert r.preemptions > 0
     for ev in r.preemption_events:
         assert ev.top_queued is not None and ev.priority < ev.top_queued, ev
@@ -118,7 +118,7 @@ def test_preemption_only_takes_nodes_from_lower_priorities_without_turn_taking()
 
 def test_with_turn_taking_a_task_is_only_preempted_for_its_own_priority_or_higher():
     jobs = make_workload(DEFAULT_CLASSES, seed=2, max_nodes=64)
-    r = simulate(jobs, SimConfig(nodes=64, zones=2, hours=24.0, time_share_after=3600.0), "hai")
+    r = simulate(jobs, SimConfig(nodes=64, zones=2, hours=24.0, policy=PolicyConfig(time_share_after=3600.0)), "hai")
     assert r.preemptions > 0
     assert all(ev.top_queued is not None and ev.priority <= ev.top_queued for ev in r.preemption_events)
 
@@ -198,7 +198,8 @@ jobs_strategy = st.lists(
 def test_random_days_conserve_nodes_and_work(drafts, ckpt, share):
     drafts = sorted(drafts, key=lambda d: d[3])
     jobs = [Job(i + 1, "t", f"u{u}", "g0", p, n, float(w), float(at)) for i, (n, p, w, at, u) in enumerate(drafts)]
-    cfg = SimConfig(nodes=8, zones=2, hours=8.0, step_s=120.0, checkpoint_every_s=ckpt, time_share_after=share)
+    cfg = SimConfig(nodes=8, zones=2, hours=8.0, step_s=120.0, checkpoint_every_s=ckpt,
+                    policy=PolicyConfig(time_share_after=share))
     for policy in POLICIES:
         r = simulate(jobs, cfg, policy)  # double-booking would trip the simulator's own invariant
         assert all(s.busy <= cfg.nodes for s in r.steps)

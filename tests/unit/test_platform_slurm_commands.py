@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform import slurm
+from fireflyer.platform import slurm, starters
 from fireflyer.platform.executor import Launch, Timeouts
 from fireflyer.platform.layout import AttemptDir, write_json_atomic
 from fireflyer.platform.policy import Node
@@ -411,7 +411,7 @@ def test_srun_starts_every_rank_with_the_task_env(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "16")
     launch, adir = make_launch(tmp_path)
-    procs = slurm.srun_ranks(launch, adir)
+    procs = starters.srun_ranks(launch, adir)
     assert [label for label, _ in procs] == ["srun"]
     assert procs[0][1].wait(timeout=30) == 0
     call = fake.calls("srun")[-1]
@@ -433,7 +433,7 @@ def test_srun_outside_an_allocation_uses_the_launch_nodes(fake, tmp_path, monkey
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
     launch, adir = make_launch(tmp_path, nodes=("nX",), ranks_per_node=1)
-    _, proc = slurm.srun_ranks(launch, adir)[0]
+    _, proc = starters.srun_ranks(launch, adir)[0]
     assert proc.wait(timeout=30) == 0
     call = fake.calls("srun")[-1]
     assert call["env"]["MASTER_ADDR"] == "nX"  # no NodeAddr known: the name

@@ -20,9 +20,10 @@ import shutil
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Protocol
 
-from fireflyer.errors import FireflyerError
+from fireflyer.errors import FireflyerError, UserError
+from fireflyer.platform import env as names
 from fireflyer.platform import config as platform_config
 from fireflyer.fsutil import open_owned
 from fireflyer.platform.accounts import DEFAULT_PATH, AccountProblem, run_as
@@ -59,6 +60,60 @@ class Unavailable(ApiError):
     """The platform's state cannot be used now (a full or failing disk, a database held too long): retry later."""
 
     status = 503
+
+
+class NoPlatform(NotFound, UserError):
+    """No platform lives in the home a command or server was pointed at."""
+
+
+def open_home(root: str | os.PathLike | Home | None = None) -> Home:
+    """The platform home at ``root`` (default ``$FIREFLYER_PLATFORM_HOME``, else ``~/.fireflyer/platform``);
+    :class:`NoPlatform` unless a platform was started there."""
+    home = root if isinstance(root, Home) else Home(root)
+    if not home.db.exists():
+        raise NoPlatform(f"no platform in {home.root}: start one with 'fireflyer platform start'"
+                         + ("" if root is not None else f" (or point --home/{names.HOME} at one)"))
+    return home
+
+
+def parse_priority(value: object) -> Priority:
+    """A priority's name or number, or :class:`ApiError` naming the levels."""
+    try:
+        return Priority.parse(value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ApiError(str(exc)) from None
+
+
+class Api(Protocol):
+    """What users may do with the platform, locally (:class:`PlatformApi`) or over HTTP
+    (:class:`fireflyer.platform.remote.RemoteApi`): the same methods, the same JSON-able data.
+
+    Every method raises :class:`ApiError` (its ``status`` an HTTP status) for a request that
+    cannot be done, :class:`Unavailable` when the platform's state cannot be used now.
+    Task ids are chain ids (any attempt's id works too).
+    """
+
+    def close(self) -> None: ...
+    def __enter__(self) -> "Api": ...
+    def __exit__(self, *exc: object) -> None: ...
+    def me(self) -> dict[str, Any]: ...
+    def submit(self, *, nodes: int, command: list[str], priority: str | int = "NORMAL", group: str = "default",
+               name: str = "", ranks_per_node: int | None = None, env: dict[str, str] | None = None,
+               request_id: str | None = None, cwd: str | None = None, user: str | None = None) -> dict[str, Any]: ...
+    def tasks(self, *, all: bool = False, user: str | None = None, state: str | None = None,
+              priority: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]: ...
+    def describe(self, task_id: int) -> dict[str, Any]: ...
+    def logs(self, task_id: int, *, rank: int = 0, attempt: int | None = None,
+             tail: int | None = None) -> dict[str, Any]: ...
+    def follow(self, task_id: int, *, rank: int = 0, poll: float = 0.2,
+               timeout: float | None = None) -> Iterator[str]: ...
+    def suspend(self, task_id: int) -> dict[str, Any]: ...
+    def resume(self, task_id: int) -> dict[str, Any]: ...
+    def stop(self, task_id: int) -> dict[str, Any]: ...
+    def nodes(self) -> list[dict[str, Any]]: ...
+    def drain(self, node: str, reason: str = "drained by an admin") -> dict[str, Any]: ...
+    def undrain(self, node: str) -> dict[str, Any]: ...
+    def overview(self, *, hours: float = 24.0, buckets: int = 96) -> dict[str, Any]: ...
 
 
 def _answers_503(cls: type) -> type:
@@ -160,11 +215,9 @@ def check_text(field: str, value: object, least: int, most: int) -> None:
 
 
 @_answers_503
-class PlatformApi:
+class PlatformApi(Api):
     def __init__(self, home: Home, *, user: str | None = None, admin: bool = True) -> None:
-        if not home.db.exists():
-            raise NotFound(f"no platform in {home.root}: start one with 'fireflyer platform start'")
-        self.home = home
+        self.home = open_home(home)
         self.user = user
         self.admin = admin if user is not None else True
         self.store = Store(home.db)
@@ -204,10 +257,7 @@ class PlatformApi:
         if user is not None and user != self.user and not self.admin:
             raise Forbidden("only an admin may submit for another user")
         owner = user or self.user or getpass.getuser()
-        try:
-            prio = Priority.parse(priority)
-        except ValueError as exc:
-            raise ApiError(str(exc)) from None
+        prio = parse_priority(priority)
         if not isinstance(nodes, int) or nodes < 1:
             raise ApiError(f"a task needs at least 1 node, got {nodes!r}")
         have = len(self.store.nodes())
@@ -268,12 +318,7 @@ class PlatformApi:
             raise ApiError(f"limit must be 1..{MAX_LIMIT} and offset at least 0")
         if state is not None and state not in STATES:
             raise ApiError(f"unknown state {state!r}; choose one of {', '.join(STATES)}")
-        prio = None
-        if priority is not None:
-            try:
-                prio = Priority.parse(priority)
-            except ValueError as exc:
-                raise ApiError(str(exc)) from None
+        prio = None if priority is None else parse_priority(priority)
         if not self.admin:
             if user is not None and user != self.user:
                 raise Forbidden("only an admin may list another user's tasks")
@@ -396,8 +441,7 @@ class PlatformApi:
         return out
 
     def _set_drained(self, node: str, drained: bool, reason: str) -> dict[str, Any]:
-        if not self.admin:
-            raise Forbidden("only an admin may drain or undrain nodes")
+        self._admin("drain or undrain nodes")
         try:
             self.store.set_drained(node, drained, reason=reason)
         except ValueError as exc:
@@ -416,6 +460,46 @@ class PlatformApi:
 
     def undrain(self, node: str) -> dict[str, Any]:
         return self._set_drained(node, False, "")
+
+    # ------------------------------------------------------------------ quotas and groups (admins)
+    def _admin(self, what: str) -> None:
+        if not self.admin:
+            raise Forbidden(f"only an admin may {what}")
+
+    def quotas(self) -> list[dict[str, Any]]:
+        """Every quota row, by user, group and priority (highest first)."""
+        rows = sorted(self.store.quotas().items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2]))
+        return [{"user": u, "group": g, "priority": p.name, "nodes": n} for (u, g, p), n in rows]
+
+    def set_quota(self, user: str, group: str, priority: str | int, nodes: int | str) -> list[dict[str, Any]]:
+        """Let ``user`` (``public``: everyone without a row) hold ``nodes`` nodes in ``group`` at ``priority``."""
+        self._admin("set quotas")
+        prio = parse_priority(priority)
+        try:
+            self.store.set_quota(user, group, prio, int(nodes))
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        return self.quotas()
+
+    def default_quota(self) -> int | str | None:
+        """The platform's ``default_quota`` setting (``"half"``, a node count, or None: no default)."""
+        return self._config().policy.default_quota
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Every group with members (everyone is in ``default`` without being listed)."""
+        return [{"group": g, "users": us} for g, us in sorted(self.store.members().items())]
+
+    def set_members(self, group: str, users: list[str], *, member: bool) -> list[dict[str, Any]]:
+        """Put ``users`` in ``group`` (or, ``member=False``, take them out)."""
+        self._admin("change groups")
+        check_text("group", group, 1, MAX_GROUP)
+        for user in users:
+            check_text("user", user, 1, MAX_GROUP)
+        if group == "default":
+            raise ApiError("everyone is in group 'default'; it has no members to change")
+        for user in users:
+            self.store.set_member(user, group, member=member)
+        return self.groups()
 
     def overview(self, *, hours: float = 24.0, buckets: int = 96) -> dict[str, Any]:
         if not 0 < hours <= 24 * 30 or not 1 <= buckets <= 1000:
@@ -436,7 +520,7 @@ class PlatformApi:
             if t.state in (RUNNING, SUSPENDING):
                 used[(t.user, t.group, t.priority)] = used.get((t.user, t.group, t.priority), 0) + t.nodes
         quotas = self.store.quotas()
-        default = self._config().policy(len(nodes)).default_quota
+        default = self._config().policy.for_nodes(len(nodes)).default_quota
         keys = sorted(set(used) | set(quotas), key=lambda k: (k[0], k[1], -k[2]))
         quota_use = [{"user": u, "group": g, "priority": p.name, "used": used.get((u, g, p), 0),
                       "quota": quotas.get((u, g, p), quotas.get(("public", g, p), default))}

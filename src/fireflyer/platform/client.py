@@ -30,15 +30,17 @@ import sys
 import time
 from typing import Any, Callable, NoReturn
 
-from fireflyer.platform.layout import TASK_DIR_ENV, AttemptDir
+from fireflyer.fsutil import atomic_write
+from fireflyer.platform import env
+from fireflyer.platform.layout import AttemptDir
 
-SIMULATE_ENV = "FIREFLYER_SIMULATE_SUSPEND"
+SIMULATE_ENV = env.SIMULATE_SUSPEND
 _IMPORTED_AT = time.monotonic()
 _acknowledged = False
 
 
 def _attempt() -> AttemptDir | None:
-    root = os.environ.get(TASK_DIR_ENV)
+    root = os.environ.get(env.TASK_DIR)
     return AttemptDir(root) if root else None
 
 
@@ -63,17 +65,17 @@ def _int_env(name: str, default: int) -> int:
 
 def task_id() -> int | None:
     """This attempt's task id (None outside the platform)."""
-    return _int_env("FIREFLYER_TASK_ID", 0) or None
+    return _int_env(env.TASK_ID, 0) or None
 
 
 def chain_id() -> int | None:
     """The chain's id: the first attempt's id, the one users refer to."""
-    return _int_env("FIREFLYER_CHAIN_ID", 0) or None
+    return _int_env(env.CHAIN_ID, 0) or None
 
 
 def attempt() -> int:
     """0 for a chain's first run, one more for each resume or restart."""
-    return _int_env("FIREFLYER_ATTEMPT", 0)
+    return _int_env(env.ATTEMPT, 0)
 
 
 def rank() -> int:
@@ -90,7 +92,7 @@ def node_rank() -> int:
 
 
 def nnodes() -> int:
-    return _int_env("FIREFLYER_NNODES", 1)
+    return _int_env(env.NNODES, 1)
 
 
 def master_addr() -> str:
@@ -146,7 +148,7 @@ def get_whole_life_state() -> int:
             return int(adir.flag("whole_life_state").read_text().strip())
         except (FileNotFoundError, ValueError):
             pass
-    return _int_env("FIREFLYER_WHOLE_LIFE_STATE", 0)
+    return _int_env(env.WHOLE_LIFE_STATE, 0)
 
 
 def set_whole_life_state(state: int) -> bool:
@@ -157,13 +159,11 @@ def set_whole_life_state(state: int) -> bool:
         return False
     adir = _attempt()
     if adir is None:
-        os.environ["FIREFLYER_WHOLE_LIFE_STATE"] = str(state)
+        os.environ[env.WHOLE_LIFE_STATE] = str(state)
         return True
     path = adir.flag("whole_life_state")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".whole_life_state.{os.getpid()}")
-    tmp.write_text(str(state))
-    os.replace(tmp, path)
+    atomic_write(str(path), lambda f: f.write(str(state).encode()), tmp_name=f".whole_life_state.{os.getpid()}")
     return True
 
 

@@ -12,6 +12,7 @@ from fireflyer.platform.layout import Home, read_json, write_json_atomic
 from fireflyer.platform.policy import Node, PolicyConfig
 
 EXECUTORS = ("local", "slurm")
+_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyConfig))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,15 +32,12 @@ class PlatformConfig:
     """Seconds between scheduling cycles (HAI: 1 s)."""
     max_restarts: int = 3
     """Restarts after a failed rank, per chain, before a task is left failed."""
-    time_share_after: float = 240 * 60.0
-    """Seconds a running task is safe from other users' tasks of its priority (HAI: 240 minutes)."""
-    max_cross_zone: int = 1
-    demote_after: float | None = 30 * 60.0
-    """Seconds after which a running ABOVE_NORMAL task counts as NORMAL (HAI: 30 minutes); None: never."""
-    default_quota: int | str | None = "half"
-    """Nodes a user without a quota row (their own or ``public``) holds for sure per group and priority;
-    beyond them their tasks only borrow idle nodes, and are the first suspended when another task needs
-    them. ``"half"``: half the platform's nodes, rounded up; None: no default (anyone may hold every node)."""
+    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(default_quota="half"))
+    """The scheduler's settings: turn-taking (``time_share_after``), zones (``max_cross_zone``),
+    demotion (``demote_after``) and the default quota. The platform's default quota is ``"half"``:
+    a user without a quota row (their own or ``public``) holds half the platform's nodes, rounded
+    up, for sure per group and priority; beyond them their tasks only borrow idle nodes, and are
+    the first suspended when another task needs them. None: no default (anyone may hold every node)."""
     prolog: tuple[str, ...] = ()
     """A health check run for each node before a task's ranks start there; a node that fails it is drained."""
     partition: str | None = None
@@ -72,27 +70,17 @@ class PlatformConfig:
             raise ValueError(f"tick must be positive seconds, got {self.tick!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
-        quota = self.default_quota
-        if quota not in (None, "half") and (type(quota) is not int or quota < 0):
-            raise ValueError(f"default_quota must be a node count, 'half' or none (no default), got {quota!r}")
         if self.runs_dir is not None and (not isinstance(self.runs_dir, str) or not os.path.isabs(self.runs_dir)):
             raise ValueError(f"runs_dir must be an absolute path, got {self.runs_dir!r}")
         for name in ("isolate", "allow_root_tasks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        self.policy()  # checks its own fields
+        if not isinstance(self.policy, PolicyConfig):
+            raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
 
     def slots(self) -> int:
         """The most ranks per node a task may ask for."""
         return self.slots_per_node or max(os.cpu_count() or 1, self.ranks_per_node)
-
-    def policy(self, nodes: int | None = None) -> PolicyConfig:
-        """The scheduler's settings for a platform of ``nodes`` nodes (default: the emulated ones)."""
-        quota = self.default_quota
-        if quota == "half":
-            quota = -(-(self.nodes if nodes is None else nodes) // 2)
-        return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone,
-                            demote_after=self.demote_after, default_quota=quota)
 
     def emulated_nodes(self) -> list[Node]:
         width = len(str(self.nodes - 1))
@@ -108,10 +96,13 @@ class PlatformConfig:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "PlatformConfig":
         data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | _POLICY_FIELDS
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown platform settings: {', '.join(unknown)}")
+        # A platform.json from before the policy settings were nested keeps them at the top level.
+        policy = {**{k: data.pop(k) for k in _POLICY_FIELDS if k in data}, **data.get("policy", {})}
+        data["policy"] = PolicyConfig(**{"default_quota": "half", **policy})
         data["timeouts"] = Timeouts(**data.get("timeouts", {}))
         data["prolog"] = tuple(data.get("prolog", ()))
         return cls(**data)

@@ -248,7 +248,8 @@ class Daemon:
         cycle.problems += full
         t0 = time.perf_counter()
         nodes = self.store.nodes()
-        decisions = schedule(nodes, self.store.policy_tasks(now), self.store.quotas(), self.cfg.policy(len(nodes)))
+        decisions = schedule(nodes, self.store.policy_tasks(now), self.store.quotas(),
+                             self.cfg.policy.for_nodes(len(nodes)))
         cycle.decide_s = time.perf_counter() - t0
         if full:  # a new attempt's files would not fit, nor could its end be told: none starts
             decisions.waiting.update((s.task_id, "waiting for free disk space") for s in decisions.starts)

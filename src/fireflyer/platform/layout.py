@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.fsutil import open_beneath, read_owned, write_json_atomic  # noqa: F401 - writers import it here
-
-HOME_ENV = "FIREFLYER_PLATFORM_HOME"
-TASK_DIR_ENV = "FIREFLYER_TASK_DIR"
+from fireflyer.platform import env
 
 
 def default_home() -> Path:
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".fireflyer" / "platform")
+    return Path(os.environ.get(env.HOME) or Path.home() / ".fireflyer" / "platform")
 
 
 def read_json(path: Path) -> Any | None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from fireflyer.fsutil import open_beneath, read_owned
+from fireflyer.platform import env
 from fireflyer.platform.accounts import Account
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, Home
@@ -47,7 +48,7 @@ def _belongs_to(pid: int, adir: AttemptDir) -> bool:
         owner = adir.owner
     except OSError:
         return False
-    return _uid(pid) == owner and f"FIREFLYER_TASK_DIR={adir.root}".encode() in environ.split(b"\0")
+    return _uid(pid) == owner and f"{env.TASK_DIR}={adir.root}".encode() in environ.split(b"\0")
 
 
 def _is_supervisor(pid: int, adir: AttemptDir) -> bool:

@@ -32,7 +32,7 @@ Everything is plain data; a cycle over 10,000 tasks and 1,250 nodes is a sort an
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -109,9 +109,10 @@ class PolicyConfig:
     """Seconds a running task is safe from tasks of its own priority (HAI: 240 minutes)."""
     max_cross_zone: int = 1
     """Tasks that may span zones at once."""
-    default_quota: int | None = None
+    default_quota: int | str | None = None
     """Nodes a user without a quota row (their own or ``public``) holds for sure per (group, priority);
-    their tasks beyond it borrow idle nodes and give them back first. None: no default, no borrowing."""
+    their tasks beyond it borrow idle nodes and give them back first. ``"half"``: half the cluster's
+    nodes, rounded up (:meth:`for_nodes`); None: no default, no borrowing."""
     demote_after: float | None = 30 * 60.0
     """Seconds after which a running ABOVE_NORMAL attempt counts as NORMAL (HAI's rule); None: never."""
 
@@ -122,8 +123,15 @@ class PolicyConfig:
             raise ValueError(f"max_cross_zone must be non-negative, got {self.max_cross_zone}")
         if self.demote_after is not None and self.demote_after < 0:
             raise ValueError(f"demote_after must be non-negative seconds or None, got {self.demote_after}")
-        if self.default_quota is not None and self.default_quota < 0:
-            raise ValueError(f"default_quota must be non-negative or None, got {self.default_quota}")
+        quota = self.default_quota
+        if quota not in (None, "half") and (type(quota) is not int or quota < 0):
+            raise ValueError(f"default_quota must be a node count, 'half' or none (no default), got {quota!r}")
+
+    def for_nodes(self, nodes: int) -> "PolicyConfig":
+        """These settings on a cluster of ``nodes`` nodes: a ``"half"`` default quota made a node count."""
+        if self.default_quota != "half":
+            return self
+        return replace(self, default_quota=-(-nodes // 2))
 
 
 @dataclass(frozen=True)
@@ -237,9 +245,9 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
     of tasks already on their way out, then those of the running tasks latest in the
     order, which are then preempted. A queued task starts once all its nodes are free.
     """
-    cfg = cfg or PolicyConfig()
     quotas = quotas or {}
     node_list = list(nodes)
+    cfg = (cfg or PolicyConfig()).for_nodes(len(node_list))
     zone_of = {n.name: n.zone for n in node_list}
     usable = {n.name for n in node_list if n.usable}
     tasks = list(tasks)

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 
+from fireflyer.platform import env as names
 from fireflyer.platform.layout import AttemptDir
 
 _FROM_SLURM = {
@@ -22,7 +23,7 @@ _FROM_SLURM = {
     "LOCAL_RANK": "SLURM_LOCALID",
     "GROUP_RANK": "SLURM_NODEID",
     "NODE_RANK": "SLURM_NODEID",
-    "FIREFLYER_NODE_ID": "SLURMD_NODENAME",
+    names.NODE_ID: "SLURMD_NODENAME",
 }
 
 

@@ -14,10 +14,9 @@ import urllib.parse
 import urllib.request
 from typing import Any, Iterator
 
-from fireflyer.platform.api import ApiError, Conflict, Forbidden, NotFound, Unavailable
+from fireflyer.platform import env as names
+from fireflyer.platform.api import Api, ApiError, Conflict, Forbidden, NotFound, Unavailable
 
-TOKEN_ENV = "FIREFLYER_TOKEN"
-SERVER_ENV = "FIREFLYER_SERVER"
 TIMEOUT_S = 30.0
 _BY_STATUS = {403: Forbidden, 404: NotFound, 409: Conflict, 503: Unavailable}
 
@@ -33,20 +32,20 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
         if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
             raise ApiError(f"the platform server redirected to another origin ({new.scheme}://{new.netloc}); "
-                           "not sending the token there: point --server / FIREFLYER_SERVER at the final address")
+                           f"not sending the token there: point --server / {names.SERVER} at the final address")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 _OPENER = urllib.request.build_opener(_SameOriginRedirects)
 
 
-class RemoteApi:
+class RemoteApi(Api):
     def __init__(self, url: str, token: str | None, *, timeout: float = TIMEOUT_S) -> None:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ApiError(f"--server must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}")
         if not token:
-            raise Unauthorized(f"no token: set {TOKEN_ENV} (an admin creates one with 'fireflyer platform user add')")
+            raise Unauthorized(f"no token: set {names.TOKEN} (an admin creates one with 'fireflyer platform user add')")
         self.base = url.rstrip("/")
         self.token = token
         self.timeout = timeout
@@ -87,8 +86,12 @@ class RemoteApi:
     def me(self) -> dict[str, Any]:
         return self._json("GET", "/api/me")
 
-    def submit(self, **fields: Any) -> dict[str, Any]:
-        return self._json("POST", "/api/tasks", body=fields)
+    def submit(self, *, nodes: int, command: list[str], priority: str | int = "NORMAL", group: str = "default",
+               name: str = "", ranks_per_node: int | None = None, env: dict[str, str] | None = None,
+               request_id: str | None = None, cwd: str | None = None, user: str | None = None) -> dict[str, Any]:
+        return self._json("POST", "/api/tasks", body={
+            "nodes": nodes, "command": command, "priority": priority, "group": group, "name": name,
+            "ranks_per_node": ranks_per_node, "env": env or {}, "request_id": request_id, "cwd": cwd, "user": user})
 
     def tasks(self, *, all: bool = False, user: str | None = None, state: str | None = None,
               priority: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:

@@ -178,12 +178,9 @@ class SimConfig:
     """A resumed attempt spends this long starting and loading its checkpoint before it makes progress."""
     suspend_s: float = 10.0
     """A preempted task holds its nodes this long while it stops (HAI: 5 s to acknowledge, 5 s more to stop)."""
-    time_share_after: float = 240 * 60.0
-    """Seconds a running task is safe from other users' tasks of its priority (HAI: 240 minutes)."""
-    max_cross_zone: int = 1
-    """Tasks that may span zones at once."""
-    demote_after: float | None = 30 * 60.0
-    """Seconds after which a running ABOVE_NORMAL task counts as NORMAL (HAI: 30 minutes); None: never."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The scheduler's settings under the ``hai`` policy (HAI's: 240 minutes before turn-taking,
+    demotion after 30 minutes, one task across zones; no default quota)."""
     record_assignments: bool = False
     """Keep every cycle's node assignment in the result (for tests; memory grows with steps)."""
 
@@ -199,11 +196,8 @@ class SimConfig:
         for name in ("restart_cost_s", "suspend_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative seconds, got {getattr(self, name)}")
-        self.policy()
-
-    def policy(self) -> PolicyConfig:
-        return PolicyConfig(time_share_after=self.time_share_after, max_cross_zone=self.max_cross_zone,
-                            demote_after=self.demote_after)
+        if not isinstance(self.policy, PolicyConfig):
+            raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
 
     def cluster(self) -> list[Node]:
         width = len(str(self.nodes - 1))
@@ -368,8 +362,8 @@ def simulate(jobs: Sequence[Job], cfg: SimConfig = SimConfig(), policy: str = "h
     if ids != sorted(ids) or len(set(ids)) != len(ids):
         raise ValueError("jobs must have unique ids in submission order")
     nodes = cfg.cluster()
-    hai_cfg = cfg.policy()
-    fifo_cfg = PolicyConfig(time_share_after=math.inf, max_cross_zone=cfg.max_cross_zone, demote_after=None)
+    hai_cfg = cfg.policy.for_nodes(len(nodes))
+    fifo_cfg = PolicyConfig(time_share_after=math.inf, max_cross_zone=cfg.policy.max_cross_zone, demote_after=None)
     horizon = cfg.hours * 3600.0
     pending = sorted(jobs, key=lambda j: (j.submit_s, j.id))
     next_arrival = 0

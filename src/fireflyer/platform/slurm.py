@@ -4,8 +4,9 @@ The platform's daemon stays the scheduler; Slurm only runs what it is given. For
 attempt, :meth:`SlurmExecutor.launch` writes ``slurm.sh`` into the attempt's directory and
 submits it with ``sbatch`` on exactly the chosen nodes (``--nodelist``, ``--exclusive``).
 The script runs the attempt's supervisor (``python -m fireflyer.platform.supervisor
-ATTEMPT_DIR --slurm``), which starts the ranks with one ``srun`` (:func:`srun_ranks`) and
-then runs the same watch as on the local executor: handshake, watchdog, ``status.json``.
+ATTEMPT_DIR --slurm``), which starts the ranks with one ``srun``
+(:func:`fireflyer.platform.starters.srun_ranks`) and then runs the same watch as on the
+local executor: handshake, watchdog, ``status.json``.
 
 Slurm's own signals reach the same handshake:
 
@@ -264,38 +265,6 @@ def node_addr(node: str, *, timeout: float = TIMEOUT_S) -> str:
             if addr and addr != "(null)":
                 return addr
     return node
-
-
-def srun_ranks(launch: Launch, adir: AttemptDir) -> list[tuple[str, subprocess.Popen]]:
-    """Start every rank of the attempt with one ``srun`` (the supervisor's starter under ``--slurm``).
-
-    Each task is the rank shim, which takes RANK, LOCAL_RANK, GROUP_RANK and the node's
-    name from Slurm's variables. MASTER_ADDR is the first node of the allocation. A rank
-    that fails makes srun stop the others (``--kill-on-bad-exit=1``), as the local
-    supervisor stops every rank after a failure: peers of a dead rank would otherwise
-    hang in their next collective until the watchdog.
-    """
-    from fireflyer.platform.supervisor import task_env
-
-    nodelist = os.environ.get("SLURM_JOB_NODELIST")
-    first = hostnames(nodelist)[0] if nodelist else launch.nodes[0]
-    try:
-        master = node_addr(first)
-    except SlurmError:
-        master = first
-    nnodes, per_node = len(launch.nodes), launch.ranks_per_node
-    env = {**os.environ, **task_env(launch, adir, master_addr=master)}
-    argv = ["srun", "--nodes", str(nnodes), "--ntasks", str(nnodes * per_node),
-            "--ntasks-per-node", str(per_node), "--kill-on-bad-exit=1", "--job-name",
-            JOB_PREFIX + str(launch.task_id)]
-    cpus = os.environ.get("SLURM_CPUS_ON_NODE", "")
-    if cpus.isdigit() and int(cpus) >= per_node:
-        argv += ["--cpus-per-task", str(int(cpus) // per_node)]  # the whole node, not one CPU per rank
-    argv += [sys.executable, "-m", "fireflyer.platform.rank", str(adir.root), "--", *launch.command]
-    with open(adir.logs / "srun.log", "ab") as log:
-        proc = subprocess.Popen(argv, env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return [("srun", proc)]
 
 
 # ---------------------------------------------------------------------- nodes

@@ -29,11 +29,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-from fireflyer.launch import threads_per_rank
+from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
+from fireflyer.platform.starters import Procs, Starter, local_ranks
 from fireflyer.platform.store import StopCode, stop_text
 
 COLLECT_S = 2.0
@@ -41,51 +42,6 @@ COLLECT_S = 2.0
 POLL_S = 0.05
 WATCHDOG_EVERY_S = 1.0
 """How often the log-silence watchdog looks at the ranks' logs."""
-
-Procs = list[tuple[str, subprocess.Popen]]
-Starter = Callable[[Launch, AttemptDir], Procs]
-
-
-def task_env(launch: Launch, adir: AttemptDir, *, master_addr: str) -> dict[str, str]:
-    """The variables every rank of an attempt shares (rank-specific ones are added per rank)."""
-    return {
-        **launch.env,
-        "WORLD_SIZE": str(launch.world_size),
-        "LOCAL_WORLD_SIZE": str(launch.ranks_per_node),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(launch.master_port),
-        "FIREFLYER_NNODES": str(len(launch.nodes)),
-        "FIREFLYER_TASK_ID": str(launch.task_id),
-        "FIREFLYER_CHAIN_ID": str(launch.chain_id),
-        "FIREFLYER_ATTEMPT": str(launch.attempt),
-        "FIREFLYER_JOB_SECRET": adir.job_secret(),
-        "FIREFLYER_TASK_NAME": launch.name,
-        "FIREFLYER_USER": launch.user,
-        "FIREFLYER_TASK_DIR": str(adir.root),
-        "FIREFLYER_LOG_DIR": str(adir.logs),
-        "FIREFLYER_WHOLE_LIFE_STATE": str(launch.whole_life_state),
-        "TORCHELASTIC_RUN_ID": f"fireflyer-{launch.task_id}",
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
-    """Start every rank on this machine, each emulated node telling its ranks apart by name."""
-    base = {**os.environ, **task_env(launch, adir, master_addr="127.0.0.1")}
-    if "OMP_NUM_THREADS" not in launch.env:  # every emulated node shares this machine's cores
-        base["OMP_NUM_THREADS"] = str(threads_per_rank(launch.world_size))
-    procs: Procs = []
-    for node_rank, node in enumerate(launch.nodes):
-        for local_rank in range(launch.ranks_per_node):
-            rank = node_rank * launch.ranks_per_node + local_rank
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(node_rank),
-                   "NODE_RANK": str(node_rank), "FIREFLYER_NODE_ID": node}
-            proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.rank", str(adir.root), "--",
-                                     *launch.command], env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-            procs.append((f"rank{rank}", proc))
-    return procs
-
 
 class Supervisor:
     def __init__(self, adir: AttemptDir, launch: Launch, starter: Starter = local_ranks) -> None:
@@ -107,7 +63,7 @@ class Supervisor:
         if not self.launch.prolog:
             return None
         for node in self.launch.nodes:
-            env = {**os.environ, **self.launch.env, "FIREFLYER_NODE_ID": node}
+            env = {**os.environ, **self.launch.env, names.NODE_ID: node}
             try:
                 done = subprocess.run(list(self.launch.prolog), env=env, cwd=self.launch.cwd, capture_output=True,
                                       text=True, timeout=self.t.unschedulable)
@@ -291,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     adir = AttemptDir(Path(args[0]))
     starter: Starter = local_ranks
     if "--slurm" in args[1:]:
-        from fireflyer.platform.slurm import srun_ranks
+        from fireflyer.platform.starters import srun_ranks
 
         starter = srun_ranks
     if read_json(adir.status) is not None:

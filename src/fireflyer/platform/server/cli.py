@@ -1,6 +1,6 @@
 """``fireflyer platform serve`` and ``fireflyer platform user add|list|revoke|token``.
 
-``platform/cli.py`` hands over ``argv`` from the sub-action on (``["serve", "--port",
+``platform/daemon_cli.py`` hands over ``argv`` from the sub-action on (``["serve", "--port",
 "0"]``, ``["user", "add", "alice"]``). The web stack is imported only by ``serve``.
 """
 
@@ -8,35 +8,23 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import json
 import logging
 import os
 import re
 import socket
 import sqlite3
 import sys
-from datetime import datetime
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.platform.layout import HOME_ENV, Home
+from fireflyer.platform import env
+from fireflyer.platform.api import open_home
+from fireflyer.platform.render import day, table, to_json
+from fireflyer.platform.task_cli import home_arg as _home_arg
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
-
-
-def _home_arg(p: ArgumentParser) -> None:
-    p.add_argument("--home", default=None, help=f"the platform's directory (default: ${HOME_ENV} or "
-                                                "~/.fireflyer/platform)")
-
-
-def _home(args: Any) -> Home:
-    home = Home(args.home)
-    if not home.db.exists():
-        raise UserError(f"no platform in {home.root}: start one with 'fireflyer platform start'"
-                        + ("" if args.home else f" (or point --home/{HOME_ENV} at one)"))
-    return home
 
 
 # ---------------------------------------------------------------------- users
@@ -63,15 +51,15 @@ def _user(argv: list[str]) -> int:
     for s in (add, lst, revoke, token, unix):
         _home_arg(s)
     args = p.parse_args(argv)
-    home = _home(args)
+    home = open_home(args.home)
     try:
         with Users(home.db) as users:
             if args.action == "add":
                 secret = users.add(args.name, admin=args.admin, unix=args.unix)
                 runs = f", running tasks as Unix account {args.unix}" if args.unix else ""
                 print(f"user {args.name} added{' (admin)' if args.admin else ''}{runs}; their token follows, shown "
-                      "only this once (clients send it as 'Authorization: Bearer TOKEN'; the CLI reads "
-                      "FIREFLYER_TOKEN)", file=sys.stderr)
+                      f"only this once (clients send it as 'Authorization: Bearer TOKEN'; the CLI reads "
+                      f"{env.TOKEN})", file=sys.stderr)
                 print(secret)
             elif args.action == "token":
                 secret = users.rotate(args.name)
@@ -90,24 +78,18 @@ def _user(argv: list[str]) -> int:
                 data = [{"name": u.name, "admin": u.admin, "created": u.created, "revoked": u.revoked,
                          "unix": u.unix} for u in rows]
                 if args.json:
-                    print(json.dumps(data, indent=1))
+                    print(to_json(data))
                 elif not rows:
                     print("no users: add one with 'fireflyer platform user add NAME [--admin]'")
                 else:
-                    from fireflyer.platform.cli import table
-
-                    print(table([(u.name, "admin" if u.admin else "user", u.unix or "-", _when(u.created),
-                                  f"revoked {_when(u.revoked)}" if u.revoked else "active") for u in rows],
+                    print(table([(u.name, "admin" if u.admin else "user", u.unix or "-", day(u.created),
+                                  f"revoked {day(u.revoked)}" if u.revoked else "active") for u in rows],
                                 ["USER", "ROLE", "UNIX", "CREATED", "TOKEN"]))
     except UserProblem as exc:
         raise UserError(str(exc)) from None
     except sqlite3.Error as exc:  # a full disk, a locked or unreadable database
         raise UserError(f"the platform's database in {home.root} cannot be used now: {exc}") from None
     return 0
-
-
-def _when(t: float | None) -> str:
-    return "-" if t is None else datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")
 
 
 # ---------------------------------------------------------------------- serve
@@ -159,7 +141,7 @@ def _serve(argv: list[str]) -> int:
         raise UserError(f"--port must be 0..65535, got {args.port}")
     if not args.max_stream > 0:
         raise UserError(f"--max-stream must be positive, got {args.max_stream}")
-    home = _home(args)
+    home = open_home(args.home)
     try:
         import uvicorn
 
