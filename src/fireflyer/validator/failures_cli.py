@@ -10,7 +10,9 @@ Generate synthetic logs with the paper's Xid mix (and a ``truth.json`` of what i
     fireflyer failures --synthesize N [--nodes K] [--seed S] [--days D] [--malformed M] --out DIR
 
 This module is the I/O edge: it reads files and the checkpoint benchmark's JSON, prints, and
-draws the timeline. The analysis itself is :mod:`fireflyer.validator.failures`.
+draws the timeline. The analysis itself is :mod:`fireflyer.validator.failures`. The synthetic
+logs come from the testing wing (its ``synthlog`` module), which a runtime part does
+not import: the ``fireflyer`` command passes its generator in as ``main(..., synthesize=...)``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
@@ -335,18 +337,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def synthesize(args: Any) -> int:
-    from fireflyer.validator.synthlog import SynthConfig, generate
+Synthesizer = Callable[..., Any]
+"""``synthesize(xids=, nodes=, seed=, days=, malformed=)``: a synthetic log set with ``files``
+(name → text), ``truth()``, ``xids``, ``boot_time`` and ``year``; ``ValueError`` for a bad setting."""
 
+
+def _synthesize(args: Any, generate: Synthesizer | None) -> int:
     if args.out is None:
         raise UserError("--synthesize needs --out DIR")
     if args.logs:
         raise UserError("give either LOG files or --synthesize, not both")
+    if generate is None:
+        raise UserError("--synthesize is served by the fireflyer command: fireflyer failures --synthesize N --out DIR")
     try:
-        config = SynthConfig(xids=args.synthesize, nodes=args.nodes, seed=args.seed, days=args.days, malformed=args.malformed)
+        log = generate(xids=args.synthesize, nodes=args.nodes, seed=args.seed, days=args.days, malformed=args.malformed)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    log = generate(config)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, text in log.files.items():
@@ -359,11 +365,15 @@ def synthesize(args: Any) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """Run ``fireflyer failures``; bad input raises :class:`UserError`, which the CLI prints as one line."""
+def main(argv: list[str], *, synthesize: Synthesizer | None = None) -> int:
+    """Run ``fireflyer failures``; bad input raises :class:`UserError`, which the CLI prints as one line.
+
+    ``synthesize`` generates the logs of ``--synthesize`` (the ``fireflyer`` command passes the
+    testing wing's generator); without it ``--synthesize`` is a :class:`UserError`.
+    """
     args = build_parser().parse_args(argv)
     if args.synthesize is not None:
-        return synthesize(args)
+        return _synthesize(args, synthesize)
     if not args.logs:
         raise UserError("give at least one LOG (or --synthesize N --out DIR); see fireflyer failures --help")
     if args.job_nodes is not None and args.job_nodes < 1:
