@@ -22,13 +22,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
+from fireflyer.fsutil import atomic_write
 from fireflyer.validator.failures import (
     DEFAULT_FLASH_WINDOW_S,
     Analysis,
@@ -313,28 +313,14 @@ def plot_timeline(analysis: Analysis, path: Path) -> None:
     ax.set_title("Xid and InfiniBand events per node")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".timeline-", suffix=".png", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(str(path), lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 # ---------------------------------------------------------------- synthetic logs
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_text(path: Path, text: str) -> None:
+    data = text.encode()
+    atomic_write(str(path), lambda f: f.write(data), tmp_name=f".{path.name}.{os.getpid()}.tmp")
 
 
 Synthesizer = Callable[..., Any]
@@ -356,8 +342,8 @@ def _synthesize(args: Any, generate: Synthesizer | None) -> int:
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, text in log.files.items():
-            _write_atomic(args.out / name, text)
-        _write_atomic(args.out / "truth.json", json.dumps(log.truth(), indent=2) + "\n")
+            _write_text(args.out / name, text)
+        _write_text(args.out / "truth.json", json.dumps(log.truth(), indent=2) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write to {args.out}: {exc.strerror or exc}") from None
     print(f"wrote {len(log.files)} logs ({sum(log.xids.values())} Xids) and truth.json to {args.out}; analyse with:")
