@@ -52,7 +52,12 @@ def _validate(rest: list[str]) -> int:
 def _failures(rest: list[str]) -> int:
     from fireflyer.validator import failures_cli
 
-    return failures_cli.main(rest)
+    def synthesize(**config: object) -> object:  # --synthesize: the testing wing's log generator
+        from fireflyer.testing.synthlog import SynthConfig, generate
+
+        return generate(SynthConfig(**config))  # type: ignore[arg-type]
+
+    return failures_cli.main(rest, synthesize=synthesize)
 
 
 def _hfreduce(rest: list[str]) -> int:
@@ -62,7 +67,12 @@ def _hfreduce(rest: list[str]) -> int:
         return demo.main(rest[1:])
     from fireflyer.hfreduce import admin
 
-    return admin.main(rest)
+    def namespaces() -> list[str]:  # clean: the emulated nodes' stale namespaces (testing wing)
+        from fireflyer.testing.netns import remove_stale_namespaces
+
+        return remove_stale_namespaces("ffr")
+
+    return admin.main(rest, namespaces=namespaces)
 
 
 def _lazy(module: str, *lead: str) -> Callable[[list[str]], int]:

@@ -42,6 +42,39 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, tmp_name: s
     fsync_dir(d)
 
 
+def atomic_write_file(path: str, fill: Callable[[str], object], *, tmp_name: str | None = None) -> None:
+    """:func:`atomic_write` for a writer that needs a file *name*, not a file object (a download
+    to a path): ``fill(tmp_path)`` makes the temporary file beside ``path``, which is then
+    fsynced, renamed over ``path``, and the directory fsynced."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, tmp_name) if tmp_name else f"{path}.tmp.{os.getpid()}"
+    try:
+        fill(tmp)
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(d)
+
+
+def durable_replace(src: str, dst: str) -> None:
+    """Rename a finished file ``src`` over ``dst`` and fsync the directory that now holds it.
+
+    ``src``'s content must already be on disk (its writer fsynced it): then ``dst`` is the
+    old file or the whole new one, also after a crash."""
+    os.replace(src, dst)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.hfreduce.netns import ShapedLink, netns_unavailable_reason
+from fireflyer.testing.netns import ShapedLink, netns_unavailable_reason
 
 _REASON = netns_unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")

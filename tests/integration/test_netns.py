@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fireflyer.hfreduce.netns import ShapedLink, list_namespaces, netns_unavailable_reason
+from fireflyer.testing.netns import ShapedLink, list_namespaces, netns_unavailable_reason
 
 _REASON = netns_unavailable_reason()
 needs_netns = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")

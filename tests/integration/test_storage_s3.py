@@ -17,7 +17,7 @@ from fireflyer.storage.cache import CacheConfig, ShardCache
 from fireflyer.storage.errors import BackendError, CorruptRecord, DatasetError, NotFound
 from fireflyer.storage.policy import LocalityPrefetch
 from fireflyer.storage.records import RecordReader, RecordWriter, from_numpy
-from fireflyer.storage.seaweed import SeaweedS3, find_weed
+from fireflyer.testing.seaweed import SeaweedS3, find_weed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -108,7 +108,7 @@ def test_shard_cache_over_s3(s3, tmp_path):
 
 def test_unreachable_endpoint_is_retried_then_raised_with_the_key():
     from fireflyer.storage.backends.s3 import S3Backend, S3Config
-    from fireflyer.storage.seaweed import _free_ports
+    from fireflyer.testing.seaweed import _free_ports
 
     port = _free_ports(1)[0]  # nothing listens there
     b = S3Backend(S3Config(bucket="nowhere", endpoint_url=f"http://127.0.0.1:{port}", access_key="x", secret_key="y",

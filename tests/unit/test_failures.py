@@ -29,7 +29,7 @@ def one(line: str, **kw):
 def test_dmesg_boot_relative_stays_on_the_boot_clock_without_a_boot_time():
     log = one("[12345.678901] NVRM: Xid (PCI:0000:65:00): 74, pid=4242, name=python3, NVLink: fatal error", node="gpu1")
     (e,) = log.xids
-    assert (e.node, e.code, e.pci, e.pid, e.process, e.clock) == ("gpu1", 74, "PCI:0000:65:00", 4242, "python3", "boot")
+    assert (e.node, e.code, e.pci, e.pid, e.process, e.clock) == ("gpu1", 74, "0000:65:00", 4242, "python3", "boot")
     assert e.time == pytest.approx(12345.678901)
 
 
@@ -145,3 +145,14 @@ def test_mtbf_and_young_daly_by_hand():
         young_daly_interval(1.0, 0.0)
     with pytest.raises(ValueError):
         mtbf_hours(-1.0, 1)
+
+
+def test_the_xid_check_and_the_analysis_read_a_line_alike_zone_less_as_utc():
+    from fireflyer.validator.checks.xid_log import parse_xids
+
+    line = "[Mon Oct  2 10:11:12 2023] NVRM: Xid (PCI:0000:65:00): 79, pid=1, name=x, GPU has fallen off the bus."
+    (check,) = parse_xids(line)
+    (analysis,) = one(line).xids
+    assert check == analysis
+    assert check.when == datetime(2023, 10, 2, 10, 11, 12, tzinfo=timezone.utc)
+    assert (check.code, check.pci, check.pid, check.process) == (79, "0000:65:00", 1, "x")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from fireflyer import cli
 from fireflyer.validator import failures_cli
 
 
@@ -19,7 +20,7 @@ def fireflyer(*args: str, cwd=None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
     out = tmp_path_factory.mktemp("logs")
-    assert failures_cli.main(["--synthesize", "800", "--nodes", "3", "--seed", "4", "--malformed", "3", "--out", str(out)]) == 0
+    assert cli.main(["failures", "--synthesize", "800", "--nodes", "3", "--seed", "4", "--malformed", "3", "--out", str(out)]) == 0
     return out, json.loads((out / "truth.json").read_text())
 
 

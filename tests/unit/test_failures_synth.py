@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fireflyer.validator.failures import ParseOptions, analyse, parse_log
-from fireflyer.validator.synthlog import SynthConfig, generate
+from fireflyer.testing.synthlog import SynthConfig, generate
 from fireflyer.validator.xid import TABLE_VI
 
 

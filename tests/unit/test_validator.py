@@ -268,23 +268,23 @@ NVRM: Xid (PCI:0000:ca:00): 48, undated line
 
 def test_xid_parsing_and_since_filter():
     events = parse_xids(XID_LOG)
-    assert [(e.xid, e.pci) for e in events] == [(13, "0000:65:00"), (31, "0000:65:00"), (79, "0000:ca:00"),
+    assert [(e.code, e.pci) for e in events] == [(13, "0000:65:00"), (31, "0000:65:00"), (79, "0000:ca:00"),
                                                  (48, "0000:ca:00")]
     since = datetime(2024, 5, 6, 10, 0, 0, tzinfo=timezone.utc)
     kept, undated = since_filter(events, since)
-    assert [e.xid for e in kept] == [31, 79] and undated == 1
+    assert [e.code for e in kept] == [31, 79] and undated == 1
     assert len(since_filter(events, None)[0]) == 4
 
 
 def test_xid_timestamp_formats():
     boot = datetime(2024, 5, 6, 0, 0, tzinfo=timezone.utc)
     mono = parse_xids("[ 3600.500000] NVRM: Xid (PCI:0000:01:00): 74, NVLink", boot_time=boot)[0]
-    assert mono.time == boot + timedelta(seconds=3600.5)
+    assert mono.when == boot + timedelta(seconds=3600.5)
     ctime = parse_xids("[Mon May  6 10:00:00 2024] NVRM: Xid (PCI:0000:01:00): 63, row remap")[0]
-    assert (ctime.time.month, ctime.time.day, ctime.time.hour) == (5, 6, 10)
+    assert (ctime.when.month, ctime.when.day, ctime.when.hour) == (5, 6, 10)
     now = datetime(2024, 5, 7, tzinfo=timezone.utc).astimezone()
     syslog = parse_xids("May  6 10:00:00 node7 kernel: NVRM: Xid (PCI:0000:01:00): 94, contained", now=now)[0]
-    assert syslog.time.year == 2024 and syslog.xid == 94
+    assert syslog.when.year == 2024 and syslog.code == 94
 
 
 def _xid(tmp_path, text: str, since: datetime | None = None) -> CheckResult:

@@ -91,3 +91,13 @@ def test_xid_154_takes_its_action_from_the_message():
     assert recovery_action(154, "... to 0x2 (Node Reboot Required)") is Action.DRAIN
     assert recovery_action(154, "") is Action.UNKNOWN
     assert recovery_action(74, "anything") is Action.DRAIN
+
+
+def test_the_xid_checks_drain_list_is_the_catalogues_drain_action():
+    from fireflyer.validator.checks.xid_log import DRAIN_XIDS
+
+    assert DRAIN_XIDS == sorted(c for c, x in CATALOGUE.items() if x.action is Action.DRAIN)
+    # reliability.md's drain set (the check's hand list before it was derived), every code now catalogued
+    assert DRAIN_XIDS == [46, 48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 143, 144, 145, 146, 147, 148, 149, 150,
+                          155, 158]
+    assert all(CATALOGUE[c].fatal for c in DRAIN_XIDS)

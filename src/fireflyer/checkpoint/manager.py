@@ -52,6 +52,7 @@ from fireflyer.checkpoint import allowlist, remote, shard
 from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, UnsafeCheckpoint
 from fireflyer.checkpoint.names import plain_name
 from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
+from fireflyer.fsutil import atomic_write_bytes
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 COMMIT = "COMMIT"
@@ -124,24 +125,6 @@ def committed_steps(root: str) -> list[int]:
         if m and os.path.exists(os.path.join(root, name, COMMIT)):
             steps.append(int(m.group(1)))
     return sorted(steps)
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _share(tensors: dict[str, torch.Tensor], rank: int, world: int) -> list[str]:
@@ -318,10 +301,10 @@ class CheckpointManager:
             part: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "kind": self.config.kind,
                                     "file": f"{me}.safetensors", "entries": {e.name: e.to_json() for e in entries}}
             if skeleton is not None:
-                _atomic_write(os.path.join(d, f"{me}.skeleton.json"), skeleton)
+                atomic_write_bytes(os.path.join(d, f"{me}.skeleton.json"), skeleton)
                 part["skeleton"] = {"file": f"{me}.skeleton.json", "format": "json", "crc32": zlib.crc32(skeleton),
                                     "bytes": len(skeleton)}
-            _atomic_write(os.path.join(d, f"{me}.json"), json.dumps(part).encode())  # this rank's part is on disk
+            atomic_write_bytes(os.path.join(d, f"{me}.json"), json.dumps(part).encode())  # this rank's part is on disk
             if self.backend is not None:
                 files = [part["file"]] + ([part["skeleton"]["file"]] if "skeleton" in part else []) + [f"{me}.json"]
                 remote.upload_part(self.backend, os.path.basename(d), d, files)
@@ -359,9 +342,9 @@ class CheckpointManager:
                                       "(do all ranks save the same replicated state?)")
         manifest = json.dumps({"format": FORMAT, "step": step, "world_size": self.world_size,
                                "kind": self.config.kind, "parts": parts}).encode()
-        _atomic_write(os.path.join(d, MANIFEST), manifest)
+        atomic_write_bytes(os.path.join(d, MANIFEST), manifest)
         commit = {"step": step, "manifest_sha256": hashlib.sha256(manifest).hexdigest(), "time": time.time()}
-        _atomic_write(os.path.join(d, COMMIT), json.dumps(commit).encode())
+        atomic_write_bytes(os.path.join(d, COMMIT), json.dumps(commit).encode())
         if self.backend is not None:  # the manifest, then the marker that makes the step count
             self.backend.write(f"{os.path.basename(d)}/{MANIFEST}", manifest)
             self.backend.write(f"{os.path.basename(d)}/{COMMIT}", json.dumps(commit).encode())

@@ -1,53 +1,34 @@
 """Files the fabric commands write: JSON and PNG charts, atomically (temporary file, fsync,
-rename). matplotlib is imported only when a chart is drawn, with the Agg backend.
-
-(hfreduce has an atomic writer too, but importing it would import torch; fabric never does.)
+rename, with :func:`fireflyer.fsutil.atomic_write`, which imports no torch). matplotlib is
+imported only when a chart is drawn, with the Agg backend.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fireflyer.fabric import paper
 from fireflyer.fabric.collectives import ALGO_TITLES, AllreduceResult
+from fireflyer.fsutil import atomic_write
 
 if TYPE_CHECKING:
     from fireflyer.fabric.plan import Plan
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)``, fsync the file, then rename it to ``path``."""
+def _write(path: str | Path, write: Any) -> Path:
+    """``write(file)`` into a hidden temporary file beside ``path``, then :func:`atomic_write`'s fsync and rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(str(path), write, tmp_name=f".{path.name}.{os.getpid()}.tmp")
     return path
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-
-    return atomic_write(path, write)
+    data = (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8")
+    return _write(path, lambda f: f.write(data))
 
 
 def _pyplot():
@@ -62,7 +43,7 @@ def _pyplot():
 def _save(fig: Any, path: str | Path) -> Path:
     plt = _pyplot()
     try:
-        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=90))
+        return _write(path, lambda f: fig.savefig(f, format="png", dpi=90))
     finally:
         plt.close(fig)
 

@@ -1,11 +1,19 @@
-"""``fireflyer hfreduce clean|trace``: remove what dead processes left behind; diagnose a hang from its dumps."""
+"""``fireflyer hfreduce clean|trace``: remove what dead processes left behind; diagnose a hang from its dumps.
+
+``clean`` sweeps the stale /dev/shm arenas itself; the stale network namespaces of emulated
+nodes belong to the testing wing (its ``netns`` module), so the ``fireflyer``
+command passes their sweep in as ``namespaces`` (hfreduce never imports the testing wing).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from fireflyer.cliutil import ArgumentParser
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) -> int:
+    """Run ``fireflyer hfreduce clean|trace``; ``namespaces`` removes stale namespaces and names them."""
     if argv and argv[0] == "trace":
         from fireflyer.hfreduce import trace_report
 
@@ -17,12 +25,13 @@ def main(argv: list[str]) -> int:
                         "flight recorder dumps")
     p.parse_args(argv)
     from fireflyer.hfreduce.arena import sweep_stale
-    from fireflyer.hfreduce.netns import remove_stale_namespaces
 
     removed = sweep_stale()
-    try:
-        namespaces = remove_stale_namespaces("ffr")
-    except (OSError, RuntimeError):
-        namespaces = []
-    print(f"removed {len(removed)} stale arena(s) and {len(namespaces or [])} stale namespace(s)")
+    names: list[str] = []
+    if namespaces is not None:
+        try:
+            names = namespaces() or []
+        except (OSError, RuntimeError):
+            names = []
+    print(f"removed {len(removed)} stale arena(s) and {len(names)} stale namespace(s)")
     return 0

@@ -288,7 +288,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerS
 
     ``cfg`` is a :class:`BenchConfig` or any config with its ``candidate``, ``systems``,
     ``peers``, ``link_mbit`` and ``timeout_s`` (``fireflyer bench alltoall`` passes its own)."""
-    from fireflyer.hfreduce import netns
+    from fireflyer.testing import netns
 
     res = LayoutResult(lay.name, lay.nodes, lay.local, lay.world, cfg.link_mbit if lay.shaped else None)
     if lay.shaped and (reason := netns.netns_unavailable_reason()) is not None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from fireflyer.storage.backends import Backend, LocalBackend, open_backend
 from fireflyer.storage.errors import CorruptRecord, DatasetError, NotFound
-from fireflyer.fsutil import fsync_dir
+from fireflyer.fsutil import durable_replace
 
 MANIFEST = "dataset.json"
 _MAGIC = b"FFRIDX1\x00"
@@ -170,8 +170,7 @@ class RecordWriter:
         local = self.backend.local_path(f"{name}.rec")
         try:  # data first, then its index, then the manifest that names them
             if local is not None:
-                os.replace(self._spool_path, local)
-                fsync_dir(os.path.dirname(local))
+                durable_replace(self._spool_path, local)
             else:
                 self.backend.upload(f"{name}.rec", self._spool_path)
         finally:

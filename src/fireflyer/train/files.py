@@ -7,18 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fireflyer.fsutil import atomic_write
+
 
 def write_json(path: str | Path, data: Any) -> Path:
-    """Write ``data`` as indented JSON to ``path`` via a temporary file, fsync and rename."""
+    """Write ``data`` as indented JSON to ``path`` via a temporary file, fsync and rename (:func:`fireflyer.fsutil.atomic_write`)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    text = json.dumps(data, indent=1) + "\n"
+    atomic_write(str(path), lambda f: f.write(text.encode()), tmp_name=f".{path.name}.{os.getpid()}.tmp")
     return path

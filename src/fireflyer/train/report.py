@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.errors import UserError
+from fireflyer.fsutil import atomic_write
 
 
 def load_run(out: str | Path) -> dict[str, Any]:
@@ -46,10 +47,8 @@ def plot_losses(run: dict[str, Any], path: str | Path) -> Path:
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
+    atomic_write(str(path), lambda f: fig.savefig(f, format="png"), tmp_name=f".{path.name}.tmp")
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 

@@ -18,6 +18,8 @@ import sys
 import time
 from datetime import timedelta
 
+from fireflyer.fsutil import atomic_write
+
 
 def rank_input(n: int, rank: int, device: str):
     """Values in [-125, 125] plus the rank: every sum over up to 1024 ranks is exact in fp32."""
@@ -78,10 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rank": rank, "world_size": world, "backend": args.backend, "device": device,
               "bytes": n * 4, "iters": args.iters, "mean_s": total / args.iters, "wrong": wrong,
               "checked_elements": n * (args.warmup + args.iters)}
-    tmp = os.path.join(args.out, f".rank{rank}.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(tmp, os.path.join(args.out, f"rank{rank}.json"))
+    data = json.dumps(result).encode()
+    atomic_write(os.path.join(args.out, f"rank{rank}.json"), lambda f: f.write(data), tmp_name=f".rank{rank}.json.tmp")
     dist.destroy_process_group()
     return 0
 

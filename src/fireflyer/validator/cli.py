@@ -14,12 +14,14 @@ from datetime import datetime, timedelta
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
+from fireflyer.validator import kernlog
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
 
 def parse_since(text: str) -> datetime:
-    """``--since``: an ISO time (``2024-05-06T10:00``), or an age like ``30m``, ``24h``, ``7d``."""
+    """``--since``: an ISO time (``2024-05-06T10:00``; UTC unless it carries an offset, like the
+    kernel log's own zone-less stamps), or an age like ``30m``, ``24h``, ``7d``."""
     if m := _RELATIVE.match(text.strip()):
         unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
         return datetime.now().astimezone() - timedelta(**{unit: float(m.group(1))})
@@ -27,7 +29,7 @@ def parse_since(text: str) -> datetime:
         t = datetime.fromisoformat(text.strip())
     except ValueError:
         raise UserError(f"--since {text!r}: give an ISO time (2024-05-06T10:00) or an age (30m, 24h, 7d)") from None
-    return t if t.tzinfo else t.astimezone()
+    return kernlog.aware(t)
 
 
 def _names(text: str) -> list[str]:
@@ -57,7 +59,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--storage-mb", type=int, default=None, metavar="MB", help="size of the storage check's file")
     p.add_argument("--xid-log", default=None, metavar="FILE", help="read Xid lines from FILE, not dmesg/journalctl")
     p.add_argument("--since", type=parse_since, default=None, metavar="TIME",
-                   help="count Xid errors from TIME: ISO time or an age (24h, 7d); default: the whole log")
+                   help="count Xid errors from TIME: ISO time (UTC unless it has an offset) or an age (24h, 7d); "
+                        "default: the whole log")
     p.add_argument("--ranks", type=int, default=None, metavar="N", help="ranks of the allreduce check")
     p.add_argument("--budget-scale", type=float, default=1.0, metavar="X", help="multiply every time budget")
     p.add_argument("--sysfs-root", default="/sys", metavar="DIR", help=argparse_suppress())

@@ -3,17 +3,10 @@
 Everything here is pure: text in, data out. Reading files, the clock, printing and plotting live
 in :mod:`fireflyer.validator.failures_cli`.
 
-**Line formats.** A kernel log line starts with one of four time stamps:
-
-* ``dmesg``: ``[12345.678901] msg``, seconds since *boot*. With a boot time these become
-  wall-clock times; without one they stay on the boot clock and are reported as such.
-* ``dmesg -T``: ``[Mon Oct  2 10:11:12 2023] msg``, wall clock with the year.
-* journalctl / syslog ``short``: ``Oct 02 10:11:12 host kernel: msg``, wall clock *without* a
-  year and with the host name, which names the node. The year is given by the caller (the CLI
-  takes ``--year`` or the file's mtime); a month that goes backwards (Dec → Jan) starts a new year.
-* journalctl ``short-iso``: ``2023-10-02T10:11:12+08:00 host kernel: msg``.
-
-Wall-clock times without a zone are read as UTC; only differences between them matter here.
+**Line formats.** :mod:`fireflyer.validator.kernlog` reads the time stamps (``dmesg``,
+``dmesg -T``, journalctl/syslog ``short`` and ``short-iso``), the host names (they name the
+node) and the Xid lines, for this analysis and for the ``xid`` health check alike. Wall-clock
+times without a zone are read as UTC; only differences between them matter here.
 
 **Events.** ``NVRM: Xid (PCI:0000:65:00): 74, pid=..., name=..., msg`` is an Xid. InfiniBand
 link transitions are recognised from mlx5 netdev messages (``mlx5_core 0000:e1:00.0 ib0: Link
@@ -36,9 +29,8 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Literal
 
+from fireflyer.validator.kernlog import XID_MARK, Clock, ParseOptions, XidEvent, read_lines, xid_event
 from fireflyer.validator.xid import (
     CLASS_ORDER,
     TABLE_VI,
@@ -47,37 +39,7 @@ from fireflyer.validator.xid import (
     recovery_action,
 )
 
-Clock = Literal["wall", "boot"]
-"""``wall``: seconds since the Unix epoch. ``boot``: seconds since the node booted."""
-
 DEFAULT_FLASH_WINDOW_S = 60.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParseOptions:
-    """How to turn a log's time stamps into times."""
-
-    boot_time: datetime | None = None
-    """When the node booted; turns dmesg's boot-relative seconds into wall-clock times."""
-    year: int | None = None
-    """Year for time stamps without one (journalctl ``short``)."""
-    year_is_last: bool = False
-    """If true, ``year`` is the year of the log's *last* such line (a file's mtime), else of its first."""
-    node: str = "unknown"
-    """Node name for lines without a host field."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class XidEvent:
-    node: str
-    time: float
-    clock: Clock
-    pci: str
-    code: int
-    pid: int | None
-    process: str | None
-    message: str
-    line_no: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,96 +66,7 @@ class ParsedLog:
     """(node, clock) → (first, last) time stamp seen: the observation window."""
 
 
-# ---------------------------------------------------------------- time stamps
-
-_MONTHS = {m: i for i, m in enumerate(["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"], start=1)}
-_RAW = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
-_DMESG_T = re.compile(r"^\[[A-Z][a-z]{2} ([A-Z][a-z]{2}) +(\d{1,2}) (\d{2}):(\d{2}):(\d{2}) (\d{4})\]\s?(.*)$")
-_SHORT = re.compile(r"^([A-Z][a-z]{2}) +(\d{1,2}) (\d{2}):(\d{2}):(\d{2})(\.\d+)? (\S+) ([^:\s\[]+)(?:\[\d+\])?: ?(.*)$")
-_ISO = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?) (\S+) ([^:\s\[]+)(?:\[\d+\])?: ?(.*)$")
-_INNER_RAW = re.compile(r"^\[\s*\d+\.\d+\]\s?")  # kern.log repeats the boot stamp after "kernel:"
-
-
-def _epoch(year: int, month: int, day: int, h: int, m: int, s: int, frac: float = 0.0) -> float:
-    return datetime(year, month, day, h, m, s, tzinfo=timezone.utc).timestamp() + frac
-
-
-@dataclass(frozen=True)
-class _Stamped:
-    line_no: int
-    time: float | None  # None: a short stamp whose year is still to be resolved
-    clock: Clock
-    host: str | None
-    body: str
-    short: tuple[int, int, int, int, int, float] | None = None  # month, day, h, m, s, frac
-
-
-def _stamp(line_no: int, line: str, boot: float | None) -> _Stamped | None:
-    """Split a line into time stamp, host and message, or ``None`` if it has no recognisable stamp.
-
-    Raises ``ValueError`` for a stamp of the right shape that is not a real date.
-    """
-    if m := _RAW.match(line):
-        rel = float(m.group(1))
-        if boot is None:
-            return _Stamped(line_no, rel, "boot", None, m.group(2))
-        return _Stamped(line_no, boot + rel, "wall", None, m.group(2))
-    if m := _DMESG_T.match(line):
-        mon = _MONTHS.get(m.group(1))
-        if mon is None:
-            raise ValueError(f"no month {m.group(1)!r}")
-        t = _epoch(int(m.group(6)), mon, int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)))
-        return _Stamped(line_no, t, "wall", None, m.group(7))
-    if m := _SHORT.match(line):
-        mon = _MONTHS.get(m.group(1))
-        if mon is None:
-            raise ValueError(f"no month {m.group(1)!r}")
-        frac = float(m.group(6)) if m.group(6) else 0.0
-        parts = (mon, int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)), frac)
-        _epoch(2000, *parts)  # leap year: rejects Feb 30 and 25:00 now, accepts Feb 29
-        return _Stamped(line_no, None, "wall", m.group(7), _INNER_RAW.sub("", m.group(9)), parts)
-    if m := _ISO.match(line):
-        stamp = m.group(1).replace(",", ".")
-        dt = datetime.fromisoformat(stamp[:-1] + "+00:00" if stamp.endswith("Z") else stamp)
-        if dt.tzinfo is None:
-            dt = dt.replace(tzinfo=timezone.utc)
-        return _Stamped(line_no, dt.timestamp(), "wall", m.group(2), _INNER_RAW.sub("", m.group(4)))
-    return None
-
-
-def _resolve_years(stamped: list[_Stamped], options: ParseOptions) -> list[_Stamped]:
-    """Give year-less stamps a year: ``options.year`` plus the rollovers (month going backwards) so far."""
-    shorts = [s for s in stamped if s.short is not None]
-    if not shorts:
-        return stamped
-    rollovers, prev = [], 0
-    for s in shorts:
-        month = s.short[0]  # type: ignore[index]
-        rollovers.append((rollovers[-1] if rollovers else 0) + (1 if month < prev else 0))
-        prev = month
-    base = options.year if options.year is not None else datetime.now(timezone.utc).year
-    if options.year_is_last:
-        base -= rollovers[-1]
-    years = {id(s): base + r for s, r in zip(shorts, rollovers)}
-    out = []
-    for s in stamped:
-        if s.short is None:
-            out.append(s)
-            continue
-        mon, day, h, mi, sec, frac = s.short
-        try:
-            t = _epoch(years[id(s)], mon, day, h, mi, sec, frac)
-        except ValueError:  # Feb 29 in a year that has none
-            t = None
-        out.append(_Stamped(s.line_no, t, "wall", s.host, s.body))
-    return out
-
-
 # ---------------------------------------------------------------- messages
-
-_XID = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+)(?:,\s*(.*))?$")
-_PID = re.compile(r"pid=(\d+)")
-_NAME = re.compile(r"name=([^,]*)")
 
 _LINK_PATTERNS: tuple[tuple[re.Pattern[str], bool], ...] = (
     (re.compile(r"mlx\d_core \S+ (?P<link>[\w.-]+): Link down\b", re.IGNORECASE), False),
@@ -219,45 +92,26 @@ def _link_event(body: str) -> tuple[str, bool] | None:
 def parse_log(text: str, *, source: str, options: ParseOptions = ParseOptions()) -> ParsedLog:
     """Parse one log's text. Never raises on content: bad lines are counted as malformed."""
     log = ParsedLog(source=source)
-    boot = options.boot_time.timestamp() if options.boot_time is not None else None
-    stamped: list[_Stamped] = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        line = line.rstrip()
-        if not line.strip():
-            continue
+    for line in read_lines(text, options):
         log.lines += 1
-        if line.startswith("-- "):  # journalctl markers: "-- Boot 1a2b... --", "-- Logs begin at ..."
+        if line.marker:  # journalctl markers: "-- Boot 1a2b... --", "-- Logs begin at ..."
             log.noise += 1
             continue
-        try:
-            s = _stamp(line_no, line, boot)
-        except ValueError:
-            s = None
-        if s is None:
-            log.malformed += 1
-        else:
-            stamped.append(s)
-    for s in _resolve_years(stamped, options):
-        if s.time is None:
+        if line.time is None or line.clock is None:
             log.malformed += 1
             continue
-        node = s.host or options.node
-        lo, hi = log.spans.get((node, s.clock), (s.time, s.time))
-        log.spans[(node, s.clock)] = (min(lo, s.time), max(hi, s.time))
-        if "NVRM: Xid" in s.body:
-            m = _XID.search(s.body)
-            if m is None:
+        node = line.host or options.node
+        lo, hi = log.spans.get((node, line.clock), (line.time, line.time))
+        log.spans[(node, line.clock)] = (min(lo, line.time), max(hi, line.time))
+        if XID_MARK in line.body:
+            event = xid_event(line, node=options.node)
+            if event is None:
                 log.malformed += 1
-                continue
-            rest = m.group(3) or ""
-            pid, name = _PID.search(rest), _NAME.search(rest)
-            log.xids.append(XidEvent(
-                node=node, time=s.time, clock=s.clock, pci=m.group(1), code=int(m.group(2)),
-                pid=int(pid.group(1)) if pid else None, process=name.group(1).strip() if name else None,
-                message=rest, line_no=s.line_no,
-            ))
-        elif (link := _link_event(s.body)) is not None:
-            log.links.append(LinkEvent(node=node, time=s.time, clock=s.clock, link=link[0], up=link[1], line_no=s.line_no))
+            else:
+                log.xids.append(event)
+        elif (link := _link_event(line.body)) is not None:
+            log.links.append(LinkEvent(node=node, time=line.time, clock=line.clock, link=link[0], up=link[1],
+                                       line_no=line.line_no))
         else:
             log.noise += 1
     return log

@@ -10,7 +10,9 @@ Generate synthetic logs with the paper's Xid mix (and a ``truth.json`` of what i
     fireflyer failures --synthesize N [--nodes K] [--seed S] [--days D] [--malformed M] --out DIR
 
 This module is the I/O edge: it reads files and the checkpoint benchmark's JSON, prints, and
-draws the timeline. The analysis itself is :mod:`fireflyer.validator.failures`.
+draws the timeline. The analysis itself is :mod:`fireflyer.validator.failures`. The synthetic
+logs come from the testing wing (its ``synthlog`` module), which a runtime part does
+not import: the ``fireflyer`` command passes its generator in as ``main(..., synthesize=...)``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
+from fireflyer.fsutil import atomic_write
 from fireflyer.validator.failures import (
     DEFAULT_FLASH_WINDOW_S,
     Analysis,
@@ -311,47 +313,37 @@ def plot_timeline(analysis: Analysis, path: Path) -> None:
     ax.set_title("Xid and InfiniBand events per node")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".timeline-", suffix=".png", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(str(path), lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 # ---------------------------------------------------------------- synthetic logs
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_text(path: Path, text: str) -> None:
+    data = text.encode()
+    atomic_write(str(path), lambda f: f.write(data), tmp_name=f".{path.name}.{os.getpid()}.tmp")
 
 
-def synthesize(args: Any) -> int:
-    from fireflyer.validator.synthlog import SynthConfig, generate
+Synthesizer = Callable[..., Any]
+"""``synthesize(xids=, nodes=, seed=, days=, malformed=)``: a synthetic log set with ``files``
+(name → text), ``truth()``, ``xids``, ``boot_time`` and ``year``; ``ValueError`` for a bad setting."""
 
+
+def _synthesize(args: Any, generate: Synthesizer | None) -> int:
     if args.out is None:
         raise UserError("--synthesize needs --out DIR")
     if args.logs:
         raise UserError("give either LOG files or --synthesize, not both")
+    if generate is None:
+        raise UserError("--synthesize is served by the fireflyer command: fireflyer failures --synthesize N --out DIR")
     try:
-        config = SynthConfig(xids=args.synthesize, nodes=args.nodes, seed=args.seed, days=args.days, malformed=args.malformed)
+        log = generate(xids=args.synthesize, nodes=args.nodes, seed=args.seed, days=args.days, malformed=args.malformed)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    log = generate(config)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, text in log.files.items():
-            _write_atomic(args.out / name, text)
-        _write_atomic(args.out / "truth.json", json.dumps(log.truth(), indent=2) + "\n")
+            _write_text(args.out / name, text)
+        _write_text(args.out / "truth.json", json.dumps(log.truth(), indent=2) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write to {args.out}: {exc.strerror or exc}") from None
     print(f"wrote {len(log.files)} logs ({sum(log.xids.values())} Xids) and truth.json to {args.out}; analyse with:")
@@ -359,11 +351,15 @@ def synthesize(args: Any) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """Run ``fireflyer failures``; bad input raises :class:`UserError`, which the CLI prints as one line."""
+def main(argv: list[str], *, synthesize: Synthesizer | None = None) -> int:
+    """Run ``fireflyer failures``; bad input raises :class:`UserError`, which the CLI prints as one line.
+
+    ``synthesize`` generates the logs of ``--synthesize`` (the ``fireflyer`` command passes the
+    testing wing's generator); without it ``--synthesize`` is a :class:`UserError`.
+    """
     args = build_parser().parse_args(argv)
     if args.synthesize is not None:
-        return synthesize(args)
+        return _synthesize(args, synthesize)
     if not args.logs:
         raise UserError("give at least one LOG (or --synthesize N --out DIR); see fireflyer failures --help")
     if args.job_nodes is not None and args.job_nodes < 1:

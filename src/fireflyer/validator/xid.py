@@ -13,6 +13,11 @@ to one of four operator actions (:class:`Action`): drain the node, reset the GPU
 idle, restart the application, or ignore. ``interrupts`` says whether the event stops the running
 job; it is what counts as a failure for the MTBF. Codes missing from the catalogue are *unknown*:
 they are counted, never rejected.
+
+Codes 140-158 (newer GPUs: Hopper, Blackwell's NVLink5) are not in the paper's tables; their
+mnemonics, meanings and actions are NVIDIA's Xid catalogue
+(docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html), their FATAL flags NVSentinel's
+``xiderrorsmapping.csv``. NVIDIA acts on each, so the operator action is to drain.
 """
 
 from __future__ import annotations
@@ -115,8 +120,20 @@ CATALOGUE: dict[int, Xid] = {
         _x(119, "GSP_RPC_TIMEOUT", "GSP (GPU System Processor) RPC timeout",
            _G, "RESET_GPU", True, _D, True, "run fieldiag; most need RMA"),
         _x(120, "GSP_ERROR", "GSP error", _O, "RESET_GPU", True, _D, True),
+        _x(140, "UNRECOVERABLE_ECC_ERROR_ESCAPE", "unrecovered ECC error: uncorrectable GPU memory errors the driver "
+           "could not mark for page offlining or row remapping", _O, "RESET_GPU", True, _D, True,
+           "reset the GPU; contact the vendor if it persists"),
+        _x(143, "GPU_INIT_ERROR", "GPU initialization error", _O, "RESET_GPU", True, _D, True),
+        *(_x(code, f"NVLINK_{unit}_ERROR", f"NVLink5 {unit} error", _O, "WORKFLOW_NVLINK5_ERR", True, _D, True,
+             "decode the message's intrInfo and errorStatus with NVIDIA's 'Xid 144-150 Decode' table; "
+             "some sub-errors are non-fatal")
+          for code, unit in ((144, "SAW"), (145, "RLW"), (146, "TLW"), (147, "TREX"), (148, "NVLPW_CTRL"),
+                             (149, "NETIR"), (150, "MSE"))),
         _x(154, "GPU_RECOVERY_ACTION_CHANGED", "the driver states the recovery action the GPU needs",
            _O, "FOLLOW_LINKED_XID", None, Action.UNKNOWN, False, "the action is in the message text"),
+        _x(155, "NVLINK_SW_DEFINED_ERROR", "NVLink software-defined error (a link-down flagged as intentional, "
+           "including a transition to sleep)", _O, "RESET_GPU", True, _D, True),
+        _x(158, "GPU_FATAL_TIMEOUT", "GPU fatal timeout", _O, "RESET_GPU", True, _D, True),
     )
 }
 

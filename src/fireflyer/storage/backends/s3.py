@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from fireflyer.fsutil import atomic_write_file
 from fireflyer.storage.backends.base import Backend, RetryConfig
 
 
@@ -119,15 +120,7 @@ class S3Backend(Backend):
         self._client.upload_file(path, self.config.bucket, self._k(key))  # multipart for large files
 
     def _download(self, key: str, path: str) -> None:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            self._client.download_file(self.config.bucket, self._k(key), tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write_file(path, lambda tmp: self._client.download_file(self.config.bucket, self._k(key), tmp))
 
     def _size(self, key: str) -> int:
         return int(self._client.head_object(Bucket=self.config.bucket, Key=self._k(key))["ContentLength"])

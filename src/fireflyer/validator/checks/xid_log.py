@@ -5,86 +5,45 @@ pid=..., GPU has fallen off the bus``. This check reads the log (a given file, e
 else ``journalctl -k``), keeps the Xid lines at or after ``since``, and grades them: a
 hardware Xid that needs the node drained (fallen off the bus, double-bit ECC, NVLink, GSP
 timeouts, ...) FAILs, any other Xid (usually an application fault such as 13/31/43) WARNs.
-The full analysis of Xid history lives in ``fireflyer failures``; this parser is deliberately
-small and only needs each line's time, PCI address and code.
+The full analysis of Xid history lives in ``fireflyer failures``; both read the log with
+:mod:`fireflyer.validator.kernlog` (its time stamps, and zone-less times read as UTC).
 
-Timestamps understood: ISO 8601 (``journalctl -o short-iso``, rsyslog), ``dmesg`` seconds since
-boot (``[12345.678]``, turned into wall time with the boot time), ``dmesg -T``
-(``[Mon May  6 10:00:00 2024]``) and classic syslog (``May  6 10:00:00 host kernel:``, the
-year assumed current).
+Which Xids FAIL is :data:`DRAIN_XIDS`: every code whose catalogued operator action
+(:mod:`fireflyer.validator.xid`) is to drain the node.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ClassVar
 
+from fireflyer.validator import kernlog
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
+from fireflyer.validator.kernlog import XidEvent
+from fireflyer.validator.xid import CATALOGUE, Action
 
-DRAIN_XIDS = [46, 48, 61, 62, 64, 74, 79, 95, 119, 120, 140, 143, 144, 145, 146, 147, 148, 149, 150, 155, 158]
-"""Xids that mean a hardware fault: take the node out of scheduling (see the research notes §3.3)."""
-
-XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?([^)]*)\): (\d+)(?:, (.*))?")
-_ISO_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})?)")
-_MONO_RE = re.compile(r"^\[\s*(\d+\.\d+)\]")
-_CTIME_RE = re.compile(r"^\[(\w{3} \w{3} [ \d]\d \d{2}:\d{2}:\d{2} \d{4})\]")
-_SYSLOG_RE = re.compile(r"^(\w{3} [ \d]\d \d{2}:\d{2}:\d{2}) ")
-
-
-@dataclass(frozen=True, kw_only=True)
-class XidEvent:
-    """One Xid line: when (None if the line has no time), which GPU, which code."""
-
-    time: datetime | None
-    pci: str
-    xid: int
-    message: str
-
-
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo is not None else t.astimezone()
-
-
-def line_time(line: str, boot_time: datetime | None, now: datetime | None = None) -> datetime | None:
-    """The wall-clock time a kernel log line carries, timezone-aware; None if it has none."""
-    if m := _ISO_RE.match(line):
-        text = m.group(1).replace("Z", "+00:00")
-        text = re.sub(r"([+-]\d{2})(\d{2})$", r"\1:\2", text)
-        return _aware(datetime.fromisoformat(text))
-    if m := _CTIME_RE.match(line):
-        return _aware(datetime.strptime(m.group(1), "%a %b %d %H:%M:%S %Y"))
-    if m := _MONO_RE.match(line):
-        return None if boot_time is None else boot_time + timedelta(seconds=float(m.group(1)))
-    if m := _SYSLOG_RE.match(line):
-        now = now or datetime.now().astimezone()
-        t = _aware(datetime.strptime(f"{now.year} {m.group(1)}", "%Y %b %d %H:%M:%S"))
-        return t.replace(year=now.year - 1) if t > now + timedelta(days=1) else t
-    return None
+DRAIN_XIDS = sorted(code for code, x in CATALOGUE.items() if x.action is Action.DRAIN)
+"""Xids that mean a hardware fault: take the node out of scheduling (the catalogue's ``drain`` action)."""
 
 
 def parse_xids(text: str, *, boot_time: datetime | None = None, now: datetime | None = None) -> list[XidEvent]:
-    """Every Xid line of ``text`` in order."""
-    events = []
-    for line in text.splitlines():
-        m = XID_RE.search(line)
-        if m:
-            events.append(XidEvent(time=line_time(line, boot_time, now), pci=m.group(1).strip(),
-                                   xid=int(m.group(2)), message=(m.group(3) or "").strip()))
-    return events
+    """Every Xid line of ``text`` in order; year-less stamps are taken to end by ``now`` (default: the clock)."""
+    return kernlog.parse_xids(text, kernlog.ParseOptions(boot_time=boot_time, now=now or datetime.now(timezone.utc)))
 
 
 def since_filter(events: list[XidEvent], since: datetime | None) -> tuple[list[XidEvent], int]:
-    """Events at or after ``since``, and how many undated events were left out (none if ``since`` is None)."""
+    """Events at or after ``since``, and how many undated events were left out (none if ``since`` is None).
+
+    An event on the boot clock (no boot time known) counts as undated; a zone-less ``since`` is UTC.
+    """
     if since is None:
         return list(events), 0
-    since = _aware(since)
-    kept = [e for e in events if e.time is not None and e.time >= since]
-    return kept, sum(1 for e in events if e.time is None)
+    since = kernlog.aware(since)
+    kept = [e for e in events if e.when is not None and e.when >= since]
+    return kept, sum(1 for e in events if e.when is None)
 
 
 def boot_time(procfs_root: str = "/proc") -> datetime | None:
@@ -112,7 +71,7 @@ def read_kernel_log(timeout: float, since: datetime | None) -> tuple[str, str]:
     if shutil.which("journalctl"):
         cmd = ["journalctl", "-k", "-q", "--no-pager", "-o", "short-iso"]
         if since is not None:
-            cmd.append(f"--since={_aware(since).astimezone().strftime('%Y-%m-%d %H:%M:%S')}")
+            cmd.append(f"--since={kernlog.aware(since).astimezone().strftime('%Y-%m-%d %H:%M:%S')}")  # journalctl: local
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         if done.returncode == 0:
             return done.stdout, "journalctl -k"
@@ -143,17 +102,17 @@ class XidErrors(Check):
             text, source = read_kernel_log(max(1.0, ctx.time_left()), since)
         events, undated = since_filter(parse_xids(text, boot_time=boot_time(ctx.options.procfs_root)), since)
         ignore = set(ctx.param("ignore_xids"))
-        events = [e for e in events if e.xid not in ignore]
+        events = [e for e in events if e.code not in ignore]
         drain = set(ctx.param("fail_xids"))
         out.metric("count", len(events), grade_it=False)
         out.details.update(source=source, since=since.isoformat() if since else None, undated_skipped=undated,
-                           events=[{"time": e.time.isoformat() if e.time else None, "pci": e.pci, "xid": e.xid,
+                           events=[{"time": e.when.isoformat() if e.when else None, "pci": e.pci, "xid": e.code,
                                     "message": e.message} for e in events[-50:]])
         by_code: dict[int, set[str]] = {}
         for e in events:
-            by_code.setdefault(e.xid, set()).add(e.pci)
+            by_code.setdefault(e.code, set()).add(e.pci)
         for code in sorted(by_code):
-            n = sum(1 for e in events if e.xid == code)
+            n = sum(1 for e in events if e.code == code)
             text = f"Xid {code} x{n} on {', '.join(sorted(by_code[code]))}"
             (out.fail if code in drain else out.warn)(text + (" (hardware: drain)" if code in drain else ""))
         out.note(f"{len(events) or 'no'} Xid errors in {source}" + (f" since {since:%Y-%m-%d %H:%M}" if since else ""))

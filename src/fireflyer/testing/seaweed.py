@@ -142,7 +142,7 @@ class SeaweedS3:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fireflyer.storage.seaweed``: start a server, round-trip an object, stop (a smoke check)."""
+    """``python -m fireflyer.testing.seaweed``: start a server, round-trip an object, stop (a smoke check)."""
     with SeaweedS3() as srv:
         b = srv.backend("fireflyer-smoke")
         b.write("hello", b"world")
