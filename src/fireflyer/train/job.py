@@ -94,7 +94,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
     from fireflyer.platform import client
     from fireflyer.train import report
     from fireflyer.train import state as saved
-    from fireflyer.train.cli import resolve
+    from fireflyer.train.outdir import resolve
     from fireflyer.train.config import builtin_config, read_toml
     from fireflyer.train.files import write_json
 
