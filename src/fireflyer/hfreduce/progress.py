@@ -20,7 +20,9 @@ import select
 import time
 from typing import TYPE_CHECKING
 
+from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce import futex
+from fireflyer.hfreduce.config import read
 from fireflyer.hfreduce.channels import DONE, Foreign
 from fireflyer.hfreduce.errors import CollectiveTimeout
 from fireflyer.hfreduce.transfers import Op, Transfer
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 # Microseconds of polling before a sleep (FIREFLYER_HFREDUCE_SPIN_US): a peer running on another core
 # delivers within them without a wake-up; on an oversubscribed machine they cost the peers' CPU.
-_SPIN_S = float(os.environ.get("FIREFLYER_HFREDUCE_SPIN_US", "50")) * 1e-6
+_SPIN_S = float(read(names.SPIN_US, "50")) * 1e-6
 _NAP = 0.002  # seconds of one sleep; the wait ends early when the channel it watches moves
 _MIXED_NAP = 0.0002  # with both rings and sockets pending: a socket wakes the wait, a ring is polled this often
 
