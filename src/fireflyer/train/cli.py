@@ -13,7 +13,6 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import os
 import time
 from functools import lru_cache
 
@@ -21,6 +20,7 @@ from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.train import report
 from fireflyer.train.config import DEVICES, FIELD_NAMES, TrainConfig, builtin_config
+from fireflyer.train.env import in_platform_task
 from fireflyer.train.files import write_json
 from fireflyer.train.outdir import resolve
 
@@ -56,7 +56,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     """Run ``fireflyer train`` (and ``fireflyer demo``) with ``argv``; return the exit code."""
     args = build_parser(prog).parse_args(argv)
     overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
-    if os.environ.get("FIREFLYER_TASK_DIR") and "RANK" in os.environ:  # a rank of a platform task
+    if in_platform_task():
         from fireflyer.train.job import run_managed
 
         return run_managed(args.config, overrides, resume=args.resume)
