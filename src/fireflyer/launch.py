@@ -6,6 +6,10 @@ with its own ``FIREFLYER_NODE_ID``, so hfreduce sees N nodes and ranks get the u
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``. Node 0's output
 goes to this terminal (so rank 0 can draw a progress bar); everything else, node 0's
 stderr included, is kept in ``log_dir/node{i}.log``. Nothing can hang: past ``timeout`` every agent and rank is killed.
+
+Starters that spawn ranks themselves (the test harness's LocalCluster, the platform's local
+ranks, the benchmarks) build each rank's environment with :func:`rank_env`, the one place
+that names those variables; a rank reads its place back with :func:`this_rank`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class LocalJob:
 
 NODE_ID = "FIREFLYER_NODE_ID"
 """The variable that names a rank's node; ranks with the same value share one node's memory."""
+JOB_SECRET = "FIREFLYER_JOB_SECRET"
+"""The variable that carries the job's secret, the same in every rank (hfreduce keys its links and arena with it)."""
 
 
 def node_name(node: int) -> str:
@@ -125,7 +131,7 @@ def run_local(job: LocalJob) -> Path:
     threads = threads_per_rank(job.world_size)
     # One secret for the whole job, in every rank's environment: hfreduce keys its links and
     # arena with it, so it never has to sit in the rendezvous store.
-    secret = os.environ.get("FIREFLYER_JOB_SECRET") or job.env.get("FIREFLYER_JOB_SECRET") or secrets.token_hex(32)
+    secret = os.environ.get(JOB_SECRET) or job.env.get(JOB_SECRET) or secrets.token_hex(32)
     procs: list[subprocess.Popen] = []
     outputs = []
     try:
@@ -134,7 +140,7 @@ def run_local(job: LocalJob) -> Path:
             # torchrun gives each rank the rest of rank_env's variables; the node is this launcher's to name.
             env.update({NODE_ID: node_name(node), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
             env.update(job.env)
-            env["FIREFLYER_JOB_SECRET"] = secret
+            env[JOB_SECRET] = secret
             cmd = [
                 sys.executable, "-m", "torch.distributed.run",
                 f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",

@@ -2,7 +2,9 @@
 
 Construction is the rendezvous: through the job's store every rank learns the group's
 layout (which ranks share a node), the group's key (derived from the launcher's secret,
-and only without one carried by the store), and every peer's pid. Then come the parts,
+:func:`~fireflyer.hfreduce.config.launcher_secret`, and only without one carried by the
+store), and every peer's pid. Its settings are an :class:`HFReduceConfig` (by default
+from the environment); the compiled core comes from ``core.py``. Then come the parts,
 one module each:
 
 * ``arena.py``       the node's shared memory and the flags that hand chunks between local ranks;

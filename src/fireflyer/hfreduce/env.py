@@ -7,6 +7,8 @@ the other modules name a variable through this module and ask the config for its
 
 from __future__ import annotations
 
+from fireflyer import launch
+
 PREFIX = "FIREFLYER_HFREDUCE_"
 """``FIREFLYER_HFREDUCE_<FIELD>`` overrides the default of the :class:`HFReduceConfig` field ``<field>``
 (``CHUNK_BYTES``, ``DEPTH``, ``TIMEOUT``, ``IFADDR``, ``ONESHOT_BYTES``, ``CORE``, ``CORE_TREES``,
@@ -46,10 +48,10 @@ TRACE_STACK = f"{PREFIX}TRACE_STACK"
 NO_FUTEX = "FIREFLYER_NO_FUTEX"
 """Set: waits on shared flags sleep in short steps instead of on a futex."""
 
-NODE_ID = "FIREFLYER_NODE_ID"
+NODE_ID = launch.NODE_ID
 """The rank's node, as the launcher names it; ranks with the same value share an arena
 (default: the host's name and boot id)."""
-JOB_SECRET = "FIREFLYER_JOB_SECRET"
+JOB_SECRET = launch.JOB_SECRET
 """The job's secret (16 characters or more), the same in every rank's environment: it keys the
 links and the arena. Unset: rank 0 makes one and hands it through the rendezvous store."""
 MASTER_ADDR = "MASTER_ADDR"

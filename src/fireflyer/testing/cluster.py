@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from fireflyer.launch import rank_env
+from fireflyer.launch import JOB_SECRET, rank_env
 from fireflyer.ports import free_port
 
 
@@ -105,7 +105,7 @@ class LocalCluster:
         self.procs = []
         self._env = dict(env or {})
         # As a launcher does: one secret in every rank's environment, not in the store.
-        self._env.setdefault("FIREFLYER_JOB_SECRET", secrets.token_hex(32))
+        self._env.setdefault(JOB_SECRET, secrets.token_hex(32))
         self._places = []
         self._port = free_port()
         self.store = None
