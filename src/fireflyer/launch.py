@@ -6,6 +6,10 @@ with its own ``FIREFLYER_NODE_ID``, so hfreduce sees N nodes and ranks get the u
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``. Node 0's output
 goes to this terminal (so rank 0 can draw a progress bar); everything else, node 0's
 stderr included, is kept in ``log_dir/node{i}.log``. Nothing can hang: past ``timeout`` every agent and rank is killed.
+
+Starters that spawn ranks themselves (the test harness's LocalCluster, the platform's local
+ranks, the benchmarks) build each rank's environment with :func:`rank_env`, the one place
+that names those variables; a rank reads its place back with :func:`this_rank`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from fireflyer.errors import FireflyerError
 from fireflyer.ports import free_port
@@ -58,6 +62,12 @@ class LocalJob:
         return self.nodes * self.ranks_per_node
 
 
+NODE_ID = "FIREFLYER_NODE_ID"
+"""The variable that names a rank's node; ranks with the same value share one node's memory."""
+JOB_SECRET = "FIREFLYER_JOB_SECRET"
+"""The variable that carries the job's secret, the same in every rank (hfreduce keys its links and arena with it)."""
+
+
 def node_name(node: int) -> str:
     """The ``FIREFLYER_NODE_ID`` of emulated node ``node``: what tells this machine's nodes apart."""
     return f"node{node}"
@@ -69,17 +79,43 @@ def rank_env(*, rank: int, world_size: int, local_rank: int, local_world_size: i
 
     The one place that names them: every starter of emulated nodes (the local launcher, the
     platform's local ranks, the benchmarks, the test harness) builds a rank's environment here.
-    ``node`` is the emulated node's index (named by :func:`node_name`) or its name.
+    ``node`` is the emulated node's index (named by :func:`node_name`, and the node's rank) or
+    its name (the node's rank is then ``rank // local_world_size``, as in an even layout).
     """
     if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size:
         raise ValueError(f"rank {rank}/{world_size} (local {local_rank}/{local_world_size}) is out of range")
+    node_rank = rank // local_world_size if isinstance(node, str) else node
     return {
         "RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
-        "GROUP_RANK": str(rank // local_world_size), "NODE_RANK": str(rank // local_world_size),
+        "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank),
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        "FIREFLYER_NODE_ID": node if isinstance(node, str) else node_name(node),
+        NODE_ID: node if isinstance(node, str) else node_name(node),
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlace:
+    """Where this process sits in its job, as its launcher (torchrun, the platform, :func:`rank_env`) said."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: str
+    """``FIREFLYER_NODE_ID``; empty where the launcher set none (one rank per host, or a real cluster)."""
+
+
+def this_rank(env: Mapping[str, str] | None = None) -> RankPlace:
+    """This rank's place, read from torchrun's variables (``env``: default this process's environment).
+
+    ``RANK`` and ``WORLD_SIZE`` must be set (KeyError otherwise); ``LOCAL_RANK`` defaults to 0,
+    ``LOCAL_WORLD_SIZE`` to 1.
+    """
+    env = os.environ if env is None else env
+    return RankPlace(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                     local_rank=int(env.get("LOCAL_RANK", "0")),
+                     local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), node=env.get(NODE_ID, ""))
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -95,19 +131,16 @@ def run_local(job: LocalJob) -> Path:
     threads = threads_per_rank(job.world_size)
     # One secret for the whole job, in every rank's environment: hfreduce keys its links and
     # arena with it, so it never has to sit in the rendezvous store.
-    secret = os.environ.get("FIREFLYER_JOB_SECRET") or job.env.get("FIREFLYER_JOB_SECRET") or secrets.token_hex(32)
+    secret = os.environ.get(JOB_SECRET) or job.env.get(JOB_SECRET) or secrets.token_hex(32)
     procs: list[subprocess.Popen] = []
     outputs = []
     try:
         for node in range(job.nodes):
             env = dict(os.environ)
-            env.update(
-                FIREFLYER_NODE_ID=node_name(node),
-                OMP_NUM_THREADS=str(threads),
-                PYTHONUNBUFFERED="1",
-            )
+            # torchrun gives each rank the rest of rank_env's variables; the node is this launcher's to name.
+            env.update({NODE_ID: node_name(node), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
             env.update(job.env)
-            env["FIREFLYER_JOB_SECRET"] = secret
+            env[JOB_SECRET] = secret
             cmd = [
                 sys.executable, "-m", "torch.distributed.run",
                 f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fireflyer.launch import rank_env
 from fireflyer.testing.netns import ShapedLink, netns_unavailable_reason
 
 _REASON = netns_unavailable_reason()
@@ -28,12 +29,9 @@ def test_allreduce_across_network_namespaces(tmp_path):
                 rank = node * ranks_per_node + local
                 env = dict(
                     os.environ,
-                    RANK=str(rank),
-                    WORLD_SIZE=str(2 * ranks_per_node),
-                    LOCAL_RANK=str(local),
-                    MASTER_ADDR=link.addrs[0],
-                    MASTER_PORT="29517",
-                    FIREFLYER_NODE_ID=f"node{node}",
+                    **rank_env(rank=rank, world_size=2 * ranks_per_node, local_rank=local,
+                               local_world_size=ranks_per_node, node=node, master_addr=link.addrs[0],
+                               master_port=29517),
                     FIREFLYER_HFREDUCE_IFADDR=link.addrs[node],
                     OMP_NUM_THREADS="1",
                 )

@@ -9,8 +9,10 @@ import os
 import sys
 import time
 
+from fireflyer.launch import rank_env
+
 rank, port, nbytes = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, FIREFLYER_NODE_ID="n0",
+os.environ.update(rank_env(rank=rank, world_size=2, local_rank=rank, local_world_size=2, node="n0", master_port=int(port)),
                   FIREFLYER_JOB_SECRET="interrupt-test-secret-0123456789")
 
 import torch  # noqa: E402

@@ -3,41 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from fireflyer.hfreduce.transport import free_port
+from fireflyer.launch import LocalJob, run_local
 
 JOB = Path(__file__).with_name("torch_job.py")
 
 
 def _torchrun(nodes: int, per_node: int, out: Path, job: Path = JOB) -> None:
-    port = free_port()
-    procs = []
-    for node in range(nodes):
-        env = dict(os.environ, FIREFLYER_NODE_ID=f"node{node}", OMP_NUM_THREADS="1", FIREFLYER_HFREDUCE_TIMEOUT="60")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={per_node}",
-            "--master-addr=127.0.0.1", f"--master-port={port}",
-            str(job), str(out),
-        ]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=240)
-            logs.append(stdout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    run_local(LocalJob(target=[str(job), str(out)], nodes=nodes, ranks_per_node=per_node, timeout=240, quiet=True,
+                       env={"OMP_NUM_THREADS": "1", "FIREFLYER_HFREDUCE_TIMEOUT": "60"}))
 
 
 @pytest.fixture(scope="module", params=[(1, 4), (2, 2)], ids=["1x4", "2x2"])

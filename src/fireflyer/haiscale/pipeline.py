@@ -39,7 +39,6 @@ the last, so gradients are reduced once per step over the stage's DP group.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fireflyer.haiscale.env import pp_timeout_s
 from fireflyer.haiscale.pipeline_placement import PipelinePlacement, plan_pipelines
 
 __all__ = [
@@ -135,11 +135,7 @@ def default_pp_backend() -> str:
 
 def _timeout(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
-        raw = os.environ.get("FIREFLYER_PP_TIMEOUT")
-        try:
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"FIREFLYER_PP_TIMEOUT={raw!r} is not a number of seconds") from None
+        timeout = pp_timeout_s(DEFAULT_TIMEOUT_S)
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = timedelta(seconds=float(timeout))
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:

@@ -1,7 +1,9 @@
 """HFReduce: CPU-side collectives for commodity GPU and CPU clusters (Fire-Flyer AI-HPC, paper section IV).
 
 ``import fireflyer.hfreduce`` registers the torch.distributed backend ``"hfreduce"``.
-The direct API is :class:`Communicator`; configuration is :class:`HFReduceConfig`.
+The direct API is :class:`Communicator`; configuration is :class:`HFReduceConfig`, which
+(with :mod:`~fireflyer.hfreduce.config`'s readers) is the only reader of the environment
+variables named in :mod:`~fireflyer.hfreduce.env`.
 """
 
 from fireflyer.hfreduce.config import HFReduceConfig, node_key

@@ -21,17 +21,41 @@ import select
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.mailbox import Ring, read_remote
 from fireflyer.hfreduce.transfers import Transfer
-from fireflyer.hfreduce.transport import DATA, FRAME, Link, connect
+from fireflyer.hfreduce.transport import DATA, FRAME, Link, Listener, connect
 
-if TYPE_CHECKING:
-    from fireflyer.hfreduce.exchange import Exchange
+
+class Owner(Protocol):
+    """What the channels, the endpoints (:mod:`~fireflyer.hfreduce.endpoints`) and the progress loop
+    (:mod:`~fireflyer.hfreduce.progress`) ask of the :class:`~fireflyer.hfreduce.exchange.Exchange`
+    that owns them; named here, so that none of them imports the exchange that imports them."""
+
+    rank: int
+    secret: bytes
+    addresses: dict[int, tuple[str, int]]
+    """Every remote peer's listening address."""
+    listener: Listener | None
+
+    def describe(self, rank: int) -> str:
+        """``rank`` in words, for messages."""
+
+    def check(self) -> None:
+        """Raise if the group has failed or the exchange is closed."""
+
+    def stopped(self) -> bool:
+        """Whether the group has failed or the exchange is closed."""
+
+    def expect(self, tr: Transfer, dig: bytes, nbytes: int) -> None:
+        """Raise CollectiveMismatch unless an arriving frame (digest, size) is the one ``tr`` expects."""
+
+    def failed(self, exc: BaseException) -> HFReduceError:
+        """A transfer failed with ``exc``: fail the group; return the error to raise."""
 
 DIRECT = 0x44495243  # a ring frame whose payload the receiver reads from the sender's memory
 _ADDRESS = struct.Struct("<Q")
@@ -198,7 +222,7 @@ class RingIn:
         self.ring.answer(ok)
         return ok
 
-    def step(self, tr: Transfer, ex: "Exchange") -> bool:
+    def step(self, tr: Transfer, ex: Owner) -> bool:
         ring = self.ring
         if tr.stage == _HEAD:
             raw = ring.peek(FRAME.size)
@@ -243,7 +267,7 @@ class RingIn:
 class TcpOut:
     """The sending side of a connection to a peer on another node, opened on the first transfer."""
 
-    def __init__(self, ex: "Exchange", peer: int) -> None:
+    def __init__(self, ex: Owner, peer: int) -> None:
         self._ex, self._peer = ex, peer
         self.link: Link | None = None
         self._saved: list = []
@@ -340,7 +364,7 @@ class TcpOut:
 class TcpIn:
     """The receiving side of a connection a peer on another node opened to this rank's listener."""
 
-    def __init__(self, ex: "Exchange", peer: int) -> None:
+    def __init__(self, ex: Owner, peer: int) -> None:
         self._ex, self._peer = ex, peer
         self.link: Link | None = None
         self._header = bytearray(FRAME.size)
@@ -368,7 +392,7 @@ class TcpIn:
     def driving(self, on: bool) -> None:
         _nonblocking(self.link, on, self._saved)
 
-    def step(self, tr: Transfer, ex: "Exchange") -> bool:
+    def step(self, tr: Transfer, ex: Owner) -> bool:
         link = self.link
         if tr.stage == _HEAD:
             try:

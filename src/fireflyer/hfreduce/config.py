@@ -1,16 +1,28 @@
-"""Engine configuration, and where a rank sits: its node and the address it listens on."""
+"""Engine configuration, where a rank sits (its node and the address it listens on), and the job's secret.
+
+The one reader of hfreduce's environment: :meth:`HFReduceConfig.from_env` for the
+per-group settings, :func:`read` and :func:`read_int` for the process-wide knobs and the
+launcher's variables. The names, with what each means, are in :mod:`fireflyer.hfreduce.env`.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
+
+from fireflyer.hfreduce import env as names
+
+_D = TypeVar("_D", int, None)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HFReduceConfig:
-    """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults."""
+    """How the engine runs. Environment variables ``FIREFLYER_HFREDUCE_<FIELD>`` override the defaults
+    (:meth:`from_env`)."""
 
     chunk_bytes: int | None = None
     """Bytes of one rank's chunk; the unit of pipelining. Larger means fewer handoffs, smaller means more overlap.
@@ -40,6 +52,15 @@ class HFReduceConfig:
     futex sleep costs a wake-up per handoff; counted, not timed, because a yield with nobody else
     to run returns at once: timed yielding (2 ms) made a 1 MiB allreduce 10x slower whenever gloo's
     threads shared the processes."""
+    arena: str = "memfd"
+    """How local ranks share the node's arena and the exchange's mailboxes: ``file``, files in
+    /dev/shm opened by name; anything else, private memory handed over as file descriptors
+    (where the platform can, else files too)."""
+
+    @property
+    def private_arena(self) -> bool:
+        """Whether the arena is private memory passed as descriptors (``arena`` is not ``file``)."""
+        return self.arena != "file"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes is not None and (self.chunk_bytes < 4096 or self.chunk_bytes % 64):
@@ -55,16 +76,17 @@ class HFReduceConfig:
 
     @classmethod
     def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
+        """The defaults, then ``FIREFLYER_HFREDUCE_<FIELD>`` where set, then ``timeout``, then ``overrides``."""
         kw: dict = {}
-        env = os.environ
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
-                           ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int)):
-            raw = env.get(f"FIREFLYER_HFREDUCE_{name.upper()}")
+                           ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int),
+                           ("arena", str)):
+            raw = read(names.field(name))
             if raw:
                 try:
                     kw[name] = conv(raw)
                 except ValueError:
-                    raise ValueError(f"FIREFLYER_HFREDUCE_{name.upper()}={raw!r} is not a valid {conv.__name__}") from None
+                    raise ValueError(f"{names.field(name)}={raw!r} is not a valid {conv.__name__}") from None
         if timeout is not None and "timeout" not in kw:
             kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         kw.update({k: v for k, v in overrides.items() if v is not None})
@@ -100,7 +122,7 @@ _flag.__name__ = "flag (0 or 1)"
 
 def node_key() -> str:
     """This process's node: ``FIREFLYER_NODE_ID`` if set, else the host (name and boot id)."""
-    explicit = os.environ.get("FIREFLYER_NODE_ID")
+    explicit = read(names.NODE_ID)
     if explicit:
         return explicit
     try:
@@ -112,9 +134,10 @@ def node_key() -> str:
 
 
 def route_address(config: HFReduceConfig) -> str:
+    """The address this rank listens on for other nodes: ``config.ifaddr``, else the one that routes to MASTER_ADDR."""
     if config.ifaddr:
         return config.ifaddr
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    master = read(names.MASTER_ADDR, "127.0.0.1")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((socket.gethostbyname(master), 9))
@@ -123,3 +146,35 @@ def route_address(config: HFReduceConfig) -> str:
         return "127.0.0.1"
 
 
+
+
+def read(name: str, default: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The value of hfreduce's environment variable ``name`` (named in :mod:`~fireflyer.hfreduce.env`), or ``default``.
+
+    ``env`` stands in for the process's environment (tests, and callers that were handed one).
+    """
+    return (os.environ if env is None else env).get(name, default)
+
+
+def read_int(name: str, default: _D, what: str, env: Mapping[str, str] | None = None) -> int | _D:
+    """``name`` as an integer, ``default`` when unset or blank; ValueError ``NAME='raw' is not <what>``."""
+    raw = (read(name, "", env) or "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+
+
+SECRET_ENV = names.JOB_SECRET
+
+
+def launcher_secret() -> bytes | None:
+    """The job's secret from the launcher's environment (``FIREFLYER_JOB_SECRET``), or None."""
+    raw = read(SECRET_ENV)
+    if raw is None or raw == "":
+        return None
+    if len(raw) < 16:
+        raise ValueError(f"{SECRET_ENV} must be at least 16 characters (a random token), got {len(raw)}")
+    return raw.encode()

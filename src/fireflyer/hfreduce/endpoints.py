@@ -15,21 +15,17 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
-
 import torch
 
+from fireflyer.hfreduce.channels import Owner
 from fireflyer.hfreduce.transfers import Transfer
-
-if TYPE_CHECKING:
-    from fireflyer.hfreduce.exchange import Exchange
 
 
 class Outbox:
     """This rank's sending side towards one peer. Transfers go in the order they are posted: by the
     caller when that needs no wait, else by this outbox's thread, or by a caller that drives it."""
 
-    def __init__(self, ex: "Exchange", peer: int, transport) -> None:
+    def __init__(self, ex: Owner, peer: int, transport) -> None:
         self._ex, self.peer, self.transport = ex, peer, transport
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -108,7 +104,7 @@ class Inbox:
     (another tag, or a call that overtook it) is kept in memory until it is.
     """
 
-    def __init__(self, ex: "Exchange", peer: int, transport) -> None:
+    def __init__(self, ex: Owner, peer: int, transport) -> None:
         self._ex, self.peer, self.transport = ex, peer, transport
         self._cond = threading.Condition()
         self._posted: dict[tuple[int, int], deque[Transfer]] = {}

@@ -2,7 +2,9 @@
 
 Construction is the rendezvous: through the job's store every rank learns the group's
 layout (which ranks share a node), the group's key (derived from the launcher's secret,
-and only without one carried by the store), and every peer's pid. Then come the parts,
+:func:`~fireflyer.hfreduce.config.launcher_secret`, and only without one carried by the
+store), and every peer's pid. Its settings are an :class:`HFReduceConfig` (by default
+from the environment); the compiled core comes from ``core.py``. Then come the parts,
 one module each:
 
 * ``arena.py``       the node's shared memory and the flags that hand chunks between local ranks;
@@ -34,7 +36,14 @@ import torch
 
 from fireflyer.hfreduce import collectives, fdshare
 from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
-from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes, node_key, route_address
+from fireflyer.hfreduce.config import (
+    SECRET_ENV,
+    HFReduceConfig,
+    default_chunk_bytes,
+    launcher_secret,
+    node_key,
+    route_address,
+)
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.exchange import Exchange, for_communicator
 from fireflyer.hfreduce.failures import Failures
@@ -48,12 +57,7 @@ from fireflyer.hfreduce.topology import Layout
 from fireflyer.hfreduce.transport import Listener
 from fireflyer.hfreduce.trees import TreeStage
 
-try:
-    from fireflyer.hfreduce import _core  # the compiled core, when pip could build it
-except ImportError:  # pragma: no cover - a machine without a C compiler: the Python reference runs
-    _core = None
-if not hasattr(_core, "node_run"):  # not built: the import found the _core/ source folder
-    _core = None
+from fireflyer.hfreduce.core import CORE as _core  # None without a built core: the Python reference runs
 
 __all__ = ["INLINE_BYTES", "SECRET_ENV", "Communicator", "HFReduceConfig", "launcher_secret"]
 _log = logging.getLogger("fireflyer.hfreduce")
@@ -201,7 +205,7 @@ class Communicator:
         job = hashlib.sha256(self._secret).hexdigest()[:12]
         key = f"arena/{self.node}"
         left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
-        private = fdshare.SUPPORTED and os.environ.get("FIREFLYER_HFREDUCE_ARENA", "memfd") != "file"
+        private = fdshare.SUPPORTED and self.config.private_arena
         if self.local_rank == 0:
             name = f"{NAME_PREFIX}{job}-{self.node}-{os.getpid()}"
             if private:
@@ -396,18 +400,7 @@ class Communicator:
             self._arena = None
 
 
-SECRET_ENV = "FIREFLYER_JOB_SECRET"
 _warned_store_secret = False
-
-
-def launcher_secret() -> bytes | None:
-    """The job's secret from the launcher's environment (``FIREFLYER_JOB_SECRET``), or None."""
-    raw = os.environ.get(SECRET_ENV)
-    if raw is None or raw == "":
-        return None
-    if len(raw) < 16:
-        raise ValueError(f"{SECRET_ENV} must be at least 16 characters (a random token), got {len(raw)}")
-    return raw.encode()
 
 
 def _warn_store_secret() -> None:

@@ -40,7 +40,8 @@ import torch
 from fireflyer.hfreduce import fdshare
 from fireflyer.hfreduce.arena import NAME_PREFIX
 from fireflyer.hfreduce.channels import RingIn, RingOut, TcpIn, TcpOut
-from fireflyer.hfreduce.config import route_address
+from fireflyer.hfreduce import env as names
+from fireflyer.hfreduce.config import read_int, route_address
 from fireflyer.hfreduce.endpoints import Inbox, Outbox
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, error_to_text, fresh
 from fireflyer.hfreduce.mailbox import Mailboxes
@@ -59,17 +60,13 @@ from fireflyer.hfreduce.transfers import (
 )
 from fireflyer.hfreduce.transport import Listener
 
-DIRECT_ENV = "FIREFLYER_HFREDUCE_DIRECT_BYTES"
+DIRECT_ENV = names.DIRECT_BYTES
 
 
 def direct_bytes() -> int:
     """Payloads from this size up go between local ranks as direct reads (``FIREFLYER_HFREDUCE_DIRECT_BYTES``;
     0 turns them off); smaller ones through the ring, where they cost no round trip."""
-    raw = os.environ.get(DIRECT_ENV)
-    try:
-        value = int(raw) if raw else 256 << 10
-    except ValueError:
-        raise ValueError(f"{DIRECT_ENV}={raw!r} is not a whole number of bytes") from None
+    value = read_int(DIRECT_ENV, 256 << 10, "a whole number of bytes")
     if value < 0:
         raise ValueError(f"{DIRECT_ENV} must be 0 (off) or a positive number of bytes, got {value}")
     return value
@@ -480,7 +477,7 @@ def for_communicator(comm) -> Exchange:
     (``Communicator._fail`` calls :meth:`Exchange.fail`) and the other way round.
     """
     job = hashlib.sha256(comm._secret).hexdigest()[:12]
-    private = fdshare.SUPPORTED and os.environ.get("FIREFLYER_HFREDUCE_ARENA", "memfd") != "file"
+    private = fdshare.SUPPORTED and comm.config.private_arena
     return Exchange(rank=comm.rank, layout=comm.layout, pids=comm._pids, store=comm._store, secret=comm._secret,
                     host=route_address(comm.config) if comm.num_nodes > 1 else "127.0.0.1",
                     timeout=lambda: comm.config.timeout, describe=comm.describe, check=comm._check,

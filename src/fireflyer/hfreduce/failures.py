@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fireflyer.hfreduce.errors import (
     CollectiveMismatch,
@@ -33,13 +33,23 @@ from fireflyer.hfreduce.errors import (
 )
 from fireflyer.hfreduce.flight import FlightRecorder
 from fireflyer.hfreduce.procs import pid_alive
-from fireflyer.hfreduce.reduce import Descriptor
+from fireflyer.hfreduce.reduce import Descriptor, Plan
 
 if TYPE_CHECKING:
     import torch.distributed
 
     from fireflyer.hfreduce.arena import Arena
-    from fireflyer.hfreduce.jobs import Job
+
+
+class Collective(Protocol):
+    """What a diagnosis reads of the collective in flight (a :class:`~fireflyer.hfreduce.jobs.Job`,
+    which is built on :class:`Failures` and so is named here only by what it offers)."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def plan(self) -> Plan: ...
 
 _log = logging.getLogger("fireflyer.hfreduce")
 _LIVENESS = 0.05  # seconds between checks that the local peers' processes still exist
@@ -54,7 +64,7 @@ class Failures:
 
     def __init__(self, *, rank: int, members: list[int], pids: list[int], describe: Callable[[int], str],
                  store: "torch.distributed.Store", arena: Arena, flight: FlightRecorder,
-                 running: Callable[[], Job | None]) -> None:
+                 running: Callable[[], Collective | None]) -> None:
         self.rank = rank
         self._members = members
         self._local_rank = members.index(rank)
@@ -256,7 +266,7 @@ class Failures:
                          self._describe(self.rank), path, path.parent)
 
 
-def mismatch(job: Job, me: str, who: str, theirs: Descriptor, their_seq: int) -> CollectiveMismatch:
+def mismatch(job: Collective, me: str, who: str, theirs: Descriptor, their_seq: int) -> CollectiveMismatch:
     """The error of ``me`` running ``job`` while ``who`` called ``theirs`` (its collective #``their_seq``)."""
     return CollectiveMismatch(
         f"collective mismatch: {me} called {job.plan.desc} (#{job.seq}) but {who} called {theirs} (#{their_seq})"

@@ -48,10 +48,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fireflyer.fsutil import atomic_write
+from fireflyer.hfreduce import env as names
+from fireflyer.hfreduce.config import read, read_int
 
-BUFFER_ENV = "FIREFLYER_HFREDUCE_TRACE_BUFFER"
-DIR_ENV = "FIREFLYER_HFREDUCE_TRACE_DIR"
-STACK_ENV = "FIREFLYER_HFREDUCE_TRACE_STACK"
+BUFFER_ENV = names.TRACE_BUFFER
+DIR_ENV = names.TRACE_DIR
+STACK_ENV = names.TRACE_STACK
 DEFAULT_CAPACITY = 2000
 """Entries per group when ``FIREFLYER_HFREDUCE_TRACE_BUFFER`` is unset (torch's default too)."""
 
@@ -85,35 +87,31 @@ SCHEDULED, STARTED, COMPLETED = "scheduled", "started", "completed"
 _MAX_FRAMES = 32
 
 
-def capacity_from_env(env: Mapping[str, str] = os.environ) -> int:
-    raw = env.get(BUFFER_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CAPACITY
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{BUFFER_ENV}={raw!r} is not an integer (entries per group; 0 turns recording off)") from None
+def capacity_from_env(env: Mapping[str, str] | None = None) -> int:
+    """Entries per group: ``FIREFLYER_HFREDUCE_TRACE_BUFFER`` (in ``env``, default this process's), else 2000."""
+    value = read_int(BUFFER_ENV, DEFAULT_CAPACITY, "an integer (entries per group; 0 turns recording off)", env)
     if value < 0:
         raise ValueError(f"{BUFFER_ENV} must be 0 or more entries, got {value}")
     return value
 
 
-def job_id(env: Mapping[str, str] = os.environ) -> str:
+def job_id(env: Mapping[str, str] | None = None) -> str:
     """A name every rank of one job computes alike: the Slurm job, the torchrun run, or the rendezvous address."""
-    if env.get("SLURM_JOB_ID"):
-        job = f"slurm-{env['SLURM_JOB_ID']}"
-        if env.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
-            job += f"-restart{env['SLURM_RESTART_COUNT']}"
-    elif env.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
-        job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
-    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        job = f"{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
+    if read(names.SLURM_JOB_ID, env=env):
+        job = f"slurm-{read(names.SLURM_JOB_ID, env=env)}"
+        restarts = read(names.SLURM_RESTART_COUNT, "0", env)
+        if restarts not in ("", "0"):
+            job += f"-restart{restarts}"
+    elif read(names.TORCHELASTIC_RUN_ID, "none", env) not in ("", "none"):
+        job = f"torchrun-{read(names.TORCHELASTIC_RUN_ID, env=env)}"
+    elif read(names.MASTER_ADDR, env=env) and read(names.MASTER_PORT, env=env):
+        job = f"{read(names.MASTER_ADDR, env=env)}-{read(names.MASTER_PORT, env=env)}"
     else:
         job = f"pid-{os.getpid()}"
     return re.sub(r"[^\w.-]", "_", job)
 
 
-def default_dump_dir(env: Mapping[str, str] = os.environ) -> Path:
+def default_dump_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where dumps go: one folder per job, shared by all its ranks (on one host, or on a shared filesystem).
 
     1. ``$FIREFLYER_HFREDUCE_TRACE_DIR`` when set;
@@ -121,11 +119,12 @@ def default_dump_dir(env: Mapping[str, str] = os.environ) -> Path:
     3. else ``<tmp>/fireflyer-hfreduce-trace/<job>``, ``<job>`` from :func:`job_id`
        (torch's NCCL default, ``/tmp/nccl_trace_rank_R``, mixes every job of a host in one place).
     """
-    explicit = env.get(DIR_ENV)
+    explicit = read(DIR_ENV, env=env)
     if explicit:
         return Path(explicit)
-    if env.get("FIREFLYER_TASK_DIR"):
-        return Path(env["FIREFLYER_TASK_DIR"]) / "hfreduce-trace" / f"attempt-{env.get('FIREFLYER_ATTEMPT') or 0}"
+    task_dir = read(names.TASK_DIR, env=env)
+    if task_dir:
+        return Path(task_dir) / "hfreduce-trace" / f"attempt-{read(names.ATTEMPT, env=env) or 0}"
     return Path(tempfile.gettempdir()) / "fireflyer-hfreduce-trace" / job_id(env)
 
 
@@ -220,7 +219,7 @@ class FlightRecorder:
         self.dump_dir = Path(dump_dir) if dump_dir is not None else default_dump_dir()
         self._name = str(group_name)
         self._desc = str(group_desc)
-        self._stack = os.environ.get(STACK_ENV, "") not in ("", "0")
+        self._stack = read(STACK_ENV, "") not in ("", "0")
         self._lock = threading.Lock()
         self._ring: list[_Entry | None] = [None] * capacity
         self._next = 0

@@ -14,6 +14,9 @@ import platform
 import sys
 import time
 
+from fireflyer.hfreduce.config import read
+from fireflyer.hfreduce.env import NO_FUTEX
+
 _FUTEX_WAIT = 0
 _FUTEX_WAKE = 1
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
@@ -24,7 +27,7 @@ class _Timespec(ctypes.Structure):
 
 
 _libc = None
-if sys.platform.startswith("linux") and _SYS_FUTEX is not None and not os.environ.get("FIREFLYER_NO_FUTEX"):
+if sys.platform.startswith("linux") and _SYS_FUTEX is not None and not read(NO_FUTEX):
     try:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.syscall.restype = ctypes.c_long

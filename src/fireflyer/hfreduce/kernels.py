@@ -39,11 +39,14 @@ portable`` asks for a lower instruction set; :func:`set_isa` does both at run ti
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
+from fireflyer.hfreduce import env
+from fireflyer.hfreduce.config import read
+from fireflyer.hfreduce.core import CORE as _core
+from fireflyer.hfreduce.core import MISSING as _core_missing
 from fireflyer.hfreduce.reduce import DTYPES, LOW_PRECISION, Op, Reducer, acc_dtype, check_dtype, check_op
 
 log = logging.getLogger(__name__)
@@ -52,17 +55,6 @@ ISAS = ("avx512", "avx2", "portable")  # best first
 REFERENCE = "reference"
 
 
-def _load_core():
-    try:
-        from fireflyer.hfreduce import _core
-    except ImportError as e:
-        return None, f"it could not be loaded ({e})"
-    if not hasattr(_core, "reduce"):  # the _core/ folder of C sources, imported as a namespace package
-        return None, "it was not built (no C compiler at install time?)"
-    return _core, None
-
-
-_core, _core_missing = _load_core()
 if _core is not None and _core.isa_note:
     log.warning("hfreduce core: %s", _core.isa_note)
 
@@ -70,7 +62,7 @@ _state = threading.local()
 _lock = threading.Lock()
 # FIREFLYER_HFREDUCE_CORE=0 switches the compiled kernels off from the start, as it does the
 # engine's compiled node stage (HFReduceConfig.core); the ISA choice is the C module's own.
-_use_reference = os.environ.get("FIREFLYER_HFREDUCE_CORE", "1") == "0"
+_use_reference = read(env.CORE, "1") == "0"
 _warned = False
 
 
@@ -114,9 +106,9 @@ def set_isa(name: str | None) -> str:
 
 
 def _default_isa() -> str:
-    if os.environ.get("FIREFLYER_HFREDUCE_CORE", "1") == "0" or _core is None:
+    if read(env.CORE, "1") == "0" or _core is None:
         return REFERENCE
-    want = os.environ.get("FIREFLYER_HFREDUCE_ISA", "")
+    want = read(env.ISA, "")
     return want if want in supported_isas() else _core.best_isa()
 
 

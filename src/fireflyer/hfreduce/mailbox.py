@@ -42,7 +42,9 @@ from typing import Callable
 
 import torch
 
+from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce.arena import map_shared
+from fireflyer.hfreduce.config import read_int
 from fireflyer.hfreduce import fdshare, futex
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.procs import pid_alive
@@ -56,7 +58,7 @@ _ACK_COUNT = 0x7FFFFFFF
 _SLICE = 0.05  # seconds between failure checks while a ring waits
 PIECE = 1 << 20  # bytes copied between two announcements, so sender and receiver overlap
 DEFAULT_RING_BYTES = 4 << 20
-RING_ENV = "FIREFLYER_HFREDUCE_MAILBOX_BYTES"
+RING_ENV = names.MAILBOX_BYTES
 
 
 def ring_bytes_for(local_size: int) -> int:
@@ -64,12 +66,8 @@ def ring_bytes_for(local_size: int) -> int:
 
     Every local rank of a node must use the same value (the region's header checks it).
     """
-    raw = os.environ.get(RING_ENV)
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{RING_ENV}={raw!r} is not a whole number of bytes") from None
+    value = read_int(RING_ENV, None, "a whole number of bytes")
+    if value is not None:
         if not _PAGE <= value <= 1 << 30 or value % _PAGE:
             raise ValueError(f"{RING_ENV} must be a multiple of {_PAGE} between {_PAGE} and {1 << 30}, got {value}")
         return value

@@ -20,23 +20,24 @@ import select
 import time
 from typing import TYPE_CHECKING
 
+from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce import futex
-from fireflyer.hfreduce.channels import DONE, Foreign
+from fireflyer.hfreduce.channels import DONE, Foreign, Owner
+from fireflyer.hfreduce.config import read
 from fireflyer.hfreduce.errors import CollectiveTimeout
 from fireflyer.hfreduce.transfers import Op, Transfer
 
 if TYPE_CHECKING:
     from fireflyer.hfreduce.endpoints import Inbox, Outbox
-    from fireflyer.hfreduce.exchange import Exchange
 
 # Microseconds of polling before a sleep (FIREFLYER_HFREDUCE_SPIN_US): a peer running on another core
 # delivers within them without a wake-up; on an oversubscribed machine they cost the peers' CPU.
-_SPIN_S = float(os.environ.get("FIREFLYER_HFREDUCE_SPIN_US", "50")) * 1e-6
+_SPIN_S = float(read(names.SPIN_US, "50")) * 1e-6
 _NAP = 0.002  # seconds of one sleep; the wait ends early when the channel it watches moves
 _MIXED_NAP = 0.0002  # with both rings and sockets pending: a socket wakes the wait, a ring is polled this often
 
 
-def drive(ex: "Exchange", op: Op, sends: list[tuple["Outbox", Transfer]], recvs: list[tuple["Inbox", Transfer]]) -> None:
+def drive(ex: Owner, op: Op, sends: list[tuple["Outbox", Transfer]], recvs: list[tuple["Inbox", Transfer]]) -> None:
     """Move the claimed transfers of ``op``; every channel is released before this returns."""
     active: list[tuple[object, Transfer, bool]] = [(box, tr, True) for box, tr in sends] + \
         [(box, tr, False) for box, tr in recvs]

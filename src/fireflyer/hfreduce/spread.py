@@ -47,7 +47,9 @@ from typing import Callable
 
 import torch
 
+from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce import kernels
+from fireflyer.hfreduce.config import read, read_int
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, fresh
 from fireflyer.hfreduce.reduce import Kind
 from fireflyer.hfreduce.reduce import Op, Plan, acc_dtype
@@ -56,17 +58,13 @@ from fireflyer.hfreduce.transfers import COLLECTIVE, byte_view, digest, settle
 from fireflyer.hfreduce.transfers import Kind as Digest  # its frames' kinds: ALL_GATHER, BROADCAST, REDUCE_SCATTER + op
 from fireflyer.hfreduce.work import HFReduceWork, seconds
 
-CHUNK_ENV = "FIREFLYER_HFREDUCE_SPREAD_CHUNK_BYTES"
-ENABLE_ENV = "FIREFLYER_HFREDUCE_SPREAD"
+CHUNK_ENV = names.SPREAD_CHUNK_BYTES
+ENABLE_ENV = names.SPREAD
 _DEFAULT_CHUNK = 4 << 20
 
 
 def chunk_bytes() -> int:
-    raw = os.environ.get(CHUNK_ENV)
-    try:
-        value = int(raw) if raw else _DEFAULT_CHUNK
-    except ValueError:
-        raise ValueError(f"{CHUNK_ENV}={raw!r} is not a whole number of bytes") from None
+    value = read_int(CHUNK_ENV, _DEFAULT_CHUNK, "a whole number of bytes")
     if value < 1:
         raise ValueError(f"{CHUNK_ENV} must be a positive number of bytes, got {value}")
     return value
@@ -92,7 +90,7 @@ def route(comm):
 
     None (the engine's reduction path) on one node, where shared memory makes that path fast,
     when the exchange is gone, or with ``FIREFLYER_HFREDUCE_SPREAD=0``."""
-    if comm.num_nodes <= 1 or comm.exchange is None or os.environ.get(ENABLE_ENV, "1") == "0":
+    if comm.num_nodes <= 1 or comm.exchange is None or read(ENABLE_ENV, "1") == "0":
         return None
     return comm.exchange
 

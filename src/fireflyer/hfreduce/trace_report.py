@@ -21,7 +21,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.hfreduce.flight import FORMAT, FORMAT_VERSION, JSON_PREFIX, JSON_SUFFIX
+from fireflyer.hfreduce.flight import DIR_ENV, FORMAT, FORMAT_VERSION, JSON_PREFIX, JSON_SUFFIX
 
 _DONE = ("completed", "aged out")  # states that let a rank move past a collective
 _MISMATCH_CAP = 10
@@ -37,7 +37,7 @@ def load(folder: str | Path) -> list[dict]:
     files = sorted(d.glob(f"{JSON_PREFIX}*{JSON_SUFFIX}"), key=lambda p: (len(p.name), p.name))
     if not files:
         raise UserError(f"{d}: no hfreduce trace dumps ({JSON_PREFIX}<rank>{JSON_SUFFIX}); ranks write them "
-                        "when a collective fails, into $FIREFLYER_HFREDUCE_TRACE_DIR (default: "
+                        f"when a collective fails, into ${DIR_ENV} (default: "
                         "<tmp>/fireflyer-hfreduce-trace/<job>)")
     dumps = [_load_one(p) for p in files]
     _check_membership(dumps)
@@ -411,7 +411,7 @@ def _row_text(row: dict) -> str:
 # ---------------------------------------------------------------------- command
 def main(argv: list[str]) -> int:
     p = ArgumentParser(prog="fireflyer hfreduce trace", description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", metavar="DIR", help="the folder of the dumps ($FIREFLYER_HFREDUCE_TRACE_DIR)")
+    p.add_argument("dir", metavar="DIR", help=f"the folder of the dumps (${DIR_ENV})")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     args = p.parse_args(argv)
     analysis = analyse(load(args.dir), args.dir)

@@ -20,7 +20,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from fireflyer.hfreduce.transport import free_port
+from fireflyer.launch import JOB_SECRET, rank_env
+from fireflyer.ports import free_port
 
 
 @dataclass
@@ -44,15 +45,8 @@ class RankFailed(RuntimeError):
 def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox,
                host_store: bool = True) -> None:
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(local_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        FIREFLYER_NODE_ID=f"node{node}",
-    )
+    os.environ.update(rank_env(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
+                               node=node, master_port=port))
     import datetime
 
     import torch
@@ -111,7 +105,7 @@ class LocalCluster:
         self.procs = []
         self._env = dict(env or {})
         # As a launcher does: one secret in every rank's environment, not in the store.
-        self._env.setdefault("FIREFLYER_JOB_SECRET", secrets.token_hex(32))
+        self._env.setdefault(JOB_SECRET, secrets.token_hex(32))
         self._places = []
         self._port = free_port()
         self.store = None

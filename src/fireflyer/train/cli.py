@@ -13,18 +13,16 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import os
-import shutil
 import time
 from functools import lru_cache
-from pathlib import Path
-from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.train import report
-from fireflyer.train.config import DEVICES, FIELD_NAMES, TrainConfig, builtin_config, check_resumable, read_toml
+from fireflyer.train.config import DEVICES, FIELD_NAMES, TrainConfig, builtin_config
+from fireflyer.train.env import in_platform_task
 from fireflyer.train.files import write_json
+from fireflyer.train.outdir import resolve
 
 EPILOG = """\
 examples:
@@ -58,7 +56,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     """Run ``fireflyer train`` (and ``fireflyer demo``) with ``argv``; return the exit code."""
     args = build_parser(prog).parse_args(argv)
     overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
-    if os.environ.get("FIREFLYER_TASK_DIR") and "RANK" in os.environ:  # a rank of a platform task
+    if in_platform_task():
         from fireflyer.train.job import run_managed
 
         return run_managed(args.config, overrides, resume=args.resume)
@@ -85,51 +83,6 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     png = report.plot_losses(run, out / "loss.png")
     print(report.summary(run, wall_s=wall, out=out, png=png))
     return 0
-
-
-def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> tuple[TrainConfig, int | None]:
-    """The run's config and, with ``resume``, the committed step to continue from; readies the out directory.
-
-    A fresh run clears an earlier run's state and results in the out directory. With
-    ``resume`` and no CONFIG, the saved run's own config is the base (its ``stop_at`` dropped).
-    """
-    base = read_toml(config) if config else None
-    if not resume:
-        cfg = TrainConfig.from_dict({**(base or read_toml(builtin_config("demo"))), **overrides},
-                                    source=config or "demo.toml")
-        _start_afresh(cfg.out_dir)
-        return cfg, None
-    from fireflyer.train import state as saved  # imports torch
-
-    out = overrides.get("out") or (base or {}).get("out") or TrainConfig.from_toml(builtin_config("demo")).out
-    if saved.latest_step(out) is None:
-        raise UserError(f"--resume: no saved state in {saved.ckpt_dir(out)}/; run without --resume first")
-    state = saved.load_state(out)  # the newest intact one (a damaged newest one falls back, with a warning)
-    step = int(state["step"])
-    where = f"{saved.ckpt_dir(out)} (step {step})"
-    if base is None:
-        base = {k: v for k, v in state["config"].items() if k != "stop_at"}
-    cfg = TrainConfig.from_dict({**base, "out": str(out), **overrides}, source=config or where)
-    changed = check_resumable(state["config"], cfg, state=where)
-    if step >= (cfg.stop_at or cfg.steps):
-        raise UserError(f"{where} is already at step {step}; raise --steps (or --stop-at) to train further")
-    if changed:
-        print(f"note: resuming with changed {', '.join(changed)}")
-    for name in ("run.json", "loss.png"):
-        (cfg.out_dir / name).unlink(missing_ok=True)
-    return cfg, step
-
-
-def _start_afresh(out: Path) -> None:
-    from fireflyer.train import state as saved
-
-    if saved.clear_states(out):
-        print(f"note: starting afresh in {out}/; the earlier run's saved state there was removed "
-              "(--resume continues a run instead)")
-    shutil.rmtree(out / "state", ignore_errors=True)  # states of the format before the checkpoint manager
-    for name in ("run.json", "loss.png"):
-        (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def _step_range(cfg: TrainConfig, resume_from: int | None) -> str:

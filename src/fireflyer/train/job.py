@@ -1,10 +1,11 @@
 """One rank of ``fireflyer train``, as torchrun starts it on every rank of every node.
 
 ``python -m fireflyer.train.job --config OUT/config.json [--resume STATE]``: reads the
-resolved config the launcher wrote, joins the job's hfreduce process group
-(``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` come from torchrun,
+resolved config the launcher wrote, joins the job's hfreduce process group (its place,
+:func:`fireflyer.launch.this_rank`, comes from torchrun's variables, and
 ``FIREFLYER_NODE_ID`` tells emulated nodes apart), picks its device and thread count,
-and runs the :class:`~fireflyer.train.trainer.Trainer`.
+and runs the :class:`~fireflyer.train.trainer.Trainer`. As a platform task there is no
+launcher: ``fireflyer train`` calls :func:`run_managed` in every rank instead.
 """
 
 from __future__ import annotations
@@ -17,32 +18,19 @@ import torch
 import torch.distributed as dist
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
-from fireflyer.launch import threads_per_rank
+from fireflyer.launch import this_rank, threads_per_rank
 from fireflyer.train.config import TrainConfig
+from fireflyer.train.env import injected_failure
 from fireflyer.train.trainer import Placement, Trainer
 
 COLLECTIVE_TIMEOUT = 120.0
 """Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
-FAIL_AT_ENV = "FIREFLYER_TRAIN_FAIL_AT"
-"""Fault injection: ``RANK:STEP`` makes that rank raise as it starts that step (tests use it)."""
-
-
-def injected_failure(rank: int) -> int | None:
-    """The step at which this rank is to fail, from ``FIREFLYER_TRAIN_FAIL_AT``, or None."""
-    raw = os.environ.get(FAIL_AT_ENV)
-    if not raw:
-        return None
-    try:
-        fail_rank, step = (int(part) for part in raw.split(":"))
-    except ValueError:
-        raise ValueError(f"{FAIL_AT_ENV}={raw!r} must be RANK:STEP, e.g. 1:5") from None
-    return step if fail_rank == rank else None
 
 
 def place(cfg: TrainConfig) -> Placement:
     """This rank's place in the job, from torchrun's environment; sets its device and torch threads."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    me = this_rank()
+    rank, world, local_rank = me.rank, me.world_size, me.local_rank
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -52,10 +40,10 @@ def place(cfg: TrainConfig) -> Placement:
     else:
         device = torch.device("cpu")
     # The launcher sets OMP_NUM_THREADS so the node's ranks share its cores without oversubscribing.
-    threads = int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    threads = int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(me.local_world_size))
     torch.set_num_threads(threads)
     return Placement(rank=rank, world_size=world, local_rank=local_rank,
-                     node=os.environ.get("FIREFLYER_NODE_ID", ""), device=device, threads=threads)
+                     node=me.node, device=device, threads=threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +82,11 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
     from fireflyer.platform import client
     from fireflyer.train import report
     from fireflyer.train import state as saved
-    from fireflyer.train.cli import resolve
+    from fireflyer.train.outdir import resolve
     from fireflyer.train.config import builtin_config, read_toml
     from fireflyer.train.files import write_json
 
-    overrides = {**overrides, "nodes": client.nnodes(), "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    overrides = {**overrides, "nodes": client.nnodes(), "ranks_per_node": this_rank().local_world_size}
     rank = client.rank()
     dist.init_process_group("hfreduce", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
     try:

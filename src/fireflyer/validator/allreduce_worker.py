@@ -2,7 +2,7 @@
 
 ``python -m fireflyer.validator.allreduce_worker --backend hfreduce --bytes N --iters K --out DIR``,
 started by torchrun (through :func:`fireflyer.launch.run_local`) with the usual RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Every iteration refills the buffer
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (read by :func:`fireflyer.launch.this_rank`). Every iteration refills the buffer
 with this rank's integer-valued input, runs one timed all_reduce and compares the whole
 result with the exact expected sum, so speed and correctness are measured on the same
 operations. Each rank writes ``DIR/rank{R}.json``: its mean seconds per op and how many
@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from fireflyer.launch import this_rank
+
+    me = this_rank()
+    rank, world, local_rank = me.rank, me.world_size, me.local_rank
     device = "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)

@@ -33,8 +33,7 @@ def open_backend(url: str | os.PathLike | Backend, *, retry: RetryConfig | None 
         from fireflyer.storage.backends.s3 import S3Backend, S3Config
 
         q = parse_qs(parsed.query)
-        endpoint = q.get("endpoint", [os.environ.get("FIREFLYER_S3_ENDPOINT")])[0]
-        return S3Backend(S3Config(bucket=parsed.netloc, prefix=parsed.path.lstrip("/"), endpoint_url=endpoint,
-                                  region=q.get("region", [os.environ.get("AWS_DEFAULT_REGION", "us-east-1")])[0]),
+        return S3Backend(S3Config.from_env(bucket=parsed.netloc, prefix=parsed.path.lstrip("/"),
+                                           endpoint_url=q.get("endpoint", [None])[0], region=q.get("region", [None])[0]),
                          retry=retry)
     raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {text!r}; use a path, file://, s3:// or 3fs://")

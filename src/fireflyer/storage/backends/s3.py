@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from fireflyer.fsutil import atomic_write_file
+from fireflyer.storage import env
 from fireflyer.storage.backends.base import Backend, RetryConfig
 
 
@@ -38,6 +39,20 @@ class S3Config:
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ValueError("connect_timeout and read_timeout must be positive seconds")
 
+    @classmethod
+    def from_env(cls, *, bucket: str, prefix: str = "", endpoint_url: str | None = None, region: str | None = None,
+                 **fields) -> "S3Config":
+        """A config whose endpoint and region, where not given, come from ``FIREFLYER_S3_ENDPOINT``
+        and ``AWS_DEFAULT_REGION`` (else ``us-east-1``)."""
+        return cls(bucket=bucket, prefix=prefix,
+                   endpoint_url=endpoint_url if endpoint_url is not None else os.environ.get(env.S3_ENDPOINT),
+                   region=region if region is not None else os.environ.get(env.REGION, "us-east-1"), **fields)
+
+    def credentials(self) -> tuple[str | None, str | None]:
+        """The access and secret key: this config's, else ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``
+        (None: boto3's own chain)."""
+        return (self.access_key or os.environ.get(env.ACCESS_KEY), self.secret_key or os.environ.get(env.SECRET_KEY))
+
 
 class S3Backend(Backend):
     name = "s3"
@@ -51,10 +66,10 @@ class S3Backend(Backend):
             raise ImportError("the S3 backend needs boto3: pip install 'fireflyer[s3]'") from None
         self.config = config
         self._prefix = config.prefix.strip("/") + "/" if config.prefix.strip("/") else ""
+        access_key, secret_key = config.credentials()
         self._client = boto3.session.Session().client(
             "s3", endpoint_url=config.endpoint_url, region_name=config.region,
-            aws_access_key_id=config.access_key or os.environ.get("AWS_ACCESS_KEY_ID"),
-            aws_secret_access_key=config.secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            aws_access_key_id=access_key, aws_secret_access_key=secret_key,
             config=Config(connect_timeout=config.connect_timeout, read_timeout=config.read_timeout,
                           retries={"max_attempts": 1, "mode": "standard"},
                           max_pool_connections=config.max_pool_connections,

@@ -1,0 +1,29 @@
+"""The environment variables ``fireflyer train`` reads, beyond a rank's place (:func:`fireflyer.launch.this_rank`)
+and the engine's settings (:mod:`fireflyer.hfreduce.env`); the functions here are their one reader."""
+
+from __future__ import annotations
+
+import os
+
+FAIL_AT = "FIREFLYER_TRAIN_FAIL_AT"
+"""Fault injection: ``RANK:STEP`` makes that rank raise as it starts that step (tests use it)."""
+TASK_DIR = "FIREFLYER_TASK_DIR"
+"""Set by the platform in a task's ranks: ``fireflyer train`` then runs as that task's rank
+(:func:`fireflyer.train.job.run_managed`) instead of launching emulated nodes."""
+
+
+def injected_failure(rank: int) -> int | None:
+    """The step at which this rank is to fail, from ``FIREFLYER_TRAIN_FAIL_AT``, or None."""
+    raw = os.environ.get(FAIL_AT)
+    if not raw:
+        return None
+    try:
+        fail_rank, step = (int(part) for part in raw.split(":"))
+    except ValueError:
+        raise ValueError(f"{FAIL_AT}={raw!r} must be RANK:STEP, e.g. 1:5") from None
+    return step if fail_rank == rank else None
+
+
+def in_platform_task() -> bool:
+    """Whether this process is a rank of a platform task (the task's folder and a rank are in its environment)."""
+    return bool(os.environ.get(TASK_DIR)) and "RANK" in os.environ
