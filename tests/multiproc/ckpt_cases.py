@@ -61,7 +61,7 @@ def fsdp_resume_matches(ctx, root: str) -> tuple[list[float], list[float]]:
     the shards and repeats the next steps with the same losses."""
     from fireflyer.checkpoint import load_into
     from fireflyer.haiscale import fully_shard
-    from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+    from fireflyer.bench.model import GPTConfig, batch, build
 
     _pg(ctx)
     cfg = GPTConfig(vocab=64, dim=32, layers=2, heads=2, seq=16)

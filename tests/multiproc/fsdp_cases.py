@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+from fireflyer.bench.model import GPTConfig, batch, build
 
 CFG = GPTConfig(vocab=64, dim=64, layers=3, heads=2, seq=8)  # blocks of 200 KB: above hfreduce's inline size, so reduce-scatters run on the engine thread
 STEPS = 3
@@ -77,7 +77,7 @@ def train_all(ctx) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fireflyer.haiscale import fully_shard
-    from fireflyer.haiscale.bench_model import Block
+    from fireflyer.bench.model import Block
     from fireflyer.haiscale.fsdp import FullyShardedDataParallel, sharding_info
 
     rank, world = ctx.rank, ctx.world_size

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import bench, bench_worker, traffic
-from fireflyer.hfreduce import bench_report as report
+from fireflyer.bench import allreduce as bench, allreduce_worker as bench_worker
+from fireflyer.hfreduce import traffic
+from fireflyer.bench import allreduce_report as report
 from fireflyer.hfreduce.config import HFReduceConfig
 
 

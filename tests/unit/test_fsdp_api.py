@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+from fireflyer.bench.model import GPTConfig, batch, build
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_sharding_twice_or_attaching_twice_is_refused(pg):
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # Linear units return views; harmless here
 def test_units_default_to_the_modulelist_blocks_or_follow_the_choice(pg):
-    from fireflyer.haiscale.bench_model import Block
+    from fireflyer.bench.model import Block
     from fireflyer.haiscale.fsdp import sharding_info
 
     model = build(CFG)
@@ -169,14 +169,14 @@ def test_gpt_for_params_comes_close():
     ],
 )
 def test_bench_flags_are_checked(argv, needle):
-    from fireflyer.haiscale.bench_fsdp import build_config
+    from fireflyer.bench.fsdp import build_config
 
     with pytest.raises(UserError, match=needle):
         build_config(argv)
 
 
 def test_bench_quick_config():
-    from fireflyer.haiscale.bench_fsdp import build_config, parse_count
+    from fireflyer.bench.fsdp import build_config, parse_count
 
     cfg = build_config(["--quick", "--layouts", "2x2", "--out", "/tmp/x"])
     assert cfg.layouts == ((2, 2),) and cfg.model.layers == 2 and cfg.model.num_params < 2e6
@@ -189,7 +189,7 @@ def test_bench_report_from_rank_results(tmp_path):
 
     from rich.console import Console
 
-    from fireflyer.haiscale.bench_fsdp import (
+    from fireflyer.bench.fsdp import (
         FSDPBenchConfig,
         print_layout,
         summarise,

@@ -13,7 +13,7 @@ from fireflyer.hfreduce import traffic
 from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes
 
 if TYPE_CHECKING:
-    from fireflyer.hfreduce.bench import BenchConfig, LayoutResult
+    from fireflyer.bench.allreduce import BenchConfig, LayoutResult
 
 MiB = 1 << 20
 HEADLINE_BYTES = 64 * MiB

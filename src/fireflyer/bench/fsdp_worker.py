@@ -1,6 +1,6 @@
-"""One rank of ``fireflyer bench fsdp``: ``python -m fireflyer.haiscale.bench_fsdp_worker SPEC.json``.
+"""One rank of ``fireflyer bench fsdp``: ``python -m fireflyer.bench.fsdp_worker SPEC.json``.
 
-Started under torchrun by :mod:`fireflyer.haiscale.bench_fsdp` (through
+Started under torchrun by :mod:`fireflyer.bench.fsdp` (through
 :func:`fireflyer.launch.run_local`). It joins hfreduce as the default group and gloo
 as a second group, then trains the same GPT with each variant in turn, on the same
 batches: a fresh model per variant, warm-up steps, timed steps (after one unreported
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+from fireflyer.bench.model import GPTConfig, batch, build
 
 VARIANTS = ("haiscale", "haiscale-optbwd", "fsdp2-gloo", "fsdp2-hfreduce", "ddp")
 """haiscale: fully_shard on hfreduce (prefetch, overlapped reduce-scatter) with a normal AdamW step;
@@ -58,7 +58,7 @@ def make_variant(name: str, cfg: GPTConfig, gloo: dist.ProcessGroup, lr: float) 
     """A fresh, identically initialised model trained the way ``name`` says."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fireflyer.haiscale.bench_model import Block
+    from fireflyer.bench.model import Block
     from fireflyer.haiscale.fsdp import fully_shard, sharding_info
 
     adamw = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.1)
@@ -143,7 +143,7 @@ def run(spec: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m fireflyer.haiscale.bench_fsdp_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m fireflyer.bench.fsdp_worker SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         run(json.load(f))

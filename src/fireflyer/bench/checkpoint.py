@@ -251,7 +251,7 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
     b.set_ylabel("GB/s")
     b.set_title("Throughput against the disk (dd-style)")
     fig.tight_layout()
-    from fireflyer.hfreduce.bench_report import atomic_write
+    from fireflyer.bench.allreduce_report import atomic_write
 
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
@@ -259,8 +259,8 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import write_json
+    from fireflyer.bench.allreduce import machine_info
+    from fireflyer.bench.allreduce_report import write_json
 
     r = run(cfg)
     _print(r)

@@ -1,4 +1,4 @@
-"""One rank of ``fireflyer bench ddp``, run under torchrun by :mod:`fireflyer.haiscale.bench_ddp`.
+"""One rank of ``fireflyer bench ddp``, run under torchrun by :mod:`fireflyer.bench.ddp`.
 
 Every rank builds the same ~25M-parameter model several times: bare (compute alone),
 wrapped in haiscale DDP on hfreduce, in torch DDP on gloo (the baseline) and in torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
-from fireflyer.haiscale.bench_model import GPTConfig, build
+from fireflyer.bench.model import GPTConfig, build
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce.reduce import Op
 

@@ -2,7 +2,7 @@
 
 For each layout (``NxL``: N emulated nodes of L ranks, started with real torchrun
 through :func:`fireflyer.launch.run_local`) every rank trains the same GPT on the same
-batches with each variant in turn (:mod:`fireflyer.haiscale.bench_fsdp_worker`):
+batches with each variant in turn (:mod:`fireflyer.bench.fsdp_worker`):
 
 * step time (forward, backward, optimizer step; the slowest rank's median) of
   haiscale FSDP, with and without the optimizer in backward, against torch FSDP2 over
@@ -30,8 +30,8 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_model import GPTConfig
-from fireflyer.haiscale.bench_fsdp_worker import VARIANTS
+from fireflyer.bench.model import GPTConfig
+from fireflyer.bench.fsdp_worker import VARIANTS
 
 BASELINE = "fsdp2-gloo"
 MEMORY_BASELINE = "ddp"
@@ -121,7 +121,7 @@ def run_layout(cfg: FSDPBenchConfig, nodes: int, per_node: int) -> list[dict[str
             "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr,
             "timeout_s": min(300.0, cfg.timeout_s)}
     (tmp / "spec.json").write_text(json.dumps(spec))
-    run_local(LocalJob(target=["-m", "fireflyer.haiscale.bench_fsdp_worker", str(tmp / "spec.json")],
+    run_local(LocalJob(target=["-m", "fireflyer.bench.fsdp_worker", str(tmp / "spec.json")],
                        nodes=nodes, ranks_per_node=per_node, timeout=cfg.timeout_s, quiet=True,
                        log_dir=str(tmp / "logs")))
     world = nodes * per_node
@@ -195,7 +195,7 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fireflyer.hfreduce.bench_report import atomic_write
+    from fireflyer.bench.allreduce_report import atomic_write
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(results))
@@ -228,8 +228,8 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
 
 
 def main(argv: list[str]) -> int:
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console, write_json
+    from fireflyer.bench.allreduce import machine_info
+    from fireflyer.bench.allreduce_report import make_console, write_json
 
     cfg = build_config(list(argv))
     console, errcon = make_console(), make_console(stderr=True)

@@ -1,6 +1,6 @@
-"""One rank of ``fireflyer bench allreduce``: ``python -m fireflyer.hfreduce.bench_worker SPEC.json``.
+"""One rank of ``fireflyer bench allreduce``: ``python -m fireflyer.bench.allreduce_worker SPEC.json``.
 
-Started by :mod:`fireflyer.hfreduce.bench` with the environment torchrun gives (RANK,
+Started by :mod:`fireflyer.bench.allreduce` with the environment torchrun gives (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
 FIREFLYER_NODE_ID. SPEC's ``set`` says which process set the rank belongs to:
 
@@ -9,12 +9,12 @@ FIREFLYER_NODE_ID. SPEC's ``set`` says which process set the rank belongs to:
   4-byte all_reduce is the dispatch floor: what torch's plugin boundary costs; it also
   answers ``fireflyer bench alltoall``'s rounds of ``all_to_all_single`` (:class:`_Exchange`);
 - ``deepspeed``: ``deepspeed.init_distributed(dist_backend="gloo")`` and DeepSpeed's CPU
-  shared-memory allreduce (:mod:`fireflyer.hfreduce.bench_peers`).
+  shared-memory allreduce (:mod:`fireflyer.bench.allreduce_peers`).
 
 Every rank connects to the parent's control socket and runs what the parent asks, one
 round at a time (:func:`serve`), so systems that live in different processes alternate.
 Between rounds a rank blocks in a socket read, so an idle system takes no core from the
-one being measured. The OpenMPI ranks (:mod:`fireflyer.hfreduce.bench_mpi_worker`) speak
+one being measured. The OpenMPI ranks (:mod:`fireflyer.bench.mpi_worker`) speak
 the same protocol.
 """
 
@@ -385,7 +385,7 @@ def _deepspeed_set(spec: dict[str, Any], rank: int) -> Setup:
     import deepspeed
     from deepspeed import comm as ds_comm
 
-    from fireflyer.hfreduce.bench_peers import DEEPSPEED, dtype_note
+    from fireflyer.bench.allreduce_peers import DEEPSPEED, dtype_note
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec["timeout_s"]))
     if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
@@ -427,7 +427,7 @@ def buf_itemsize(dtype: torch.dtype) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m fireflyer.hfreduce.bench_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m fireflyer.bench.allreduce_worker SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)

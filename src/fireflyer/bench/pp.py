@@ -1,7 +1,7 @@
 """``fireflyer bench pp``: the pipeline bubble of GPipe, 1F1B and Interleaved1F1B, measured and in theory.
 
 It starts one pipeline of ``--stages`` ranks, each stage on its own emulated node (the
-paper's placement), with real torchrun (:mod:`fireflyer.haiscale.bench_pp_worker`).
+paper's placement), with real torchrun (:mod:`fireflyer.bench.pp_worker`).
 Each rank times every forward and backward its stages run. For one step:
 
     wall        = last rank's end - first rank's start
@@ -246,7 +246,7 @@ def run(cfg: PPBenchConfig) -> list[dict[str, Any]]:
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
-    job = LocalJob(target=["-m", "fireflyer.haiscale.bench_pp_worker", spec_path], nodes=cfg.stages,
+    job = LocalJob(target=["-m", "fireflyer.bench.pp_worker", spec_path], nodes=cfg.stages,
                    ranks_per_node=1, quiet=True, timeout=cfg.timeout_s, log_dir=os.path.join(tmp, "logs"),
                    env={"GLOO_SOCKET_IFNAME": "lo"})
     try:
@@ -303,7 +303,7 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fireflyer.hfreduce.bench_report import atomic_write
+    from fireflyer.bench.allreduce_report import atomic_write
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {Schedule.GPIPE.value: "tab:blue", Schedule.ONE_F_ONE_B.value: "tab:red",
@@ -350,8 +350,8 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
 
 def main(argv: list[str]) -> int:
     """Run the benchmark, print the table, write ``pp.json`` and ``pp.png`` under ``--out``."""
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console, write_json
+    from fireflyer.bench.allreduce import machine_info
+    from fireflyer.bench.allreduce_report import make_console, write_json
 
     cfg = build_config(list(argv))
     console = make_console()

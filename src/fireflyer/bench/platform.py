@@ -609,7 +609,7 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fireflyer.hfreduce.bench_report import atomic_write
+    from fireflyer.bench.allreduce_report import atomic_write
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     a, b, c, d = axes.flat
@@ -684,7 +684,7 @@ def run(cfg: PlatformBenchConfig) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.hfreduce.bench_report import write_json
+    from fireflyer.bench.allreduce_report import write_json
 
     load_before = loadavg()
     try:

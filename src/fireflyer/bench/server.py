@@ -1,4 +1,4 @@
-"""How fast the server lists tasks: ``python -m fireflyer.platform.server.bench [--tasks 10000] [--runs 9]``.
+"""How fast the server lists tasks: ``python -m fireflyer.bench.server [--tasks 10000] [--runs 9]``.
 
 Fills a fresh platform home with ``--tasks`` tasks (four in five finished, the rest
 queued, as on a cluster that has run a while), starts ``serve`` on a free loopback port
@@ -134,7 +134,7 @@ def breakdown(home: Home, tasks: int, runs: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fireflyer.platform.server.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fireflyer.bench.server", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=10_000, help="tasks in the platform (default 10000)")
     p.add_argument("--runs", type=int, default=9, help="timed runs of each request (default 9)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")

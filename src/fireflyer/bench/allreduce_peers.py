@@ -23,9 +23,9 @@ op is built by g++ and ninja on first use, about a minute, and cached in
 How each peer runs:
 
 - **OpenMPI**: ``mpirun --allow-run-as-root --oversubscribe -np N`` starts N ranks of
-  :mod:`fireflyer.hfreduce.bench_mpi_worker`, which call ``comm.Allreduce(MPI.IN_PLACE,
+  :mod:`fireflyer.bench.mpi_worker`, which call ``comm.Allreduce(MPI.IN_PLACE,
   buf)`` on numpy views of fp32 buffers. MPI has no bf16 type, so bf16 is n/a.
-- **DeepSpeed**: N ranks of :mod:`fireflyer.hfreduce.bench_worker` with torchrun's
+- **DeepSpeed**: N ranks of :mod:`fireflyer.bench.allreduce_worker` with torchrun's
   environment plus ``DS_ACCELERATOR=cpu`` and ``LOCAL_SIZE`` = N call
   ``deepspeed.init_distributed(dist_backend="gloo")`` and then
   ``torch.ops.deepspeed.inference_all_reduce_(buf)``. Its bf16 kernel needs AVX-512BW and
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from fireflyer.ports import free_port
 
 if TYPE_CHECKING:
-    from fireflyer.hfreduce.bench import BenchConfig, Layout, LayoutResult
+    from fireflyer.bench.allreduce import BenchConfig, Layout, LayoutResult
 
 OPENMPI = "openmpi"
 DEEPSPEED = "deepspeed"
@@ -413,7 +413,7 @@ def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
 
     candidate = cfg.candidate if "candidate" in cfg.systems else "gloo"
     st = sets["torch"] = ProcessSet("torch", lay.world, log_of("torch"))
-    argv = [sys.executable, "-m", "fireflyer.hfreduce.bench_worker", spec("torch", candidate=candidate)]
+    argv = [sys.executable, "-m", "fireflyer.bench.allreduce_worker", spec("torch", candidate=candidate)]
     master, port = (link.addrs[0], 29500) if link else ("127.0.0.1", free_port())
     for rank in range(lay.world):
         env = worker_env(lay, rank, master, port)
@@ -438,7 +438,7 @@ def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
         if name == DEEPSPEED:
             st = sets[name] = ProcessSet(name, lay.world, log_of(name))
             ds_port = free_port()
-            argv = [sys.executable, "-m", "fireflyer.hfreduce.bench_worker", spec(name)]
+            argv = [sys.executable, "-m", "fireflyer.bench.allreduce_worker", spec(name)]
             for rank in range(lay.world):
                 env = deepspeed_env(worker_env(lay, rank, "127.0.0.1", ds_port), lay.world)
                 env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -448,7 +448,7 @@ def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
             st = sets[name] = ProcessSet(name, lay.world, lambda _r: os.path.join(tmp, "openmpi.log"))
             env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_ENV}
             env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            worker = [sys.executable, "-m", "fireflyer.hfreduce.bench_mpi_worker", spec(name)]
+            worker = [sys.executable, "-m", "fireflyer.bench.mpi_worker", spec(name)]
             popen(st, 0, mpirun_argv(shutil.which("mpirun") or "mpirun", lay.world, worker), env)
 
 
@@ -458,7 +458,7 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
     ``pending``: channels accepted whose rank has not said who it is yet. A rank names its
     set and rank as soon as it connects, so one that dies during setup is known by name
     even where its launcher lives on (mpirun waits for the ranks still running)."""
-    from fireflyer.hfreduce.bench_worker import Channel
+    from fireflyer.bench.allreduce_worker import Channel
 
     deadline = time.monotonic() + timeout_s
     server.settimeout(POLL_S)

@@ -89,7 +89,7 @@ def build_config(argv: list[str]) -> DDPBenchConfig:
 def _run(cfg: DDPBenchConfig, nodes: int, per: int, variants: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fireflyer-bench-ddp-") as tmp:
         out = os.path.join(tmp, "report.json")
-        run_local(LocalJob(target=["-m", "fireflyer.haiscale.bench_ddp_worker", "--out", out, "--variants", variants,
+        run_local(LocalJob(target=["-m", "fireflyer.bench.ddp_worker", "--out", out, "--variants", variants,
                                    *cfg.model_args],
                            nodes=nodes, ranks_per_node=per, timeout=cfg.timeout, quiet=True, log_dir=tmp))
         with open(out) as f:
@@ -177,7 +177,7 @@ def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]
         ax2.legend(fontsize=8)
         ax2.set_title("Weak scaling")
     fig.tight_layout()
-    from fireflyer.hfreduce.bench_report import atomic_write
+    from fireflyer.bench.allreduce_report import atomic_write
 
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
@@ -185,8 +185,8 @@ def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console, write_json
+    from fireflyer.bench.allreduce import machine_info
+    from fireflyer.bench.allreduce_report import make_console, write_json
 
     console, err = make_console(), make_console(stderr=True)
     rows = []
