@@ -22,13 +22,9 @@ algbw = bytes of one rank's buffer / time; busbw = algbw * 2(n-1)/n; GB = 1e9 B.
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
-import platform
-import re
 import shutil
 import socket
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -36,8 +32,12 @@ from typing import Any, Callable
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
+from fireflyer.bench.harness import document, invoked_command, machine_info  # noqa: F401 - machine_info re-exported
 from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for tests and callers
+    DEFAULT_LAYOUTS,
     HEADLINE_BYTES,
+    Layout,
+    LayoutResult,
     SYSTEMS,
     TABLE_SIZES,
     TRAFFIC_MODEL,
@@ -57,6 +57,7 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
     memory_floor_bytes,
     median,
     memory_floor_seconds,
+    parse_layout,
     parse_size,
     path_traffic,
     pct_of_link,
@@ -75,7 +76,6 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
 from fireflyer.hfreduce.config import HFReduceConfig
 
 MiB = 1 << 20
-DEFAULT_LAYOUTS = ("1x4", "2x2", "2x2-shaped")
 DTYPE_ITEMSIZE = {"fp32": 4, "bf16": 2}
 QUICK_SIZES = (4 << 10, 1 * MiB, 16 * MiB)
 TABLE_WIDTH = 144
@@ -85,33 +85,6 @@ OWNER = {"candidate": "torch", "gloo": "torch", "openmpi": allreduce_peers.OPENM
 """Which process set hosts each system."""
 
 # -- configuration ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    nodes: int
-    local: int
-    shaped: bool
-
-    @property
-    def name(self) -> str:
-        return f"{self.nodes}x{self.local}" + ("-shaped" if self.shaped else "")
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.local
-
-
-def parse_layout(text: str) -> Layout:
-    m = re.fullmatch(r"(\d+)x(\d+)(-shaped)?", text.strip())
-    if not m:
-        raise UserError(f"bad layout {text!r}; write NODESxRANKS or NODESxRANKS-shaped, e.g. {','.join(DEFAULT_LAYOUTS)}")
-    lay = Layout(int(m.group(1)), int(m.group(2)), bool(m.group(3)))
-    if lay.nodes < 1 or lay.local < 1 or lay.world < 2:
-        raise UserError(f"layout {text!r} needs at least 2 ranks")
-    if lay.shaped and lay.nodes < 2:
-        raise UserError(f"layout {text!r}: a shaped link needs at least 2 nodes")
-    return lay
 
 
 def parse_systems(text: str, candidate: str) -> tuple[str, ...]:
@@ -248,23 +221,6 @@ def engine_config() -> HFReduceConfig:
 
 
 # -- running one layout ------------------------------------------------------------
-
-
-@dataclass
-class LayoutResult:
-    layout: str
-    nodes: int
-    local: int
-    world: int
-    link_mbit: float | None = None
-    skipped: str | None = None
-    copy_bw: float | None = None
-    """Aggregate copy bandwidth of all ranks at once, bytes read+written per second."""
-    dispatch_floor: dict[str, Any] | None = None
-    notes: dict[str, str] = field(default_factory=dict)
-    """Per system: why it was skipped here, or what it measures on this layout."""
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    roofline: dict[str, Any] = field(default_factory=dict)
 
 
 def _drop_peer(sets: dict[str, allreduce_peers.ProcessSet], res: LayoutResult, exc: allreduce_peers.SetFailed, where: str) -> None:
@@ -428,9 +384,7 @@ def _check_candidate(name: str) -> None:
 def build_doc(cfg: BenchConfig, peers: dict[str, allreduce_peers.PeerStatus], results: list[LayoutResult]) -> dict[str, Any]:
     """The JSON document of one run."""
     return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "candidate": cfg.candidate,
         "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
                    "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops, "thresholds": thresholds(cfg.engine),
@@ -472,18 +426,3 @@ def main(argv: list[str]) -> int:
         return 1
     return 0
 
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
-                            "python": platform.python_version(), "torch": torch.__version__,
-                            "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            info["mem_total_kib"] = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
-    except (OSError, StopIteration, ValueError):
-        pass
-    return info

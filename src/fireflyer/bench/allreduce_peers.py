@@ -48,12 +48,10 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from fireflyer.bench.allreduce_report import Layout, LayoutResult
 from fireflyer.ports import free_port
-
-if TYPE_CHECKING:
-    from fireflyer.bench.allreduce import BenchConfig, Layout, LayoutResult
 
 OPENMPI = "openmpi"
 DEEPSPEED = "deepspeed"
@@ -386,7 +384,7 @@ class ProcessSet:
             fn()
 
 
-def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
+def start_sets(cfg: Any, lay: Layout, tmp: str, control: str, link: Any,
                peers: dict[str, PeerStatus], res: LayoutResult, sets: dict[str, ProcessSet]) -> None:
     """Start the torch ranks and every peer that runs on this layout, into ``sets`` as they
     start (so that whoever called can end them all even when a later start fails)."""

@@ -15,8 +15,6 @@ algbw = bytes of one rank's input / time; busbw = algbw * (n-1)/n (nccl-tests' a
 
 from __future__ import annotations
 
-import datetime as _dt
-import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -24,22 +22,29 @@ from typing import Any, Callable
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
-from fireflyer.bench.allreduce import Layout, LayoutResult, _check_candidate, parse_layout, run_layout
+from fireflyer.bench.allreduce import _check_candidate, run_layout
 from fireflyer.bench.allreduce_report import (
     COLORS,
+    Layout,
+    LayoutResult,
     _fmt,
     default_ops,
     default_warmup,
     format_ms,
     format_size,
     layout_title,
+    parse_layout,
+    speedup,
+    summarize,
+)
+from fireflyer.bench.harness import (
+    document,
+    invoked_command,
     make_console,
     median,
     parse_size,
     plot_loglog,
     slowest_per_op,
-    speedup,
-    summarize,
     write_json,
 )
 
@@ -194,12 +199,8 @@ def write_png(path: str, results: list[LayoutResult]) -> None:
 
 def build_doc(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, Any]:
     """The JSON document of one run."""
-    from fireflyer.bench.allreduce import machine_info
-
     return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "collective": "all_to_all_single",
         "candidate": CANDIDATE,
         "config": {"dtype": "fp32", "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
@@ -258,7 +259,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the old entry point: python -m fireflyer.bench.exchange [options]
-    from fireflyer.cli import main as _cli
-
-    sys.exit(_cli(["bench", "alltoall", *sys.argv[1:]]))
+if __name__ == "__main__":  # python -m fireflyer.bench.exchange [options], as `fireflyer bench alltoall`
+    sys.exit(main(sys.argv[1:]))

@@ -16,19 +16,18 @@ The table goes to the terminal, JSON and a PNG to ``--out`` (``fsdp.json``, ``fs
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
 from fireflyer.errors import UserError
 from fireflyer.bench.model import GPTConfig
 from fireflyer.bench.fsdp_worker import VARIANTS
@@ -190,12 +189,7 @@ def print_layout(console: Any, res: dict[str, Any]) -> None:
 
 def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) -> None:
     """Left: step time per variant and layout. Right: per-rank tensor bytes by category, with DDP/N marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from fireflyer.bench.allreduce_report import atomic_write
+    plt = pyplot()
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(results))
@@ -223,13 +217,11 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
     fig.suptitle(f"FSDP: GPT {cfg.model.num_params / 1e6:.1f}M params, {cfg.model.layers} blocks")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(path, fig)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
-    from fireflyer.bench.allreduce import machine_info
-    from fireflyer.bench.allreduce_report import make_console, write_json
 
     cfg = build_config(list(argv))
     console, errcon = make_console(), make_console(stderr=True)
@@ -244,9 +236,7 @@ def main(argv: list[str]) -> int:
         print_layout(console, res)
         results.append(res)
     doc = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "config": {"model": asdict(cfg.model), "num_params": cfg.model.num_params, "batch": cfg.batch,
                    "steps": cfg.steps, "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr},
         "layouts": results,

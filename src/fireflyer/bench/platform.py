@@ -24,13 +24,10 @@ All in one run, one JSON (``bench-platform.json``) and one PNG (``bench-platform
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import platform as _platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import bench_command, document, loadavg, pyplot, save_png, write_json
 from fireflyer.errors import UserError
 from fireflyer.platform import simulate as sim
 from fireflyer.platform.policy import Node, PolicyConfig, Priority, Task, schedule
@@ -505,24 +503,6 @@ def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- output
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": _platform.platform(),
-                            "python": _platform.python_version(), "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    return info
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except (OSError, ValueError):
-        return None
-
-
 def _ms(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 10 else f"{s:.1f} s"
 
@@ -604,12 +584,7 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from fireflyer.bench.allreduce_report import atomic_write
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     a, b, c, d = axes.flat
@@ -667,7 +642,7 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
                 fontsize=9)
     d.legend(fontsize=8)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    save_png(path, fig, dpi=100)
     plt.close(fig)
 
 
@@ -684,7 +659,6 @@ def run(cfg: PlatformBenchConfig) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.bench.allreduce_report import write_json
 
     load_before = loadavg()
     try:
@@ -692,8 +666,7 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:
         raise UserError(f"platform benchmark failed: {exc}") from None
     _print(r)
-    doc = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "command": ["fireflyer", "bench", "platform", *argv], "machine": machine_info(),
+    doc = {**document(bench_command("platform", argv), torch=False),
            "loadavg_before": load_before, "loadavg_after": loadavg(),
            "baselines": {"cycle": "HAI Platform's 1 s scheduling tick",
                          "roundtrip": "a cold submit → running of the same job on the same platform",

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fireflyer.bench.harness import write_json
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{parse['median_ms']:.0f} ms more")
     print(f"the same tasks paged 1000 at a time (10 requests): median {paged['median_ms']:.0f} ms")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0
 
 
