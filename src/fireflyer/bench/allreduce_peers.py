@@ -56,6 +56,8 @@ from fireflyer.ports import free_port
 OPENMPI = "openmpi"
 DEEPSPEED = "deepspeed"
 PEERS = (OPENMPI, DEEPSPEED)
+CONNECT_TIMEOUT_S = 120.0
+"""How long a rank retries connecting to the parent's control socket."""
 
 INSTALL = {
     OPENMPI: "apt-get install openmpi-bin libopenmpi-dev && .venv/bin/pip install -c constraints.txt mpi4py",
@@ -456,8 +458,6 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
     ``pending``: channels accepted whose rank has not said who it is yet. A rank names its
     set and rank as soon as it connects, so one that dies during setup is known by name
     even where its launcher lives on (mpirun waits for the ranks still running)."""
-    from fireflyer.bench.allreduce_worker import Channel
-
     deadline = time.monotonic() + timeout_s
     server.settimeout(POLL_S)
     while not all(st.ready for st in sets.values()):
@@ -499,3 +499,53 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
             late = [f"{st.name} rank {r}" for st in sets.values() for r, h in enumerate(st.hello) if h is None]
             raise SetFailed(next(st.name for st in sets.values() if not st.ready),
                             f"not started within {timeout_s:.0f} s: {', '.join(late)}")
+
+
+# -- the control channel -------------------------------------------------------------------
+
+
+class Channel:
+    """JSON lines over a connected stream socket; the parent's side and a rank's side alike."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(path)
+                return cls(s)
+            except (FileNotFoundError, ConnectionRefusedError):
+                s.close()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no bench parent listening at {path} after {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def recv(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next message; None when the other side closed; TimeoutError after ``timeout_s``
+        (a partial line is kept for the next call)."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message in {timeout_s:.1f} s")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except socket.timeout:
+                raise TimeoutError(f"no message in {timeout_s:.1f} s") from None
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.sock.close()

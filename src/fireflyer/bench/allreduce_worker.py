@@ -32,6 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
+
 PERIOD = 65521
 """Inputs repeat a seeded random block of this many elements: prime, so a chunk moved to
 the wrong offset (chunks are powers of two) shows up as wrong values."""
@@ -41,7 +43,6 @@ COPY_BYTES = 64 << 20
 COPY_REPS = 4
 COPY_TRIALS = 3
 NOOP_BACKEND = "fireflyer_noop"
-CONNECT_TIMEOUT_S = 120.0
 
 Op = Callable[[], Any]
 """One allreduce of a buffer the op was made for, in place."""
@@ -153,56 +154,6 @@ class _Exchange:
                                    self.y, self.stale, self.expected, cmd["ops"], cmd["warmup"],
                                    segment_length(self.world))
         return {"times": times, "wrong": wrong}
-
-
-# -- the control channel -------------------------------------------------------------------
-
-
-class Channel:
-    """JSON lines over a connected stream socket; the parent's side and a rank's side alike."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buf = b""
-
-    @classmethod
-    def connect(cls, path: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(path)
-                return cls(s)
-            except (FileNotFoundError, ConnectionRefusedError):
-                s.close()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no bench parent listening at {path} after {timeout_s:.0f} s") from None
-                time.sleep(0.05)
-
-    def send(self, obj: dict[str, Any]) -> None:
-        self.sock.sendall(json.dumps(obj).encode() + b"\n")
-
-    def recv(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next message; None when the other side closed; TimeoutError after ``timeout_s``
-        (a partial line is kept for the next call)."""
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no message in {timeout_s:.1f} s")
-            self.sock.settimeout(left)
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except socket.timeout:
-                raise TimeoutError(f"no message in {timeout_s:.1f} s") from None
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class _Buffers:
@@ -385,7 +336,6 @@ def _deepspeed_set(spec: dict[str, Any], rank: int) -> Setup:
     import deepspeed
     from deepspeed import comm as ds_comm
 
-    from fireflyer.bench.allreduce_peers import DEEPSPEED, dtype_note
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec["timeout_s"]))
     if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
