@@ -29,8 +29,8 @@ from typing import Any
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
 from fireflyer.errors import UserError
-from fireflyer.bench.model import GPTConfig
 from fireflyer.bench.fsdp_worker import VARIANTS
+from fireflyer.train.model import ModelShape
 
 BASELINE = "fsdp2-gloo"
 MEMORY_BASELINE = "ddp"
@@ -55,7 +55,8 @@ def parse_layout(text: str) -> tuple[int, int]:
 @dataclass(frozen=True, kw_only=True)
 class FSDPBenchConfig:
     layouts: tuple[tuple[int, int], ...] = ((1, 4), (2, 2))
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelShape = field(default_factory=lambda: ModelShape(vocab_size=8192, context=128, layers=6, d_model=512,
+                                                                 heads=8))
     batch: int = 2
     """Sequences per rank per step."""
     steps: int = 4
@@ -98,7 +99,7 @@ def build_config(argv: list[str]) -> FSDPBenchConfig:
     if a.layers < 1 or a.vocab < 2 or a.seq < 1:
         raise UserError("--layers and --seq must be >= 1 and --vocab >= 2")
     try:
-        model = GPTConfig.for_params(parse_count(a.params), layers=a.layers, vocab=a.vocab, seq=a.seq)
+        model = ModelShape.for_params(parse_count(a.params), layers=a.layers, vocab_size=a.vocab, context=a.seq)
     except ValueError as exc:
         raise UserError(f"--params/--layers: {exc}") from exc
     return FSDPBenchConfig(
@@ -225,8 +226,8 @@ def main(argv: list[str]) -> int:
 
     cfg = build_config(list(argv))
     console, errcon = make_console(), make_console(stderr=True)
-    errcon.print(f"[dim]GPT {cfg.model.num_params / 1e6:.2f}M params (dim {cfg.model.dim}, {cfg.model.layers} blocks, "
-                 f"vocab {cfg.model.vocab}, seq {cfg.model.seq}), {cfg.batch} sequences per rank[/dim]")
+    errcon.print(f"[dim]GPT {cfg.model.num_params / 1e6:.2f}M params (dim {cfg.model.d_model}, {cfg.model.layers} blocks, "
+                 f"vocab {cfg.model.vocab_size}, seq {cfg.model.context}), {cfg.batch} sequences per rank[/dim]")
     results = []
     for nodes, per_node in cfg.layouts:
         layout = f"{nodes}x{per_node}"

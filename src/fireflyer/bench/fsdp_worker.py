@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.bench.model import GPTConfig, batch, build
+from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
 
 VARIANTS = ("haiscale", "haiscale-optbwd", "fsdp2-gloo", "fsdp2-hfreduce", "ddp")
 """haiscale: fully_shard on hfreduce (prefetch, overlapped reduce-scatter) with a normal AdamW step;
@@ -54,15 +54,14 @@ def _torch_fsdp2(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def make_variant(name: str, cfg: GPTConfig, gloo: dist.ProcessGroup, lr: float) -> Variant:
+def make_variant(name: str, cfg: ModelShape, gloo: dist.ProcessGroup, lr: float) -> Variant:
     """A fresh, identically initialised model trained the way ``name`` says."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fireflyer.bench.model import Block
     from fireflyer.haiscale.fsdp import fully_shard, sharding_info
 
     adamw = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.1)
-    model = build(cfg)
+    model = GPT.seeded(cfg)
     if name == "haiscale":
         model = fully_shard(model, shard_types=(Block,))
     elif name == "haiscale-optbwd":
@@ -88,14 +87,14 @@ def make_variant(name: str, cfg: GPTConfig, gloo: dist.ProcessGroup, lr: float) 
 def run_variant(name: str, spec: dict[str, Any], gloo: dist.ProcessGroup) -> dict[str, Any]:
     from fireflyer.haiscale.fsdp_memory import PeakRSS, tensor_bytes
 
-    cfg = GPTConfig(**spec["model"])
+    cfg = ModelShape(**spec["model"])
     rank = dist.get_rank()
     rss = PeakRSS()
     v = make_variant(name, cfg, gloo, spec["lr"])
     rss.restart_peak()  # the full model each rank builds before sharding is not training memory
     times, losses = [], []
     for step in range(spec["warmup"] + spec["steps"]):
-        x, y = batch(cfg, rank=rank, step=step, size=spec["batch"])
+        x, y = synthetic_batch(cfg, rank=rank, step=step, size=spec["batch"])
         if step == spec["warmup"]:
             dist.barrier(group=gloo)
         t0 = time.perf_counter()
