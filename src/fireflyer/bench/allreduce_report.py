@@ -18,7 +18,7 @@ from fireflyer.bench.harness import (  # noqa: F401 - re-exported: the allreduce
     write_json,
 )
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import traffic
+from fireflyer.fabric import traffic
 from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes
 
 MiB = 1 << 20
@@ -132,8 +132,15 @@ def default_iters(nbytes: int) -> int:
     return max(2, min(20, (256 * MiB) // max(nbytes, 1)))
 
 
-TRAFFIC_MODEL = "fireflyer.hfreduce.traffic"
-"""The roofline's model of what each path reads and writes (:mod:`fireflyer.hfreduce.traffic`)."""
+TRAFFIC_MODEL = "fireflyer.fabric.traffic"
+"""The roofline's model of what each path reads and writes (:mod:`fireflyer.fabric.traffic`)."""
+
+
+def engine_path(nbytes: int, nodes: int, config: HFReduceConfig) -> str:
+    """The path hfreduce's engine takes for ``nbytes`` per rank on ``nodes`` nodes under ``config``:
+    its one-shot limit, and its chunk where unset resolved as the engine resolves it."""
+    return traffic.engine_path(nbytes, nodes, oneshot_bytes=config.oneshot_bytes,
+                               chunk_bytes=config.chunk_bytes or default_chunk_bytes(nodes))
 
 
 def path_traffic(nbytes: int, nodes: int, local: int, itemsize: int, config: HFReduceConfig) -> dict[str, Any]:
@@ -141,8 +148,8 @@ def path_traffic(nbytes: int, nodes: int, local: int, itemsize: int, config: HFR
     ranks under ``config``, and that path's memory traffic per node: ``mem_bytes``,
     ``floor_mem_bytes`` and ``link_bytes`` (bytes), and ``traffic_x`` and ``floor_x``, the same
     divided by the tensor (one-shot on 1x4: 28x against the floor's 8x, which is 2L x)."""
-    path = traffic.algorithm(nbytes, nodes, config)
-    t = traffic.memory_traffic(nbytes, local, nodes, itemsize, path=path)
+    path = engine_path(nbytes, nodes, config)
+    t = traffic.engine_traffic(nbytes, local, nodes, itemsize, path=path)
     return {"path": path, **t, "traffic_x": t["mem_bytes"] / nbytes, "floor_x": t["floor_mem_bytes"] / nbytes}
 
 

@@ -6,7 +6,6 @@ The direct API is :class:`Communicator`; configuration is :class:`HFReduceConfig
 
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.engine import Communicator
-from fireflyer.hfreduce.traffic import memory_traffic
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.process_group import BACKEND, HFReduceProcessGroup, register
 from fireflyer.hfreduce.reduce import Op
@@ -23,7 +22,6 @@ __all__ = [
     "HFReduceProcessGroup",
     "Op",
     "PeerFailure",
-    "memory_traffic",
     "node_key",
     "register",
 ]
