@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from fireflyer.bench.allreduce_report import Layout, LayoutResult
+from fireflyer.launch import rank_env
 from fireflyer.ports import free_port
 
 OPENMPI = "openmpi"
@@ -255,18 +256,19 @@ def probe(names: tuple[str, ...], build_timeout_s: float, progress: Callable[[st
 # -- process sets: launched, spoken to over the control socket, ended ------------------------
 
 
-_LAYOUT_ENV = ("GLOO_SOCKET_IFNAME", "FIREFLYER_NODE_ID", "FIREFLYER_HFREDUCE_IFADDR", "LOCAL_SIZE",
-               "DS_ACCELERATOR")
+_RANK_ENV = frozenset(rank_env(rank=0, world_size=1, local_rank=0, local_world_size=1, node=0, master_port=1))
+"""What :func:`fireflyer.launch.rank_env` sets for a rank: never inherited from this process."""
+_LAYOUT_ENV = _RANK_ENV | {"GLOO_SOCKET_IFNAME", "FIREFLYER_HFREDUCE_IFADDR", "LOCAL_SIZE", "DS_ACCELERATOR"}
 """Set per layout; any other FIREFLYER_* setting passes through to the workers."""
 
 
 def worker_env(lay: Layout, rank: int, master_addr: str, port: int) -> dict[str, str]:
+    """Rank ``rank`` of ``lay``'s emulated nodes: this environment, less what is set per layout,
+    plus :func:`fireflyer.launch.rank_env` (what torchrun gives a rank) and one thread."""
     env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_ENV and not k.startswith("TORCHELASTIC_")}
-    node = rank // lay.local
-    env.update(RANK=str(rank), WORLD_SIZE=str(lay.world), LOCAL_RANK=str(rank % lay.local),
-               LOCAL_WORLD_SIZE=str(lay.local), GROUP_RANK=str(node), MASTER_ADDR=master_addr,
-               MASTER_PORT=str(port), FIREFLYER_NODE_ID=f"node{node}", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env.update(rank_env(rank=rank, world_size=lay.world, local_rank=rank % lay.local, local_world_size=lay.local,
+                        node=rank // lay.local, master_addr=master_addr, master_port=port),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
+from fireflyer.hfreduce.config import node_key
 
 PERIOD = 65521
 """Inputs repeat a seeded random block of this many elements: prime, so a chunk moved to
@@ -279,7 +280,7 @@ def register_noop_backend() -> None:
 def measure_copy(gloo: dist.ProcessGroup, first_trial: int = 0) -> list[dict[str, Any]]:
     """Memory bandwidth of this host with every core copying: one copier per core (every
     emulated node shares this host), so the figure is the hardware's, not the scheduler's."""
-    copier = int(os.environ["RANK"]) < (os.cpu_count() or 1)
+    copier = dist.get_rank() < (os.cpu_count() or 1)
     src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -322,12 +323,12 @@ def _torch_set(spec: dict[str, Any], rank: int) -> Setup:
     _inject_fault(rank)
     systems = {"candidate": lambda buf: lambda: dist.all_reduce(buf),
                "gloo": lambda buf: lambda: dist.all_reduce(buf, group=gloo)}
-    exchange = _Exchange(rank, int(os.environ["WORLD_SIZE"]), {"candidate": None, "gloo": gloo},
+    exchange = _Exchange(rank, dist.get_world_size(), {"candidate": None, "gloo": gloo},
                          lambda: dist.barrier(group=gloo))
     handlers = {"copy": lambda cmd: {"copies": measure_copy(gloo, cmd.get("first_trial", 0))},
                 "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"])},
                 "exchange": exchange.round}
-    info = {"node": os.environ.get("FIREFLYER_NODE_ID", ""), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
+    info = {"node": node_key(), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
     return systems, lambda: dist.barrier(group=gloo), handlers, info
 
 

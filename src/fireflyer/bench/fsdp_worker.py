@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fireflyer.hfreduce.config import node_key
 from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
 
 VARIANTS = ("haiscale", "haiscale-optbwd", "fsdp2-gloo", "fsdp2-hfreduce", "ddp")
@@ -125,7 +126,7 @@ def run(spec: dict[str, Any]) -> None:
     dist.init_process_group("hfreduce", timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     rank = dist.get_rank()
-    result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FIREFLYER_NODE_ID", ""),
+    result: dict[str, Any] = {"rank": rank, "node": node_key(),
                               "threads": torch.get_num_threads(), "variants": {}}
     # One unreported step first: one-time costs (lazy imports, sharding-propagation caches,
     # communication buffers) would otherwise land in the first variant's time and memory.
