@@ -12,6 +12,6 @@ Pure and numpy-only (never torch): plain numbers in, plain numbers out, so it ru
   placement of nodes and static routing on the fabric.
 * :mod:`~fireflyer.fabric.collectives`: the allreduce model (ring, tree, HFReduce, HFReduce with NVLink).
 * :mod:`~fireflyer.fabric.placement`: HAI's zone-aware placement against a naive one.
-* :mod:`~fireflyer.fabric.plan`: ``fireflyer plan``; :mod:`~fireflyer.fabric.cli` (its benchmark: :mod:`fireflyer.bench.fabric`).
+* :mod:`~fireflyer.fabric.plan`: ``fireflyer plan``; :mod:`~fireflyer.fabric.cli`.
 * :mod:`~fireflyer.fabric.paper`: the paper's published numbers, for tests and charts.
 """

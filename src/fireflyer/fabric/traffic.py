@@ -3,7 +3,7 @@
 Per unit of data (one GPU's buffer), as the paper counts it: PCIe per GPU (IV-B) and host
 memory per node (IV-D3, the 24x); the collective model builds on these. In bytes, as
 hfreduce's engine runs it on this machine's CPU tensors (:func:`engine_path`,
-:func:`engine_traffic`): the roofline ``fireflyer bench allreduce`` prints beside each time.
+:func:`engine_traffic`): the roofline the allreduce benchmark prints beside each time.
 Pure arithmetic (numpy at most, never torch).
 """
 

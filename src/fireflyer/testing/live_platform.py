@@ -1,6 +1,6 @@
 """A real platform: ``fireflyer platform start`` in a home of its own, driven through the CLI.
 
-The platform's end-to-end tests and ``fireflyer bench platform`` both run one:
+The platform's end-to-end tests and the platform benchmark both run one:
 ``LivePlatform(home, "--nodes", "2")`` starts the daemon (``--tick`` 0.1 s unless given),
 every command goes through ``python -m fireflyer`` with ``FIREFLYER_PLATFORM_HOME`` set,
 and :meth:`LivePlatform.close` stops it and kills any rank it left behind. The tasks they
