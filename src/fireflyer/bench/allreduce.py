@@ -80,7 +80,7 @@ DTYPE_ITEMSIZE = {"fp32": 4, "bf16": 2}
 QUICK_SIZES = (4 << 10, 1 * MiB, 16 * MiB)
 TABLE_WIDTH = 144
 """Columns of the report: 2x2's table, with every peer and the path "pipeline+trees", fits in one line."""
-COPY_TRIALS = 3  # bench_worker.COPY_TRIALS; not imported, so that --help does not import torch
+COPY_TRIALS = 3  # allreduce_worker.COPY_TRIALS; not imported, so that --help does not import torch
 OWNER = {"candidate": "torch", "gloo": "torch", "openmpi": allreduce_peers.OPENMPI, "deepspeed": allreduce_peers.DEEPSPEED}
 """Which process set hosts each system."""
 
