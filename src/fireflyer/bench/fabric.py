@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     }
     out = f"{cfg.out_dir.rstrip('/')}"
     jp, pp = f"{out}/fabric.json", f"{out}/fabric.png"
-    write_json(jp, report)
+    write_json(jp, report, indent=2)  # as docs/fabric.json has it
     plot_bench(rows, pp)
     for key, v in verdicts.items():
         print(f"{int(key):,} GPUs: {v['seconds']:.3f} s (target < {v['target_s']:g} s): "

@@ -96,9 +96,9 @@ def clean_json(x: Any) -> Any:
     return x
 
 
-def write_json(path: str, doc: dict[str, Any]) -> None:
+def write_json(path: str, doc: dict[str, Any], indent: int = 1) -> None:
     """``doc`` as indented JSON at ``path``, atomically, NaN written as null."""
-    atomic_write(path, lambda f: f.write(json.dumps(clean_json(doc), indent=1).encode() + b"\n"))
+    atomic_write(path, lambda f: f.write(json.dumps(clean_json(doc), indent=indent).encode() + b"\n"))
 
 
 def save_png(path: str, fig: Any, dpi: int = 110) -> None:
