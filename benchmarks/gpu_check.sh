@@ -23,6 +23,6 @@ if ! "$PY" setup.py -q build_ext --inplace >/tmp/gpu_check_build.log 2>&1; then
 fi
 "$PY" -c 'from fireflyer.hfreduce import kernels; print("gpu_check: hfreduce kernels:", kernels.isa())'
 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/multiproc/test_cuda.py tests/multiproc/test_ddp_cuda.py tests/multiproc/test_validator_cuda.py tests/unit/test_storage_cache.py || status=$?
-"$PY" -m fireflyer.hfreduce.gpu_bench || status=$?
+"$PY" -m fireflyer.bench.gpu || status=$?
 "$PY" -m fireflyer.cli validate --quick || status=$?
 exit $status

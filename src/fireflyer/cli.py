@@ -10,15 +10,15 @@ from fireflyer.errors import FireflyerError, UserError
 
 
 BENCHES = {
-    "allreduce": "fireflyer.hfreduce.bench",
-    "alltoall": "fireflyer.hfreduce.bench_exchange",
-    "ddp": "fireflyer.haiscale.bench_ddp",
-    "fsdp": "fireflyer.haiscale.bench_fsdp",
-    "pp": "fireflyer.haiscale.bench_pp",
-    "checkpoint": "fireflyer.checkpoint.bench",
-    "platform": "fireflyer.platform.bench",
-    "fabric": "fireflyer.fabric.bench",
-    "storage": "fireflyer.storage.bench",
+    "allreduce": "fireflyer.bench.allreduce",
+    "alltoall": "fireflyer.bench.exchange",
+    "ddp": "fireflyer.bench.ddp",
+    "fsdp": "fireflyer.bench.fsdp",
+    "pp": "fireflyer.bench.pp",
+    "checkpoint": "fireflyer.bench.checkpoint",
+    "platform": "fireflyer.bench.platform",
+    "fabric": "fireflyer.bench.fabric",
+    "storage": "fireflyer.bench.storage",
 }
 
 

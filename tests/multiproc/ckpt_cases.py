@@ -61,17 +61,17 @@ def fsdp_resume_matches(ctx, root: str) -> tuple[list[float], list[float]]:
     the shards and repeats the next steps with the same losses."""
     from fireflyer.checkpoint import load_into
     from fireflyer.haiscale import fully_shard
-    from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+    from fireflyer.train.model import GPT, ModelShape, synthetic_batch
 
     _pg(ctx)
-    cfg = GPTConfig(vocab=64, dim=32, layers=2, heads=2, seq=16)
+    cfg = ModelShape(vocab_size=64, context=16, layers=2, d_model=32, heads=2)
 
     def fresh():
-        model = fully_shard(build(cfg))
+        model = fully_shard(GPT.seeded(cfg))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step(model, opt, i):
-        x, y = batch(cfg, rank=ctx.rank, step=i, size=4)
+        x, y = synthetic_batch(cfg, rank=ctx.rank, step=i, size=4)
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()

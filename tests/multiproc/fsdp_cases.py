@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+from fireflyer.train.model import GPT, ModelShape, synthetic_batch
 
-CFG = GPTConfig(vocab=64, dim=64, layers=3, heads=2, seq=8)  # blocks of 200 KB: above hfreduce's inline size, so reduce-scatters run on the engine thread
+CFG = ModelShape(vocab_size=64, context=8, layers=3, d_model=64, heads=2)  # blocks of 200 KB: above hfreduce's inline size, so reduce-scatters run on the engine thread
 STEPS = 3
 PER_RANK = 2
 LR = 1e-2
@@ -23,7 +23,7 @@ def no_process_group_error(ctx) -> str:
     from fireflyer.haiscale import fully_shard
 
     try:
-        fully_shard(build(CFG))
+        fully_shard(GPT.seeded(CFG))
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -50,7 +50,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer | None, sched, rank: int
     """STEPS steps on this rank's batches; opt None means the optimizer runs inside backward."""
     losses = []
     for step in range(STEPS):
-        x, y = batch(CFG, rank=rank, step=step, size=PER_RANK)
+        x, y = synthetic_batch(CFG, rank=rank, step=step, size=PER_RANK)
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         loss = model(x, y)
@@ -77,36 +77,36 @@ def train_all(ctx) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fireflyer.haiscale import fully_shard
-    from fireflyer.haiscale.bench_model import Block
+    from fireflyer.train.model import Block
     from fireflyer.haiscale.fsdp import FullyShardedDataParallel, sharding_info
 
     rank, world = ctx.rank, ctx.world_size
     out: dict = {}
 
     # Single process: one model sees every rank's batch (equal sizes: the mean of the means).
-    ref = build(CFG)
+    ref = GPT.seeded(CFG)
     opt = _adamw(ref.parameters())
     sched = _schedule(opt)
     for step in range(STEPS):
-        xs, ys = zip(*(batch(CFG, rank=r, step=step, size=PER_RANK) for r in range(world)), strict=True)
+        xs, ys = zip(*(synthetic_batch(CFG, rank=r, step=step, size=PER_RANK) for r in range(world)), strict=True)
         opt.zero_grad()
         ref(torch.cat(xs), torch.cat(ys)).backward()
         opt.step()
         sched.step()
     single = _full(ref)
 
-    ddp = DDP(build(CFG), process_group=_GLOO["gloo"])
+    ddp = DDP(GPT.seeded(CFG), process_group=_GLOO["gloo"])
     opt = _adamw(ddp.parameters())
     _train(ddp, opt, _schedule(opt), rank, world)
     ddp_params = _full(ddp.module)
 
-    fsdp = fully_shard(build(CFG), shard_types=(Block,))
+    fsdp = fully_shard(GPT.seeded(CFG), shard_types=(Block,))
     opt = _adamw(fsdp.parameters())
     out["fsdp_losses"] = _train(fsdp, opt, _schedule(opt), rank, world)
     fsdp_params = _full(fsdp)
     out["fsdp_stats"] = dict(sharding_info(fsdp).backlog.stats)
 
-    wrapped = FullyShardedDataParallel(build(CFG), optimizer=_adamw)  # default units: the ModuleList's blocks
+    wrapped = FullyShardedDataParallel(GPT.seeded(CFG), optimizer=_adamw)  # default units: the ModuleList's blocks
     out["wrapped_units"] = len(wrapped.units)
     in_bwd = wrapped.optimizer
     out["in_backward_lr_before"] = in_bwd.param_groups[0]["lr"]
@@ -119,7 +119,7 @@ def train_all(ctx) -> dict:
     full = wrapped.full_state_dict()
     in_bwd_params = [full[name] for name, _ in fsdp.named_parameters()]
 
-    initial = _full(build(CFG))
+    initial = _full(GPT.seeded(CFG))
     out["moved"] = _max_diff(fsdp_params, initial)
     out["fsdp_vs_single"] = _max_diff(fsdp_params, single)
     out["fsdp_vs_ddp"] = _max_diff(fsdp_params, ddp_params)
@@ -135,12 +135,12 @@ def memory(ctx) -> dict:
     from fireflyer.haiscale import fully_shard
     from fireflyer.haiscale.fsdp_memory import tensor_bytes
 
-    cfg = GPTConfig(vocab=256, dim=64, layers=2, heads=1, seq=8)
+    cfg = ModelShape(vocab_size=256, context=8, layers=2, d_model=64, heads=1)
     result = {}
-    for name, model in (("ddp", DDP(build(cfg), process_group=_GLOO["gloo"], gradient_as_bucket_view=True)),
-                        ("fsdp", fully_shard(build(cfg)))):
+    for name, model in (("ddp", DDP(GPT.seeded(cfg), process_group=_GLOO["gloo"], gradient_as_bucket_view=True)),
+                        ("fsdp", fully_shard(GPT.seeded(cfg)))):
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        x, y = batch(cfg, rank=ctx.rank, step=0, size=PER_RANK)
+        x, y = synthetic_batch(cfg, rank=ctx.rank, step=0, size=PER_RANK)
         model(x, y).backward()
         opt.step()
         tb = tensor_bytes(model, opt)
@@ -172,14 +172,14 @@ def prefetch_order(ctx) -> list:
     class Recorder(RecordingAllGather, AllGather):
         pass
 
-    model = fully_shard(build(CFG))
+    model = fully_shard(GPT.seeded(CFG))
     log: list = []
     model.set_custom_all_gather(Recorder(log, "root"))
     for i, block in enumerate(model.blocks):
         block.set_custom_all_gather(Recorder(log, f"block{i}"))
         # Registered after FSDP2's hooks, so these run once its pre-forward (and prefetch) is done.
         block.register_forward_pre_hook(functools.partial(lambda i, *_: log.append(("forward", f"block{i}")), i))
-    x, y = batch(CFG, rank=ctx.rank, step=0, size=PER_RANK)
+    x, y = synthetic_batch(CFG, rank=ctx.rank, step=0, size=PER_RANK)
     model(x, y).backward()
     return log[: log.index(("forward", "block2")) + 1], log[log.index(("forward", "block2")) + 1 :]
 
@@ -194,18 +194,18 @@ def mixed_precision(ctx) -> dict:
     from fireflyer.haiscale.fsdp import sharding_info
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ours = fully_shard(build(CFG), mp_policy=mp)
-    theirs = build(CFG)
+    ours = fully_shard(GPT.seeded(CFG), mp_policy=mp)
+    theirs = GPT.seeded(CFG)
     mesh = DeviceMesh.from_group(_GLOO["gloo"], "cpu")
     for block in theirs.blocks:
         torch_fully_shard(block, mesh=mesh, mp_policy=mp)
     torch_fully_shard(theirs, mesh=mesh, mp_policy=mp)
     # bf16 reduction: FSDP2 casts the reduce-scatter output at once, so it must run synchronously
-    bf16_reduce = fully_shard(build(CFG), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    bf16_reduce = fully_shard(GPT.seeded(CFG), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     for model in (ours, theirs, bf16_reduce):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train(model, opt, _schedule(opt), ctx.rank, ctx.world_size)
-    return {"diff": _max_diff(_full(ours), _full(theirs)), "moved": _max_diff(_full(ours), _full(build(CFG))),
+    return {"diff": _max_diff(_full(ours), _full(theirs)), "moved": _max_diff(_full(ours), _full(GPT.seeded(CFG))),
             "stats": dict(sharding_info(ours).backlog.stats),
             "bf16_reduce_diff": _max_diff(_full(ours), _full(bf16_reduce)),
             "bf16_reduce_stats": dict(sharding_info(bf16_reduce).backlog.stats)}

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from platform_harness import Platform
-
 from fireflyer.platform.daemon import read_heartbeat
 from fireflyer.platform.layout import Home
 from fireflyer.platform.server.auth import Users
+from fireflyer.testing.live_platform import LivePlatform
 from fireflyer.testing.server import Server
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting the small tmpfs this test fills needs root")
@@ -101,7 +100,7 @@ def test_a_full_disk_fails_safely(disk, tmp_path):
     home = disk / "home"
     go = tmp_path / "go"
     waiter = (sys.executable, "-c", WAITER, str(go))
-    platform = Platform(home, "--nodes", "1")
+    platform = LivePlatform(home, "--nodes", "1")
     server = None
     try:
         with Users(Home(home).db) as users:

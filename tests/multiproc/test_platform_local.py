@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from platform_harness import Platform
-
 from fireflyer.platform.daemon import daemon_pid
 from fireflyer.platform.layout import Home
+from fireflyer.testing.live_platform import LivePlatform
 
 
 @pytest.fixture
 def make_platform(tmp_path):
     made = []
 
-    def make(*flags: str) -> Platform:
-        p = Platform(tmp_path / f"home{len(made)}", *flags)
+    def make(*flags: str) -> LivePlatform:
+        p = LivePlatform(tmp_path / f"home{len(made)}", *flags)
         made.append(p)
         return p
 

@@ -9,8 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from platform_harness import Platform, run_cli
-
+from fireflyer.testing.live_platform import LivePlatform, run_cli
 from fireflyer.train.config import builtin_config
 
 STEPS = 300
@@ -22,7 +21,7 @@ def test_a_preempted_training_run_resumes_to_the_same_losses(tmp_path):
     run_cli("train", tiny, "--steps", str(STEPS), "--out", str(tmp_path / "straight"), timeout=180)
     straight = json.loads((tmp_path / "straight" / "run.json").read_text())
 
-    p = Platform(tmp_path / "home", "--nodes", "2")
+    p = LivePlatform(tmp_path / "home", "--nodes", "2")
     try:
         train = p.submit(*fireflyer, "train", tiny, "--steps", str(STEPS), "--out", str(tmp_path / "managed"),
                          nodes=2, name="train")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_ddp import build_config, summarise
+from fireflyer.bench.ddp import build_config, summarise
 
 
 @pytest.mark.parametrize("argv,needle", [

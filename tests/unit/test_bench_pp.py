@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_pp import (
+from fireflyer.bench.pp import (
     build_config,
     inflight_theory,
     replay,

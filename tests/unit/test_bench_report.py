@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import bench, bench_worker, traffic
-from fireflyer.hfreduce import bench_report as report
+from fireflyer.bench import allreduce as bench, allreduce_worker as bench_worker
+from fireflyer.fabric import traffic
+from fireflyer.bench import allreduce_report as report
 from fireflyer.hfreduce.config import HFReduceConfig
 
 
@@ -84,7 +85,7 @@ def test_path_traffic_takes_the_engines_path(layout, nbytes, itemsize, config, p
     nodes, local = layout
     t = report.path_traffic(nbytes, nodes, local, itemsize, _cfg(**config))
     assert t["path"] == path
-    model = traffic.memory_traffic(nbytes, local, nodes, itemsize, path=path)
+    model = traffic.engine_traffic(nbytes, local, nodes, itemsize, path=path)
     assert t["mem_bytes"] == model["mem_bytes"] and t["link_bytes"] == model["link_bytes"]
     assert t["traffic_x"] == pytest.approx(model["mem_bytes"] / nbytes)
     assert t["floor_x"] == 2 * local

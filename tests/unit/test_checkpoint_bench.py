@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fireflyer.checkpoint import bench
+from fireflyer.bench import checkpoint as bench
 from fireflyer.errors import UserError
 
 

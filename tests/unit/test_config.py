@@ -114,7 +114,7 @@ def test_from_env_precedence(monkeypatch) -> None:
 
 
 def test_memory_traffic_counts_the_engine_copies():
-    from fireflyer.hfreduce import memory_traffic
+    from fireflyer.fabric.traffic import engine_traffic as memory_traffic
 
     S = 1 << 20
     one = memory_traffic(S, 4, 1, 4)
@@ -128,7 +128,9 @@ def test_memory_traffic_counts_the_engine_copies():
 
 
 def test_the_path_follows_the_size_thresholds_and_one_shot_counts_its_copies():
-    from fireflyer.hfreduce.traffic import ONE_SHOT, PIPELINE, TREES, algorithm, memory_traffic
+    from fireflyer.bench.allreduce_report import engine_path as algorithm
+    from fireflyer.fabric.traffic import ONE_SHOT, PIPELINE, TREES
+    from fireflyer.fabric.traffic import engine_traffic as memory_traffic
 
     cfg = HFReduceConfig(oneshot_bytes=64 << 10)
     assert algorithm(64 << 10, 1, cfg) == ONE_SHOT

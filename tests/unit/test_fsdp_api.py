@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+from fireflyer.train.model import GPT, ModelShape, synthetic_batch
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def pg():
     dist.destroy_process_group()
 
 
-CFG = GPTConfig(vocab=32, dim=16, layers=2, heads=2, seq=4)
+CFG = ModelShape(vocab_size=32, context=4, layers=2, d_model=16, heads=2)
 
 
 def _fully_shard(*args, **kwargs):
@@ -47,18 +47,18 @@ class Blockless(nn.Module):
     [
         (lambda: "model", {}, TypeError, "nn.Module"),
         (lambda: nn.ReLU(), {}, ValueError, "no parameters"),
-        (lambda: build(CFG), {"shard_types": ("Block",)}, TypeError, "shard_types"),
-        (lambda: build(CFG), {"shard_types": nn.Linear, "auto_wrap": bool}, ValueError, "not both"),
-        (lambda: build(CFG), {"prefetch": -1}, ValueError, "prefetch"),
-        (lambda: build(CFG), {"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward"),
-        (lambda: build(CFG), {"mp_policy": "bf16"}, TypeError, "MixedPrecisionPolicy"),
-        (lambda: build(CFG), {"group": object()}, TypeError, "ProcessGroup"),
-        (lambda: build(CFG), {"optimizer": 3}, TypeError, "functools.partial"),
-        (lambda: build(CFG), {"optimizer": lambda params: "adam"}, TypeError, "not a torch.optim.Optimizer"),
-        (lambda: build(CFG), {"optimizer": lambda params: torch.optim.SGD(params[:1], lr=1)}, ValueError,
+        (lambda: GPT.seeded(CFG), {"shard_types": ("Block",)}, TypeError, "shard_types"),
+        (lambda: GPT.seeded(CFG), {"shard_types": nn.Linear, "auto_wrap": bool}, ValueError, "not both"),
+        (lambda: GPT.seeded(CFG), {"prefetch": -1}, ValueError, "prefetch"),
+        (lambda: GPT.seeded(CFG), {"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward"),
+        (lambda: GPT.seeded(CFG), {"mp_policy": "bf16"}, TypeError, "MixedPrecisionPolicy"),
+        (lambda: GPT.seeded(CFG), {"group": object()}, TypeError, "ProcessGroup"),
+        (lambda: GPT.seeded(CFG), {"optimizer": 3}, TypeError, "functools.partial"),
+        (lambda: GPT.seeded(CFG), {"optimizer": lambda params: "adam"}, TypeError, "not a torch.optim.Optimizer"),
+        (lambda: GPT.seeded(CFG), {"optimizer": lambda params: torch.optim.SGD(params[:1], lr=1)}, ValueError,
          "leaves out trainable parameters"),
-        (lambda: build(CFG), {"optimizer": lambda params: torch.optim.LBFGS(params)}, TypeError, "closure"),
-        (lambda: build(CFG).to("meta"), {}, ValueError, "meta device"),
+        (lambda: GPT.seeded(CFG), {"optimizer": lambda params: torch.optim.LBFGS(params)}, TypeError, "closure"),
+        (lambda: GPT.seeded(CFG).to("meta"), {}, ValueError, "meta device"),
     ],
 )
 def test_bad_input_says_what_to_do(pg, make, kwargs, exc, needle):
@@ -69,30 +69,30 @@ def test_bad_input_says_what_to_do(pg, make, kwargs, exc, needle):
 def test_sharding_twice_or_attaching_twice_is_refused(pg):
     from fireflyer.haiscale.fsdp import apply_optimizer_in_backward
 
-    model = _fully_shard(build(CFG), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    model = _fully_shard(GPT.seeded(CFG), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ValueError, match="already sharded"):
         _fully_shard(model)
     with pytest.raises(ValueError, match="already steps an optimizer"):
         apply_optimizer_in_backward(model, functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ValueError, match="not sharded by fireflyer.haiscale.fully_shard"):
-        apply_optimizer_in_backward(build(CFG), functools.partial(torch.optim.SGD, lr=0.1))
+        apply_optimizer_in_backward(GPT.seeded(CFG), functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ValueError, match="build it after fully_shard"):
-        apply_optimizer_in_backward(_fully_shard(build(CFG)), torch.optim.SGD(build(CFG).parameters(), lr=0.1))
+        apply_optimizer_in_backward(_fully_shard(GPT.seeded(CFG)), torch.optim.SGD(GPT.seeded(CFG).parameters(), lr=0.1))
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # Linear units return views; harmless here
 def test_units_default_to_the_modulelist_blocks_or_follow_the_choice(pg):
-    from fireflyer.haiscale.bench_model import Block
+    from fireflyer.train.model import Block
     from fireflyer.haiscale.fsdp import sharding_info
 
-    model = build(CFG)
+    model = GPT.seeded(CFG)
     blocks = list(model.blocks)
     assert sharding_info(_fully_shard(model)).units == blocks
     with pytest.warns(UserWarning, match="tied weights"):
-        by_linear = _fully_shard(build(CFG), shard_types=nn.Linear)
+        by_linear = _fully_shard(GPT.seeded(CFG), shard_types=nn.Linear)
     assert len(sharding_info(by_linear).units) == 4 * CFG.layers  # the head shares the embedding's weight
-    by_linear(*batch(CFG, rank=0, step=0, size=2)).backward()  # so the root gathers it for both
-    model = build(CFG)
+    by_linear(*synthetic_batch(CFG, rank=0, step=0, size=2)).backward()  # so the root gathers it for both
+    model = GPT.seeded(CFG)
     assert sharding_info(_fully_shard(model, auto_wrap=lambda m: isinstance(m, Block))).units == list(model.blocks)
     with pytest.warns(UserWarning, match="no units"):
         _fully_shard(Blockless())
@@ -102,13 +102,13 @@ def test_one_rank_training_matches_plain_training_with_and_without_optimizer_in_
     from fireflyer.haiscale.fsdp import FullyShardedDataParallel
 
     adam = functools.partial(torch.optim.AdamW, lr=1e-2)
-    plain = build(CFG)
+    plain = GPT.seeded(CFG)
     plain_opt = adam(plain.parameters())
-    sharded = _fully_shard(build(CFG))
+    sharded = _fully_shard(GPT.seeded(CFG))
     sharded_opt = adam(sharded.parameters())
-    in_bwd = FullyShardedDataParallel(build(CFG), optimizer=adam)
+    in_bwd = FullyShardedDataParallel(GPT.seeded(CFG), optimizer=adam)
     for step in range(3):
-        x, y = batch(CFG, rank=0, step=step, size=2)
+        x, y = synthetic_batch(CFG, rank=0, step=step, size=2)
         for model, opt in ((plain, plain_opt), (sharded, sharded_opt)):
             opt.zero_grad()
             model(x, y).backward()
@@ -135,9 +135,9 @@ def test_config_checks_itself():
 def test_tensor_bytes_count_shared_storage_once_and_peak_rss_sees_a_big_buffer():
     from fireflyer.haiscale.fsdp_memory import PeakRSS, tensor_bytes
 
-    model = build(CFG)  # head.weight is tok.weight
+    model = GPT.seeded(CFG)  # head.weight is tok.weight
     opt = torch.optim.Adam(model.parameters())
-    x, y = batch(CFG, rank=0, step=0, size=2)
+    x, y = synthetic_batch(CFG, rank=0, step=0, size=2)
     model(x, y).backward()
     opt.step()
     held = tensor_bytes(model, opt)
@@ -151,10 +151,10 @@ def test_tensor_bytes_count_shared_storage_once_and_peak_rss_sees_a_big_buffer()
 
 
 def test_gpt_for_params_comes_close():
-    cfg = GPTConfig.for_params(25_000_000, layers=6)
-    assert abs(cfg.num_params - 25e6) < 3e6 and cfg.dim % cfg.heads == 0
-    assert sum(p.numel() for p in build(GPTConfig.for_params(300_000, layers=1)).parameters()) \
-        == GPTConfig.for_params(300_000, layers=1).num_params
+    cfg = ModelShape.for_params(25_000_000, layers=6)
+    assert abs(cfg.num_params - 25e6) < 3e6 and cfg.d_model % cfg.heads == 0
+    assert sum(p.numel() for p in GPT.seeded(ModelShape.for_params(300_000, layers=1)).parameters()) \
+        == ModelShape.for_params(300_000, layers=1).num_params
 
 
 @pytest.mark.parametrize(
@@ -169,14 +169,14 @@ def test_gpt_for_params_comes_close():
     ],
 )
 def test_bench_flags_are_checked(argv, needle):
-    from fireflyer.haiscale.bench_fsdp import build_config
+    from fireflyer.bench.fsdp import build_config
 
     with pytest.raises(UserError, match=needle):
         build_config(argv)
 
 
 def test_bench_quick_config():
-    from fireflyer.haiscale.bench_fsdp import build_config, parse_count
+    from fireflyer.bench.fsdp import build_config, parse_count
 
     cfg = build_config(["--quick", "--layouts", "2x2", "--out", "/tmp/x"])
     assert cfg.layouts == ((2, 2),) and cfg.model.layers == 2 and cfg.model.num_params < 2e6
@@ -189,7 +189,7 @@ def test_bench_report_from_rank_results(tmp_path):
 
     from rich.console import Console
 
-    from fireflyer.haiscale.bench_fsdp import (
+    from fireflyer.bench.fsdp import (
         FSDPBenchConfig,
         print_layout,
         summarise,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import bench, bench_exchange, bench_worker
-from fireflyer.hfreduce import bench_report as report
+from fireflyer.bench import allreduce as bench, exchange as bench_exchange, allreduce_worker as bench_worker
+from fireflyer.bench import allreduce_report as report
 
 MiB = 1 << 20
 
@@ -73,7 +73,7 @@ def test_cli_bad_input_is_one_line_and_non_zero(args, needle) -> None:
 def test_the_part_is_registered() -> None:
     from fireflyer import cli
 
-    assert cli.BENCHES["alltoall"] == "fireflyer.hfreduce.bench_exchange"
+    assert cli.BENCHES["alltoall"] == "fireflyer.bench.exchange"
 
 
 @pytest.mark.parametrize("world,numel", [(4, 16384), (4, 4 * MiB // 4), (2, 3 * bench_worker.PERIOD + 5)])

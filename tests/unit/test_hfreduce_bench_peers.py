@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from fireflyer.hfreduce import bench_peers as peers
+from fireflyer.bench import allreduce_peers as peers
 
 
 def _no_version(_name: str) -> str | None:
@@ -127,7 +127,7 @@ def test_install_help_names_the_extra() -> None:
 def _rank_threads(control: str, set_name: str, world: int, setup) -> list:
     import threading
 
-    from fireflyer.hfreduce import bench_worker
+    from fireflyer.bench import allreduce_worker as bench_worker
 
     spec = {"control": control, "set": set_name, "idle_timeout_s": 30.0}
 

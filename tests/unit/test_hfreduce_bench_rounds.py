@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from fireflyer.hfreduce import bench, bench_worker
-from fireflyer.hfreduce import bench_report as report
+from fireflyer.bench import allreduce as bench, allreduce_worker as bench_worker
+from fireflyer.bench import allreduce_report as report
 
 MiB = 1 << 20
 
@@ -137,7 +137,7 @@ def test_plot_series_and_png(tmp_path) -> None:
 
 
 def test_build_doc_records_peers_and_floors() -> None:
-    from fireflyer.hfreduce import bench_peers
+    from fireflyer.bench import allreduce_peers as bench_peers
 
     cfg = bench.build_config(["--layouts", "1x4"])
     peers = {"deepspeed": bench_peers.PeerStatus("deepspeed", False, note="DeepSpeed skipped: not installed")}

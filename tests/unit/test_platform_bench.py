@@ -10,7 +10,7 @@ import json
 import pytest
 
 from fireflyer.errors import UserError
-from fireflyer.platform import bench
+from fireflyer.bench import platform as bench
 from fireflyer.platform.policy import PolicyConfig, schedule
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,27 +148,6 @@ def _plot_cost(plan: Plan, path: Path) -> Path:
             ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
     fig.suptitle(f"{plan.config.gpus:,} GPUs: cost and power (Table III units)", fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def plot_bench(rows: Iterable[dict], path: str | Path) -> Path:
-    """Bench: seconds to plan and simulate against GPU count."""
-    plt = _pyplot()
-    rows = list(rows)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for kind in sorted({r["kind"] for r in rows}):
-        pts = [r for r in rows if r["kind"] == kind]
-        ax.plot([r["gpus"] for r in pts], [r["seconds"] for r in pts], marker="o", label=kind)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("seconds (plan + simulate)")
-    ax.axhline(2.0, color="red", lw=0.8, ls="--", label="target at 10,000 GPUs: 2 s")
-    ax.axhline(5.0, color="purple", lw=0.8, ls=":", label="target at 32,768 GPUs: 5 s")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("fireflyer bench fabric")
     fig.tight_layout()
     return _save(fig, path)
 

@@ -8,7 +8,6 @@ variables named in :mod:`~fireflyer.hfreduce.env`.
 
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.engine import Communicator
-from fireflyer.hfreduce.traffic import memory_traffic
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.process_group import BACKEND, HFReduceProcessGroup, register
 from fireflyer.hfreduce.reduce import Op
@@ -25,7 +24,6 @@ __all__ = [
     "HFReduceProcessGroup",
     "Op",
     "PeerFailure",
-    "memory_traffic",
     "node_key",
     "register",
 ]

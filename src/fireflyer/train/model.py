@@ -7,6 +7,11 @@ widens by 4 with GELU. Positions are learned embeddings. The output projection s
 its weight with the token embedding ("tied embeddings"), which saves ``vocab × d_model``
 parameters and helps a small model learn. There is no dropout, so a step is a pure
 function of the weights and the batch, which keeps runs bitwise reproducible.
+
+The benchmarks and tests use this same model at the size they need:
+:meth:`ModelShape.for_params` picks the width closest to a parameter count,
+:meth:`GPT.seeded` builds the same weights on every rank, ``model(idx, targets)`` gives the
+loss, and :func:`synthetic_batch` the seeded tokens any layout can rebuild.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+HEAD_DIM = 64
+"""The head width :meth:`ModelShape.for_params` keeps."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
@@ -28,6 +36,35 @@ class ModelShape:
     layers: int
     d_model: int
     heads: int
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context", "layers", "d_model", "heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise ValueError(f"ModelShape.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+
+    @property
+    def num_params(self) -> int:
+        """``vocab*d + context*d + layers*(12*d^2 + 13*d) + 2*d``: the head shares the token embedding."""
+        d = self.d_model
+        return self.vocab_size * d + self.context * d + self.layers * (12 * d * d + 13 * d) + 2 * d
+
+    @classmethod
+    def for_params(cls, target: int, *, layers: int, vocab_size: int = 8192, context: int = 128) -> ModelShape:
+        """The shape whose width comes closest to ``target`` parameters: ``d_model`` 16, 32, 48, then
+        multiples of 64 (heads of 64), so ``25M`` and ``1M`` give shapes alike."""
+        if target < 1 or layers < 1:
+            raise ValueError(f"need a positive parameter target and layer count, got {target} and {layers}")
+        best = None
+        for d in [16, 32, 48, *range(HEAD_DIM, 16385, HEAD_DIM)]:
+            shape = cls(vocab_size=vocab_size, context=context, layers=layers, d_model=d, heads=max(1, d // HEAD_DIM))
+            if best is None or abs(shape.num_params - target) < abs(best.num_params - target):
+                best = shape
+            if shape.num_params > target:
+                break
+        assert best is not None
+        return best
 
 
 class CausalSelfAttention(nn.Module):
@@ -90,11 +127,24 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.shape.layers) if residual else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
+    @classmethod
+    def seeded(cls, shape: ModelShape, seed: int = 0) -> GPT:
+        """The same model on every rank: construction seeded with ``seed``."""
+        torch.manual_seed(seed)
+        return cls(shape)
+
+    @classmethod
+    def for_params(cls, target: int, *, layers: int, vocab_size: int = 8192, context: int = 128,
+                   seed: int = 0) -> GPT:
+        """The seeded model of :meth:`ModelShape.for_params`: what the benchmarks train."""
+        return cls.seeded(ModelShape.for_params(target, layers=layers, vocab_size=vocab_size, context=context), seed)
+
     def num_parameters(self) -> int:
         """Distinct parameters (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx``; with ``targets``, their mean next-token cross-entropy instead."""
         t = idx.shape[1]
         if t > self.shape.context:
             raise ValueError(f"sequence of {t} tokens is longer than the model's context of {self.shape.context}")
@@ -102,7 +152,10 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, *, temperature: float = 0.8,
@@ -124,3 +177,11 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx.view(-1) if squeeze else idx
+
+
+def synthetic_batch(shape: ModelShape, *, rank: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens for ``rank`` at ``step`` (inputs, next-token targets), seeded by (rank, step),
+    so any layout can rebuild any rank's batch: what the benchmarks and tests feed the model."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    tokens = torch.randint(0, shape.vocab_size, (size, shape.context + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]

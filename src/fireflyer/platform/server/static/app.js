@@ -18,7 +18,7 @@ const ui = {
   generation: 0,       // bumps on login/logout so a late answer of an old session is dropped
   rendered: {},        // last JSON rendered per part: only changed parts are redrawn
   logAttempt: null,
-  painted: false,      // the task table's first rows are marked for paint_bench.py
+  painted: false,      // the task table's first rows are marked for fireflyer.bench.paint
 };
 
 // ---- DOM helpers -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""One rank of ``fireflyer bench ddp``, run under torchrun by :mod:`fireflyer.haiscale.bench_ddp`.
+"""One rank of ``fireflyer bench ddp``, run under torchrun by :mod:`fireflyer.bench.ddp`.
 
 Every rank builds the same ~25M-parameter model several times: bare (compute alone),
 wrapped in haiscale DDP on hfreduce, in torch DDP on gloo (the baseline) and in torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
-from fireflyer.haiscale.bench_model import GPTConfig, build
+from fireflyer.train.model import GPT, ModelShape
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce.reduce import Op
 
@@ -50,15 +50,15 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     variants = args.variants.split(",")
 
-    cfg = GPTConfig(vocab=args.vocab, dim=args.d_model, layers=args.layers, heads=max(1, args.d_model // 64),
-                    seq=args.context)
-    models: dict[str, nn.Module] = {"compute": build(cfg)}
+    cfg = ModelShape(vocab_size=args.vocab, context=args.context, layers=args.layers, d_model=args.d_model,
+                     heads=max(1, args.d_model // 64))
+    models: dict[str, nn.Module] = {"compute": GPT.seeded(cfg)}
     if "haiscale" in variants:
-        models["haiscale"] = DistributedDataParallel(build(cfg), bucket_cap_mb=args.bucket_mb)
+        models["haiscale"] = DistributedDataParallel(GPT.seeded(cfg), bucket_cap_mb=args.bucket_mb)
     if "gloo" in variants:
-        models["gloo"] = nn.parallel.DistributedDataParallel(build(cfg), process_group=gloo, bucket_cap_mb=args.bucket_mb)
+        models["gloo"] = nn.parallel.DistributedDataParallel(GPT.seeded(cfg), process_group=gloo, bucket_cap_mb=args.bucket_mb)
     if "torch-hfreduce" in variants:  # torch's own DDP reducer on the hfreduce process group
-        models["torch-hfreduce"] = nn.parallel.DistributedDataParallel(build(cfg), bucket_cap_mb=args.bucket_mb)
+        models["torch-hfreduce"] = nn.parallel.DistributedDataParallel(GPT.seeded(cfg), bucket_cap_mb=args.bucket_mb)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g) for _ in range(4)]

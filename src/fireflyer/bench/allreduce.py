@@ -2,9 +2,9 @@
 
 For each layout (``NxL``: N emulated nodes of L ranks; ``NxL-shaped``: each node in its
 own network namespace behind a tc-shaped link) it starts up to three process sets of N*L
-ranks: the torch ranks (:mod:`fireflyer.hfreduce.bench_worker`: the candidate backend
+ranks: the torch ranks (:mod:`fireflyer.bench.allreduce_worker`: the candidate backend
 and gloo, in the same processes, with torchrun's environment), DeepSpeed's ranks, and
-OpenMPI's ranks under mpirun (:mod:`fireflyer.hfreduce.bench_peers`). The parent drives
+OpenMPI's ranks under mpirun (:mod:`fireflyer.bench.allreduce_peers`). The parent drives
 them all through one control socket: for every dtype and size, each round runs every
 system in turn (the order rotates between rounds), so all are measured under the same
 conditions, and an idle set waits in a socket read, taking no core. Each op's time is its
@@ -22,22 +22,22 @@ algbw = bytes of one rank's buffer / time; busbw = algbw * 2(n-1)/n; GB = 1e9 B.
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
-import platform
-import re
 import shutil
 import socket
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import bench_peers
-from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for tests and callers
+from fireflyer.bench import allreduce_peers
+from fireflyer.bench.harness import document, invoked_command, machine_info  # noqa: F401 - machine_info re-exported
+from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for tests and callers
+    DEFAULT_LAYOUTS,
     HEADLINE_BYTES,
+    Layout,
+    LayoutResult,
     SYSTEMS,
     TABLE_SIZES,
     TRAFFIC_MODEL,
@@ -57,6 +57,7 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
     memory_floor_bytes,
     median,
     memory_floor_seconds,
+    parse_layout,
     parse_size,
     path_traffic,
     pct_of_link,
@@ -75,43 +76,15 @@ from fireflyer.hfreduce.bench_report import (  # noqa: F401 - re-exported for te
 from fireflyer.hfreduce.config import HFReduceConfig
 
 MiB = 1 << 20
-DEFAULT_LAYOUTS = ("1x4", "2x2", "2x2-shaped")
 DTYPE_ITEMSIZE = {"fp32": 4, "bf16": 2}
 QUICK_SIZES = (4 << 10, 1 * MiB, 16 * MiB)
 TABLE_WIDTH = 144
 """Columns of the report: 2x2's table, with every peer and the path "pipeline+trees", fits in one line."""
-COPY_TRIALS = 3  # bench_worker.COPY_TRIALS; not imported, so that --help does not import torch
-OWNER = {"candidate": "torch", "gloo": "torch", "openmpi": bench_peers.OPENMPI, "deepspeed": bench_peers.DEEPSPEED}
+COPY_TRIALS = 3  # allreduce_worker.COPY_TRIALS; not imported, so that --help does not import torch
+OWNER = {"candidate": "torch", "gloo": "torch", "openmpi": allreduce_peers.OPENMPI, "deepspeed": allreduce_peers.DEEPSPEED}
 """Which process set hosts each system."""
 
 # -- configuration ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    nodes: int
-    local: int
-    shaped: bool
-
-    @property
-    def name(self) -> str:
-        return f"{self.nodes}x{self.local}" + ("-shaped" if self.shaped else "")
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.local
-
-
-def parse_layout(text: str) -> Layout:
-    m = re.fullmatch(r"(\d+)x(\d+)(-shaped)?", text.strip())
-    if not m:
-        raise UserError(f"bad layout {text!r}; write NODESxRANKS or NODESxRANKS-shaped, e.g. {','.join(DEFAULT_LAYOUTS)}")
-    lay = Layout(int(m.group(1)), int(m.group(2)), bool(m.group(3)))
-    if lay.nodes < 1 or lay.local < 1 or lay.world < 2:
-        raise UserError(f"layout {text!r} needs at least 2 ranks")
-    if lay.shaped and lay.nodes < 2:
-        raise UserError(f"layout {text!r}: a shaped link needs at least 2 nodes")
-    return lay
 
 
 def parse_systems(text: str, candidate: str) -> tuple[str, ...]:
@@ -168,7 +141,7 @@ class BenchConfig:
 
     @property
     def peers(self) -> tuple[str, ...]:
-        return tuple(s for s in self.systems if s in bench_peers.PEERS)
+        return tuple(s for s in self.systems if s in allreduce_peers.PEERS)
 
 
 def _sizes(a: Any) -> list[int]:
@@ -192,7 +165,7 @@ def build_config(argv: list[str]) -> BenchConfig:
     import argparse
 
     p = ArgumentParser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0],
-                       epilog=bench_peers.INSTALL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=allreduce_peers.INSTALL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=None, help="comma list of buffer sizes per rank "
                    "(default 4K,64K,256K,1M,4M,16M,64M,256M; --quick 4K,1M,16M)")
     p.add_argument("--min-bytes", default=None, help="with --max-bytes: every power of two between (default 4K)")
@@ -250,24 +223,7 @@ def engine_config() -> HFReduceConfig:
 # -- running one layout ------------------------------------------------------------
 
 
-@dataclass
-class LayoutResult:
-    layout: str
-    nodes: int
-    local: int
-    world: int
-    link_mbit: float | None = None
-    skipped: str | None = None
-    copy_bw: float | None = None
-    """Aggregate copy bandwidth of all ranks at once, bytes read+written per second."""
-    dispatch_floor: dict[str, Any] | None = None
-    notes: dict[str, str] = field(default_factory=dict)
-    """Per system: why it was skipped here, or what it measures on this layout."""
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    roofline: dict[str, Any] = field(default_factory=dict)
-
-
-def _drop_peer(sets: dict[str, bench_peers.ProcessSet], res: LayoutResult, exc: bench_peers.SetFailed, where: str) -> None:
+def _drop_peer(sets: dict[str, allreduce_peers.ProcessSet], res: LayoutResult, exc: allreduce_peers.SetFailed, where: str) -> None:
     """A peer failed: note it, end its processes, and go on without it; the torch ranks' failure is fatal."""
     if exc.set_name == "torch":
         raise exc
@@ -278,11 +234,11 @@ def _drop_peer(sets: dict[str, bench_peers.ProcessSet], res: LayoutResult, exc: 
             res.notes[system] = f"{system_label(system, 'candidate')} failed {where}: {exc}"
 
 
-Measure = Callable[[Any, Layout, dict[str, bench_peers.ProcessSet], LayoutResult, Callable[[str], None]], None]
+Measure = Callable[[Any, Layout, dict[str, allreduce_peers.ProcessSet], LayoutResult, Callable[[str], None]], None]
 """What a part does with a layout's process sets once they are up (:func:`_measure` for allreduce)."""
 
 
-def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerStatus],
+def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, allreduce_peers.PeerStatus],
                progress: Callable[[str], None], measure: Measure | None = None) -> LayoutResult:
     """Start the layout's process sets, ``measure`` (default: the allreduce rounds), end them.
 
@@ -300,18 +256,18 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerS
     server.bind(control)
     server.listen(64)
     link = netns.ShapedLink(rate_mbit=cfg.link_mbit, nodes=lay.nodes) if lay.shaped else None
-    sets: dict[str, bench_peers.ProcessSet] = {}
+    sets: dict[str, allreduce_peers.ProcessSet] = {}
     keep_logs = False
     try:
         if link is not None:
             link.open()
-        bench_peers.start_sets(cfg, lay, tmp, control, link, peers, res, sets)
+        allreduce_peers.start_sets(cfg, lay, tmp, control, link, peers, res, sets)
         pending: list[Any] = []
         for _attempt in range(len(sets)):  # each failure drops one peer; the torch ranks' is fatal
             try:
-                bench_peers.accept(server, sets, max(180.0, cfg.timeout_s), pending)
+                allreduce_peers.accept(server, sets, max(180.0, cfg.timeout_s), pending)
                 break
-            except bench_peers.SetFailed as exc:
+            except allreduce_peers.SetFailed as exc:
                 _drop_peer(sets, res, exc, "to start")
         (measure or _measure)(cfg, lay, sets, res, progress)
         for st in list(sets.values()):
@@ -334,7 +290,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, bench_peers.PeerS
     return res
 
 
-def _measure(cfg: BenchConfig, lay: Layout, sets: dict[str, bench_peers.ProcessSet], res: LayoutResult,
+def _measure(cfg: BenchConfig, lay: Layout, sets: dict[str, allreduce_peers.ProcessSet], res: LayoutResult,
              progress: Callable[[str], None]) -> None:
     """Copy bandwidth, the dispatch floor, then every dtype and size in alternating rounds."""
     torch_set = sets["torch"]
@@ -366,7 +322,7 @@ def _measure(cfg: BenchConfig, lay: Layout, sets: dict[str, bench_peers.ProcessS
                         continue
                     try:
                         replies = sets[OWNER[system]].call({**cmd, "system": system}, call_s)
-                    except bench_peers.SetFailed as exc:
+                    except allreduce_peers.SetFailed as exc:
                         _drop_peer(sets, res, exc, f"at {dtype} {format_size(nbytes)}")
                         continue
                     samples[system] += slowest_per_op([r["times"] for r in replies])
@@ -425,12 +381,10 @@ def _check_candidate(name: str) -> None:
                         f"until the engine registers it, use --candidate gloo")
 
 
-def build_doc(cfg: BenchConfig, peers: dict[str, bench_peers.PeerStatus], results: list[LayoutResult]) -> dict[str, Any]:
+def build_doc(cfg: BenchConfig, peers: dict[str, allreduce_peers.PeerStatus], results: list[LayoutResult]) -> dict[str, Any]:
     """The JSON document of one run."""
     return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "candidate": cfg.candidate,
         "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
                    "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops, "thresholds": thresholds(cfg.engine),
@@ -452,7 +406,7 @@ def main(argv: list[str]) -> int:
         _check_candidate(cfg.candidate)
     console, errcon = make_console(width=TABLE_WIDTH), make_console(stderr=True)
     say = lambda msg: errcon.print(f"[dim]  {msg}[/dim]")  # noqa: E731
-    peers = bench_peers.probe(cfg.peers, cfg.build_timeout_s, say)
+    peers = allreduce_peers.probe(cfg.peers, cfg.build_timeout_s, say)
     for st in peers.values():
         console.print(f"{system_label(st.name, cfg.candidate)}: {st.version}" if st.available
                       else f"[yellow]{st.note}[/yellow]", soft_wrap=True)
@@ -472,18 +426,3 @@ def main(argv: list[str]) -> int:
         return 1
     return 0
 
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
-                            "python": platform.python_version(), "torch": torch.__version__,
-                            "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            info["mem_total_kib"] = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
-    except (OSError, StopIteration, ValueError):
-        pass
-    return info

@@ -1,4 +1,4 @@
-"""One rank of ``fireflyer bench pp``, started by torchrun: ``python -m fireflyer.haiscale.bench_pp_worker SPEC``.
+"""One rank of ``fireflyer bench pp``, started by torchrun: ``python -m fireflyer.bench.pp_worker SPEC``.
 
 The world is one pipeline, one stage per rank (``make_subgroups(pp_size=world)``). For
 each schedule and micro-batch count it runs warm-up steps, then timed steps, and records
@@ -148,7 +148,7 @@ def run_case(spec: dict[str, Any], pp_group: Any, schedule: str, n_mb: int) -> d
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m fireflyer.haiscale.bench_pp_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m fireflyer.bench.pp_worker SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)

@@ -18,7 +18,6 @@ of the disk's write bandwidth.
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import shutil
 import statistics
@@ -32,6 +31,7 @@ import torch
 
 from fireflyer.checkpoint.manager import CheckpointManager
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import bench_command, document, pyplot, save_png, write_json
 from fireflyer.errors import UserError
 
 BLOCK = 64 << 20
@@ -235,10 +235,7 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(["sync torch.save", "async stall", "async persist\n(background)"],
@@ -251,21 +248,16 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
     b.set_ylabel("GB/s")
     b.set_title("Throughput against the disk (dd-style)")
     fig.tight_layout()
-    from fireflyer.hfreduce.bench_report import atomic_write
-
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(path, fig)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import write_json
 
     r = run(cfg)
     _print(r)
-    doc = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "command": ["fireflyer", "bench", "checkpoint", *argv], "machine": machine_info(),
+    doc = {**document(bench_command("checkpoint", argv)),
            "baseline": "torch.save + fsync of the same state; dd-style sequential disk bandwidth",
            "targets": {"stall_fraction_of_sync_at_most": 0.05, "persist_fraction_of_disk_at_least": 0.8},
            "config": {"gb": cfg.gb, "threads": cfg.threads, "chunk_mb": cfg.chunk_mb, "rounds": cfg.rounds},

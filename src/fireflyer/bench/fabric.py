@@ -9,12 +9,13 @@ whole cluster) on it; single-plane Fire-Flyer nodes up to 10,000 GPUs and sectio
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
 import platform
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fireflyer.bench.harness import pyplot, save_png, timestamp, write_json
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.fabric import catalog as catalog_mod
@@ -70,7 +71,6 @@ def main(argv: list[str]) -> int:
     cfg = FabricBenchConfig(sizes=tuple(parse_counts(a.sizes, "--sizes")),
                             multiplane=tuple(parse_counts(a.multiplane, "--multiplane")), repeats=a.repeats,
                             out_dir=a.out)
-    from fireflyer.fabric.report import plot_bench, write_json
 
     cat = catalog_mod.default()
     rows = []
@@ -92,17 +92,41 @@ def main(argv: list[str]) -> int:
         if hit:
             verdicts[key] = {"seconds": hit[0]["seconds"], "target_s": limit, "met": hit[0]["seconds"] < limit}
     report = {
-        "bench": "fabric", "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "bench": "fabric", "when": timestamp(),
         "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
         "what": "seconds to plan a cluster and simulate the Figure 7 allreduce sweep plus the whole cluster on it "
                 "(best of --repeats)",
         "rows": rows, "targets": verdicts,
     }
     out = f"{cfg.out_dir.rstrip('/')}"
-    jp = write_json(f"{out}/fabric.json", report)
-    pp = plot_bench(rows, f"{out}/fabric.png")
+    jp, pp = f"{out}/fabric.json", f"{out}/fabric.png"
+    write_json(jp, report, indent=2)  # as docs/fabric.json has it
+    plot_bench(rows, pp)
     for key, v in verdicts.items():
         print(f"{int(key):,} GPUs: {v['seconds']:.3f} s (target < {v['target_s']:g} s): "
               f"{'met' if v['met'] else 'MISSED'}")
     print(f"wrote {jp} and {pp}")
     return 0
+
+
+def plot_bench(rows: Iterable[dict], path: str) -> str:
+    """Bench: seconds to plan and simulate against GPU count."""
+    plt = pyplot()
+    rows = list(rows)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind in sorted({r["kind"] for r in rows}):
+        pts = [r for r in rows if r["kind"] == kind]
+        ax.plot([r["gpus"] for r in pts], [r["seconds"] for r in pts], marker="o", label=kind)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("seconds (plan + simulate)")
+    ax.axhline(2.0, color="red", lw=0.8, ls="--", label="target at 10,000 GPUs: 2 s")
+    ax.axhline(5.0, color="purple", lw=0.8, ls=":", label="target at 32,768 GPUs: 5 s")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("fireflyer bench fabric")
+    fig.tight_layout()
+    save_png(path, fig)
+    plt.close(fig)
+    return path

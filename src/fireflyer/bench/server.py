@@ -1,4 +1,4 @@
-"""How fast the server lists tasks: ``python -m fireflyer.platform.server.bench [--tasks 10000] [--runs 9]``.
+"""How fast the server lists tasks: ``python -m fireflyer.bench.server [--tasks 10000] [--runs 9]``.
 
 Fills a fresh platform home with ``--tasks`` tasks (four in five finished, the rest
 queued, as on a cluster that has run a while), starts ``serve`` on a free loopback port
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fireflyer.bench.harness import write_json
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
@@ -134,7 +135,7 @@ def breakdown(home: Home, tasks: int, runs: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fireflyer.platform.server.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fireflyer.bench.server", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=10_000, help="tasks in the platform (default 10000)")
     p.add_argument("--runs", type=int, default=9, help="timed runs of each request (default 9)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{parse['median_ms']:.0f} ms more")
     print(f"the same tasks paged 1000 at a time (10 requests): median {paged['median_ms']:.0f} ms")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0
 
 

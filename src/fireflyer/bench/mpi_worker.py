@@ -1,8 +1,8 @@
-"""One OpenMPI rank of ``fireflyer bench allreduce``: ``mpirun ... python -m fireflyer.hfreduce.bench_mpi_worker SPEC.json``.
+"""One OpenMPI rank of ``fireflyer bench allreduce``: ``mpirun ... python -m fireflyer.bench.mpi_worker SPEC.json``.
 
-:mod:`fireflyer.hfreduce.bench` starts these with ``mpirun`` (see
-:mod:`fireflyer.hfreduce.bench_peers`). Each rank answers the parent's rounds over the
-same control socket as the torch ranks (:func:`fireflyer.hfreduce.bench_worker.serve`),
+:mod:`fireflyer.bench.allreduce` starts these with ``mpirun`` (see
+:mod:`fireflyer.bench.allreduce_peers`). Each rank answers the parent's rounds over the
+same control socket as the torch ranks (:func:`fireflyer.bench.allreduce_worker.serve`),
 reducing fp32 buffers in place with ``comm.Allreduce(MPI.IN_PLACE, buf)`` on a numpy view
 of the torch tensor that holds them, so inputs and the exact check are the torch ranks'.
 """
@@ -14,34 +14,34 @@ import os
 import sys
 from typing import Any
 
-from fireflyer.hfreduce import bench_worker
-from fireflyer.hfreduce.bench_peers import OPENMPI, dtype_note
+from fireflyer.bench import allreduce_worker
+from fireflyer.bench.allreduce_peers import OPENMPI, dtype_note
 
 
-def _setup() -> bench_worker.Setup:
+def _setup() -> allreduce_worker.Setup:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    bench_worker._inject_fault(comm.Get_rank(), OPENMPI)
+    allreduce_worker._inject_fault(comm.Get_rank(), OPENMPI)
 
-    def make_op(buf: Any) -> bench_worker.Op:
+    def make_op(buf: Any) -> allreduce_worker.Op:
         view = buf.numpy()
         return lambda: comm.Allreduce(MPI.IN_PLACE, view)
 
-    info = {"dtypes": {OPENMPI: {d: dtype_note(OPENMPI, d) for d in bench_worker.DTYPES}},
+    info = {"dtypes": {OPENMPI: {d: dtype_note(OPENMPI, d) for d in allreduce_worker.DTYPES}},
             "version": MPI.Get_library_version().strip().splitlines()[0]}
     return {OPENMPI: make_op}, comm.Barrier, {}, info
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: mpirun ... python -m fireflyer.hfreduce.bench_mpi_worker SPEC.json", file=sys.stderr)
+        print("usage: mpirun ... python -m fireflyer.bench.mpi_worker SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
-    bench_worker.run_rank(spec, rank, world, _setup)
+    allreduce_worker.run_rank(spec, rank, world, _setup)
     return 0
 
 

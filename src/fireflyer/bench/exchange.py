@@ -1,7 +1,7 @@
 """``fireflyer bench alltoall``: ``all_to_all_single`` on hfreduce against gloo, in one run.
 
 For each layout (``NxL``: N emulated nodes of L ranks on this host) it starts the same torch
-ranks as ``fireflyer bench allreduce`` (:mod:`fireflyer.hfreduce.bench_worker`: hfreduce as
+ranks as ``fireflyer bench allreduce`` (:mod:`fireflyer.bench.allreduce_worker`: hfreduce as
 the default group and a gloo group, in the same processes, with torchrun's environment) and
 drives them through its control socket: for every size each round runs both systems in turn
 (the order rotates between rounds), so both see the same machine. Each op's time is its
@@ -15,31 +15,36 @@ algbw = bytes of one rank's input / time; busbw = algbw * (n-1)/n (nccl-tests' a
 
 from __future__ import annotations
 
-import datetime as _dt
-import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import bench_peers
-from fireflyer.hfreduce.bench import Layout, LayoutResult, _check_candidate, parse_layout, run_layout
-from fireflyer.hfreduce.bench_report import (
+from fireflyer.bench import allreduce_peers
+from fireflyer.bench.allreduce import _check_candidate, run_layout
+from fireflyer.bench.allreduce_report import (
     COLORS,
+    Layout,
+    LayoutResult,
     _fmt,
     default_ops,
     default_warmup,
     format_ms,
     format_size,
     layout_title,
+    parse_layout,
+    speedup,
+    summarize,
+)
+from fireflyer.bench.harness import (
+    document,
+    invoked_command,
     make_console,
     median,
     parse_size,
     plot_loglog,
     slowest_per_op,
-    speedup,
-    summarize,
     write_json,
 )
 
@@ -55,7 +60,7 @@ ITEMSIZE = 4  # fp32
 
 @dataclass(frozen=True, kw_only=True)
 class ExchangeConfig:
-    """What ``fireflyer bench alltoall`` runs; the fields :func:`fireflyer.hfreduce.bench.run_layout` reads
+    """What ``fireflyer bench alltoall`` runs; the fields :func:`fireflyer.bench.allreduce.run_layout` reads
     (``candidate``, ``systems``, ``peers``, ``link_mbit``, ``timeout_s``) mean what they do there."""
 
     layouts: tuple[Layout, ...]
@@ -194,12 +199,8 @@ def write_png(path: str, results: list[LayoutResult]) -> None:
 
 def build_doc(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, Any]:
     """The JSON document of one run."""
-    from fireflyer.hfreduce.bench import machine_info
-
     return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "collective": "all_to_all_single",
         "candidate": CANDIDATE,
         "config": {"dtype": "fp32", "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
@@ -216,7 +217,7 @@ def build_doc(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, Any
 # -- running ---------------------------------------------------------------------------------
 
 
-def _measure(cfg: ExchangeConfig, lay: Layout, sets: dict[str, bench_peers.ProcessSet], res: LayoutResult,
+def _measure(cfg: ExchangeConfig, lay: Layout, sets: dict[str, allreduce_peers.ProcessSet], res: LayoutResult,
              progress: Callable[[str], None]) -> None:
     """Every size in alternating rounds, on the torch ranks' ``exchange`` command."""
     torch_set = sets["torch"]
@@ -258,7 +259,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the old entry point: python -m fireflyer.hfreduce.bench_exchange [options]
-    from fireflyer.cli import main as _cli
-
-    sys.exit(_cli(["bench", "alltoall", *sys.argv[1:]]))
+if __name__ == "__main__":  # python -m fireflyer.bench.exchange [options], as `fireflyer bench alltoall`
+    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
-"""One rank of ``fireflyer bench fsdp``: ``python -m fireflyer.haiscale.bench_fsdp_worker SPEC.json``.
+"""One rank of ``fireflyer bench fsdp``: ``python -m fireflyer.bench.fsdp_worker SPEC.json``.
 
-Started under torchrun by :mod:`fireflyer.haiscale.bench_fsdp` (through
+Started under torchrun by :mod:`fireflyer.bench.fsdp` (through
 :func:`fireflyer.launch.run_local`). It joins hfreduce as the default group and gloo
 as a second group, then trains the same GPT with each variant in turn, on the same
 batches: a fresh model per variant, warm-up steps, timed steps (after one unreported
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.haiscale.bench_model import GPTConfig, batch, build
+from fireflyer.hfreduce.config import node_key
+from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
 
 VARIANTS = ("haiscale", "haiscale-optbwd", "fsdp2-gloo", "fsdp2-hfreduce", "ddp")
 """haiscale: fully_shard on hfreduce (prefetch, overlapped reduce-scatter) with a normal AdamW step;
@@ -54,15 +55,14 @@ def _torch_fsdp2(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def make_variant(name: str, cfg: GPTConfig, gloo: dist.ProcessGroup, lr: float) -> Variant:
+def make_variant(name: str, cfg: ModelShape, gloo: dist.ProcessGroup, lr: float) -> Variant:
     """A fresh, identically initialised model trained the way ``name`` says."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fireflyer.haiscale.bench_model import Block
     from fireflyer.haiscale.fsdp import fully_shard, sharding_info
 
     adamw = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.1)
-    model = build(cfg)
+    model = GPT.seeded(cfg)
     if name == "haiscale":
         model = fully_shard(model, shard_types=(Block,))
     elif name == "haiscale-optbwd":
@@ -88,14 +88,14 @@ def make_variant(name: str, cfg: GPTConfig, gloo: dist.ProcessGroup, lr: float) 
 def run_variant(name: str, spec: dict[str, Any], gloo: dist.ProcessGroup) -> dict[str, Any]:
     from fireflyer.haiscale.fsdp_memory import PeakRSS, tensor_bytes
 
-    cfg = GPTConfig(**spec["model"])
+    cfg = ModelShape(**spec["model"])
     rank = dist.get_rank()
     rss = PeakRSS()
     v = make_variant(name, cfg, gloo, spec["lr"])
     rss.restart_peak()  # the full model each rank builds before sharding is not training memory
     times, losses = [], []
     for step in range(spec["warmup"] + spec["steps"]):
-        x, y = batch(cfg, rank=rank, step=step, size=spec["batch"])
+        x, y = synthetic_batch(cfg, rank=rank, step=step, size=spec["batch"])
         if step == spec["warmup"]:
             dist.barrier(group=gloo)
         t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def run(spec: dict[str, Any]) -> None:
     dist.init_process_group("hfreduce", timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     rank = dist.get_rank()
-    result: dict[str, Any] = {"rank": rank, "node": os.environ.get("FIREFLYER_NODE_ID", ""),
+    result: dict[str, Any] = {"rank": rank, "node": node_key(),
                               "threads": torch.get_num_threads(), "variants": {}}
     # One unreported step first: one-time costs (lazy imports, sharding-propagation caches,
     # communication buffers) would otherwise land in the first variant's time and memory.
@@ -143,7 +143,7 @@ def run(spec: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m fireflyer.haiscale.bench_fsdp_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m fireflyer.bench.fsdp_worker SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         run(json.load(f))

@@ -1,6 +1,6 @@
-"""One rank of ``fireflyer bench allreduce``: ``python -m fireflyer.hfreduce.bench_worker SPEC.json``.
+"""One rank of ``fireflyer bench allreduce``: ``python -m fireflyer.bench.allreduce_worker SPEC.json``.
 
-Started by :mod:`fireflyer.hfreduce.bench` with the environment torchrun gives (RANK,
+Started by :mod:`fireflyer.bench.allreduce` with the environment torchrun gives (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
 FIREFLYER_NODE_ID. SPEC's ``set`` says which process set the rank belongs to:
 
@@ -9,12 +9,12 @@ FIREFLYER_NODE_ID. SPEC's ``set`` says which process set the rank belongs to:
   4-byte all_reduce is the dispatch floor: what torch's plugin boundary costs; it also
   answers ``fireflyer bench alltoall``'s rounds of ``all_to_all_single`` (:class:`_Exchange`);
 - ``deepspeed``: ``deepspeed.init_distributed(dist_backend="gloo")`` and DeepSpeed's CPU
-  shared-memory allreduce (:mod:`fireflyer.hfreduce.bench_peers`).
+  shared-memory allreduce (:mod:`fireflyer.bench.allreduce_peers`).
 
 Every rank connects to the parent's control socket and runs what the parent asks, one
 round at a time (:func:`serve`), so systems that live in different processes alternate.
 Between rounds a rank blocks in a socket read, so an idle system takes no core from the
-one being measured. The OpenMPI ranks (:mod:`fireflyer.hfreduce.bench_mpi_worker`) speak
+one being measured. The OpenMPI ranks (:mod:`fireflyer.bench.mpi_worker`) speak
 the same protocol.
 """
 
@@ -32,6 +32,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
+from fireflyer.hfreduce.config import node_key
+
 PERIOD = 65521
 """Inputs repeat a seeded random block of this many elements: prime, so a chunk moved to
 the wrong offset (chunks are powers of two) shows up as wrong values."""
@@ -41,7 +44,6 @@ COPY_BYTES = 64 << 20
 COPY_REPS = 4
 COPY_TRIALS = 3
 NOOP_BACKEND = "fireflyer_noop"
-CONNECT_TIMEOUT_S = 120.0
 
 Op = Callable[[], Any]
 """One allreduce of a buffer the op was made for, in place."""
@@ -153,56 +155,6 @@ class _Exchange:
                                    self.y, self.stale, self.expected, cmd["ops"], cmd["warmup"],
                                    segment_length(self.world))
         return {"times": times, "wrong": wrong}
-
-
-# -- the control channel -------------------------------------------------------------------
-
-
-class Channel:
-    """JSON lines over a connected stream socket; the parent's side and a rank's side alike."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buf = b""
-
-    @classmethod
-    def connect(cls, path: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(path)
-                return cls(s)
-            except (FileNotFoundError, ConnectionRefusedError):
-                s.close()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no bench parent listening at {path} after {timeout_s:.0f} s") from None
-                time.sleep(0.05)
-
-    def send(self, obj: dict[str, Any]) -> None:
-        self.sock.sendall(json.dumps(obj).encode() + b"\n")
-
-    def recv(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next message; None when the other side closed; TimeoutError after ``timeout_s``
-        (a partial line is kept for the next call)."""
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no message in {timeout_s:.1f} s")
-            self.sock.settimeout(left)
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except socket.timeout:
-                raise TimeoutError(f"no message in {timeout_s:.1f} s") from None
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class _Buffers:
@@ -328,7 +280,7 @@ def register_noop_backend() -> None:
 def measure_copy(gloo: dist.ProcessGroup, first_trial: int = 0) -> list[dict[str, Any]]:
     """Memory bandwidth of this host with every core copying: one copier per core (every
     emulated node shares this host), so the figure is the hardware's, not the scheduler's."""
-    copier = int(os.environ["RANK"]) < (os.cpu_count() or 1)
+    copier = dist.get_rank() < (os.cpu_count() or 1)
     src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -371,12 +323,12 @@ def _torch_set(spec: dict[str, Any], rank: int) -> Setup:
     _inject_fault(rank)
     systems = {"candidate": lambda buf: lambda: dist.all_reduce(buf),
                "gloo": lambda buf: lambda: dist.all_reduce(buf, group=gloo)}
-    exchange = _Exchange(rank, int(os.environ["WORLD_SIZE"]), {"candidate": None, "gloo": gloo},
+    exchange = _Exchange(rank, dist.get_world_size(), {"candidate": None, "gloo": gloo},
                          lambda: dist.barrier(group=gloo))
     handlers = {"copy": lambda cmd: {"copies": measure_copy(gloo, cmd.get("first_trial", 0))},
                 "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"])},
                 "exchange": exchange.round}
-    info = {"node": os.environ.get("FIREFLYER_NODE_ID", ""), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
+    info = {"node": node_key(), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
     return systems, lambda: dist.barrier(group=gloo), handlers, info
 
 
@@ -385,7 +337,6 @@ def _deepspeed_set(spec: dict[str, Any], rank: int) -> Setup:
     import deepspeed
     from deepspeed import comm as ds_comm
 
-    from fireflyer.hfreduce.bench_peers import DEEPSPEED, dtype_note
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec["timeout_s"]))
     if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
@@ -427,7 +378,7 @@ def buf_itemsize(dtype: torch.dtype) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m fireflyer.hfreduce.bench_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m fireflyer.bench.allreduce_worker SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)

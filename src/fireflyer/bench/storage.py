@@ -17,7 +17,6 @@ One run, JSON plus a PNG:
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import platform
 import random
@@ -31,11 +30,11 @@ from typing import Any, Callable
 import numpy as np
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import pyplot, save_png, timestamp, write_json
 from fireflyer.errors import UserError
 from fireflyer.storage.backends import LocalBackend
 from fireflyer.storage.cache import CacheConfig, ShardCache
 from fireflyer.storage.cachesim import SimConfig, make_trace
-from fireflyer.fsutil import atomic_write
 from fireflyer.storage.policy import LocalityPrefetch
 from fireflyer.storage.records import RecordReader, RecordWriter
 
@@ -269,10 +268,7 @@ def _measure_cache(cfg: StorageBenchConfig, root: str) -> list[dict[str, Any]]:
 
 
 def write_png(path: str, doc: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
@@ -305,7 +301,7 @@ def write_png(path: str, doc: dict[str, Any]) -> None:
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(path, fig)
     plt.close(fig)
 
 
@@ -322,7 +318,7 @@ def run(cfg: StorageBenchConfig) -> dict[str, Any]:
         load_after = os.getloadavg()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"bench": "storage", "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    return {"bench": "storage", "time": timestamp(),
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "loadavg_before": load_before,
                      "loadavg_after": load_after},
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
@@ -330,14 +326,12 @@ def run(cfg: StorageBenchConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    import json
-
     cfg = build_config(argv)
     doc = run(cfg)
     os.makedirs(cfg.out_dir, exist_ok=True)
     json_path = os.path.join(cfg.out_dir, "storage.json")
     png_path = os.path.join(cfg.out_dir, "storage.png")
-    atomic_write(json_path, lambda f: f.write(json.dumps(doc, indent=1).encode() + b"\n"))
+    write_json(json_path, doc)
     write_png(png_path, doc)
     print(f"wrote {json_path} and {png_path}")
     return 0

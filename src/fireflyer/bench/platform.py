@@ -24,27 +24,24 @@ All in one run, one JSON (``bench-platform.json``) and one PNG (``bench-platform
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import platform as _platform
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import bench_command, document, loadavg, pyplot, save_png, write_json
 from fireflyer.errors import UserError
 from fireflyer.platform import simulate as sim
 from fireflyer.platform.policy import Node, PolicyConfig, Priority, Task, schedule
+from fireflyer.testing.live_platform import MARKS_JOB, LivePlatform
 
 HAI_TICK_S = 1.0
 WAIT_S = 60.0
@@ -267,72 +264,16 @@ def measure_cycle(cfg: PlatformBenchConfig, work: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- 2. the round trip on a real platform
-JOB = '''\
-"""A bench job: marks when it runs, answers a suspend by saving and go_suspend()."""
-import os, sys, time
-from fireflyer.platform import client
-
-out, mode = sys.argv[1], sys.argv[2]
-tag = f"{client.chain_id()}.{client.attempt()}"
-
-
-def mark(name, t):
-    tmp = os.path.join(out, f".{name}.{tag}")
-    with open(tmp, "w") as f:
-        f.write(f"{t:.6f}")
-    os.replace(tmp, os.path.join(out, f"{name}.{tag}"))
-
-
-mark("ready", time.time())
-if mode == "once":
-    sys.exit(0)
-state = os.path.join(out, f"state.{client.chain_id()}")
-step = int(open(state).read()) if os.path.exists(state) else 0
-deadline = time.monotonic() + 600
-while time.monotonic() < deadline:
-    if client.receive_suspend_command():
-        acked = time.time()
-        with open(state + ".tmp", "w") as f:
-            f.write(str(step))
-        os.replace(state + ".tmp", state)
-        mark("ack", acked)
-        client.go_suspend()
-    step += 1
-    time.sleep(0.01)
-sys.exit(1)
-'''
-
-
-class _LivePlatform:
-    """``fireflyer platform start`` in a temporary home, driven through the CLI; always stopped by ``close``."""
+class _BenchPlatform(LivePlatform):
+    """A live platform of one node whose tasks are :data:`~fireflyer.testing.live_platform.MARKS_JOB`:
+    each marks when it runs and when it saw a suspend, in ``marks``; waits poll every 5 ms."""
 
     def __init__(self, home: Path, marks: Path, tick: float) -> None:
-        self.home, self.marks, self.tick = home, marks, tick
-        self.job = str(marks / "bench_job.py")
-        self.store: Any = None
+        self.marks = marks
+        super().__init__(home, "--nodes", "1", tick=tick, timeout=WAIT_S, poll_s=0.005)
 
-    def start(self) -> None:
-        from fireflyer.platform.layout import Home
-        from fireflyer.platform.store import Store
-
-        self.cli("platform", "start", "--nodes", "1", "--tick", str(self.tick))
-        self.store = Store(Home(self.home).db)
-
-    def cli(self, *args: str) -> str:
-        n = 2 if args[0] == "platform" else 1  # --home goes after the (sub)command, before a task's "--"
-        argv = [sys.executable, "-m", "fireflyer", *args[:n], "--home", str(self.home), *args[n:]]
-        try:
-            done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"fireflyer {' '.join(args[:2])} did not return in {WAIT_S:g} s") from None
-        if done.returncode != 0:
-            raise RuntimeError(f"fireflyer {' '.join(args[:2])} exited {done.returncode}: {done.stderr.strip()}")
-        return done.stdout
-
-    def submit(self, mode: str, priority: str = "NORMAL") -> int:
-        out = self.cli("submit", "-n", "1", "-p", priority, "--name", mode, "--json", "--",
-                       sys.executable, self.job, str(self.marks), mode)
-        return int(json.loads(out)["id"])
+    def submit_marks(self, mode: str, priority: str = "NORMAL") -> int:
+        return self.submit(sys.executable, MARKS_JOB, str(self.marks), mode, priority=priority, name=mode, user=None)
 
     def mark(self, name: str, chain: int, attempt: int) -> float | None:
         try:
@@ -346,57 +287,21 @@ class _LivePlatform:
 
         return Home(self.home).attempt(task_id).status.stat().st_mtime
 
-    def wait(self, what: str, pred: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = pred()
-            if value:
-                return value
-            time.sleep(0.005)
-        raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
-
     def wait_mark(self, name: str, chain: int, attempt: int) -> float:
         return self.wait(f"{name} of task {chain} attempt {attempt}", lambda: self.mark(name, chain, attempt))
 
-    def wait_state(self, chain: int, *states: str) -> Any:
-        def reached() -> Any:
-            t = self.store.latest(chain)
-            return t if t.state in states else None
 
-        return self.wait(f"task {chain} to be {'/'.join(states)}", reached)
-
-    def finish(self, chain: int) -> None:
-        """Stop a chain for good and wait until it has."""
-        from fireflyer.platform.store import FINISHED
-
-        if self.store.latest(chain).state != FINISHED:
-            self.cli("stop", str(chain))
-        self.wait_state(chain, FINISHED)
-
-    def close(self) -> None:
-        from fireflyer.platform.layout import Home
-        from fireflyer.platform.local import kill_active
-
-        try:
-            subprocess.run([sys.executable, "-m", "fireflyer", "platform", "stop", "--home", str(self.home)],
-                           check=False, capture_output=True, timeout=WAIT_S)
-        finally:
-            if self.store is not None:
-                self.store.close()
-            kill_active(Home(self.home))
-
-
-def _roundtrip_once(p: _LivePlatform) -> dict[str, float]:
+def _roundtrip_once(p: _BenchPlatform) -> dict[str, float]:
     from fireflyer.platform.store import HELD, StopCode
 
     t_submit = time.time()
-    chain = p.submit("loop")
+    chain = p.submit_marks("loop")
     ready0 = p.wait_mark("ready", chain, 0)
     time.sleep(0.3)
     t0 = time.time()
     p.cli("suspend", str(chain))
     t_cli = time.time()
-    p.wait_state(chain, HELD)
+    p.wait_stored(chain, HELD)
     t_res = time.time()
     p.cli("resume", str(chain))
     ready1 = p.wait_mark("ready", chain, 1)
@@ -412,21 +317,21 @@ def _roundtrip_once(p: _LivePlatform) -> dict[str, float]:
             "total_s": ready1 - t0}
 
 
-def _preempt_once(p: _LivePlatform) -> dict[str, float]:
+def _preempt_once(p: _BenchPlatform) -> dict[str, float]:
     from fireflyer.platform.store import FINISHED, StopCode
 
-    low = p.submit("loop", "NORMAL")
+    low = p.submit_marks("loop", "NORMAL")
     p.wait_mark("ready", low, 0)
     time.sleep(0.3)
     t0 = time.time()
-    high = p.submit("once", "HIGH")
+    high = p.submit_marks("once", "HIGH")
     ready = p.wait_mark("ready", high, 0)
     ack = p.wait_mark("ack", low, 0)
     first = p.store.chain(low)[0]
     if not first.stop_code & StopCode.INTERRUPT:
         raise RuntimeError(f"task {low} ended {first.stop_code}, not INTERRUPT: {first.detail}")
     started = p.store.task(high).started_at
-    p.wait_state(high, FINISHED)
+    p.wait_stored(high, FINISHED)
     p.wait_mark("ready", low, 1)  # the preempted chain comes back by itself
     p.finish(low)
     return {"low_acknowledged_s": ack - t0, "low_stopped_s": first.finished_at - t0,
@@ -443,10 +348,8 @@ def measure_roundtrip(cfg: PlatformBenchConfig, work: Path) -> dict[str, Any]:
     for tick in cfg.ticks:
         marks = work / f"marks-{tick:g}"
         marks.mkdir(parents=True)
-        (marks / "bench_job.py").write_text(JOB)
-        p = _LivePlatform(work / f"home-{tick:g}", marks, tick)
+        p = _BenchPlatform(work / f"home-{tick:g}", marks, tick)
         try:
-            p.start()
             trips = [_roundtrip_once(p) for _ in range(cfg.reps)]
             preempts = [_preempt_once(p) for _ in range(cfg.reps)]
         finally:
@@ -505,24 +408,6 @@ def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- output
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": _platform.platform(),
-                            "python": _platform.python_version(), "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    return info
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except (OSError, ValueError):
-        return None
-
-
 def _ms(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 10 else f"{s:.1f} s"
 
@@ -604,12 +489,7 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from fireflyer.hfreduce.bench_report import atomic_write
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     a, b, c, d = axes.flat
@@ -667,7 +547,7 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
                 fontsize=9)
     d.legend(fontsize=8)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    save_png(path, fig, dpi=100)
     plt.close(fig)
 
 
@@ -684,7 +564,6 @@ def run(cfg: PlatformBenchConfig) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.hfreduce.bench_report import write_json
 
     load_before = loadavg()
     try:
@@ -692,8 +571,7 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:
         raise UserError(f"platform benchmark failed: {exc}") from None
     _print(r)
-    doc = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "command": ["fireflyer", "bench", "platform", *argv], "machine": machine_info(),
+    doc = {**document(bench_command("platform", argv), torch=False),
            "loadavg_before": load_before, "loadavg_after": loadavg(),
            "baselines": {"cycle": "HAI Platform's 1 s scheduling tick",
                          "roundtrip": "a cold submit → running of the same job on the same platform",

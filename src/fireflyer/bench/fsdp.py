@@ -2,7 +2,7 @@
 
 For each layout (``NxL``: N emulated nodes of L ranks, started with real torchrun
 through :func:`fireflyer.launch.run_local`) every rank trains the same GPT on the same
-batches with each variant in turn (:mod:`fireflyer.haiscale.bench_fsdp_worker`):
+batches with each variant in turn (:mod:`fireflyer.bench.fsdp_worker`):
 
 * step time (forward, backward, optimizer step; the slowest rank's median) of
   haiscale FSDP, with and without the optimizer in backward, against torch FSDP2 over
@@ -16,22 +16,21 @@ The table goes to the terminal, JSON and a PNG to ``--out`` (``fsdp.json``, ``fs
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
 from fireflyer.errors import UserError
-from fireflyer.haiscale.bench_model import GPTConfig
-from fireflyer.haiscale.bench_fsdp_worker import VARIANTS
+from fireflyer.bench.fsdp_worker import VARIANTS
+from fireflyer.train.model import ModelShape
 
 BASELINE = "fsdp2-gloo"
 MEMORY_BASELINE = "ddp"
@@ -56,7 +55,8 @@ def parse_layout(text: str) -> tuple[int, int]:
 @dataclass(frozen=True, kw_only=True)
 class FSDPBenchConfig:
     layouts: tuple[tuple[int, int], ...] = ((1, 4), (2, 2))
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelShape = field(default_factory=lambda: ModelShape(vocab_size=8192, context=128, layers=6, d_model=512,
+                                                                 heads=8))
     batch: int = 2
     """Sequences per rank per step."""
     steps: int = 4
@@ -99,7 +99,7 @@ def build_config(argv: list[str]) -> FSDPBenchConfig:
     if a.layers < 1 or a.vocab < 2 or a.seq < 1:
         raise UserError("--layers and --seq must be >= 1 and --vocab >= 2")
     try:
-        model = GPTConfig.for_params(parse_count(a.params), layers=a.layers, vocab=a.vocab, seq=a.seq)
+        model = ModelShape.for_params(parse_count(a.params), layers=a.layers, vocab_size=a.vocab, context=a.seq)
     except ValueError as exc:
         raise UserError(f"--params/--layers: {exc}") from exc
     return FSDPBenchConfig(
@@ -121,7 +121,7 @@ def run_layout(cfg: FSDPBenchConfig, nodes: int, per_node: int) -> list[dict[str
             "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr,
             "timeout_s": min(300.0, cfg.timeout_s)}
     (tmp / "spec.json").write_text(json.dumps(spec))
-    run_local(LocalJob(target=["-m", "fireflyer.haiscale.bench_fsdp_worker", str(tmp / "spec.json")],
+    run_local(LocalJob(target=["-m", "fireflyer.bench.fsdp_worker", str(tmp / "spec.json")],
                        nodes=nodes, ranks_per_node=per_node, timeout=cfg.timeout_s, quiet=True,
                        log_dir=str(tmp / "logs")))
     world = nodes * per_node
@@ -190,12 +190,7 @@ def print_layout(console: Any, res: dict[str, Any]) -> None:
 
 def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) -> None:
     """Left: step time per variant and layout. Right: per-rank tensor bytes by category, with DDP/N marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from fireflyer.hfreduce.bench_report import atomic_write
+    plt = pyplot()
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(results))
@@ -223,18 +218,16 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
     fig.suptitle(f"FSDP: GPT {cfg.model.num_params / 1e6:.1f}M params, {cfg.model.layers} blocks")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(path, fig)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console, write_json
 
     cfg = build_config(list(argv))
     console, errcon = make_console(), make_console(stderr=True)
-    errcon.print(f"[dim]GPT {cfg.model.num_params / 1e6:.2f}M params (dim {cfg.model.dim}, {cfg.model.layers} blocks, "
-                 f"vocab {cfg.model.vocab}, seq {cfg.model.seq}), {cfg.batch} sequences per rank[/dim]")
+    errcon.print(f"[dim]GPT {cfg.model.num_params / 1e6:.2f}M params (dim {cfg.model.d_model}, {cfg.model.layers} blocks, "
+                 f"vocab {cfg.model.vocab_size}, seq {cfg.model.context}), {cfg.batch} sequences per rank[/dim]")
     results = []
     for nodes, per_node in cfg.layouts:
         layout = f"{nodes}x{per_node}"
@@ -244,9 +237,7 @@ def main(argv: list[str]) -> int:
         print_layout(console, res)
         results.append(res)
     doc = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "config": {"model": asdict(cfg.model), "num_params": cfg.model.num_params, "batch": cfg.batch,
                    "steps": cfg.steps, "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr},
         "layouts": results,

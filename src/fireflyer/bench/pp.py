@@ -1,7 +1,7 @@
 """``fireflyer bench pp``: the pipeline bubble of GPipe, 1F1B and Interleaved1F1B, measured and in theory.
 
 It starts one pipeline of ``--stages`` ranks, each stage on its own emulated node (the
-paper's placement), with real torchrun (:mod:`fireflyer.haiscale.bench_pp_worker`).
+paper's placement), with real torchrun (:mod:`fireflyer.bench.pp_worker`).
 Each rank times every forward and backward its stages run. For one step:
 
     wall        = last rank's end - first rank's start
@@ -20,17 +20,16 @@ busy time grows and the measured bubble shrinks against a machine with a device 
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
 from fireflyer.errors import UserError
 from fireflyer.haiscale.pipeline import Schedule
 
@@ -246,7 +245,7 @@ def run(cfg: PPBenchConfig) -> list[dict[str, Any]]:
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
-    job = LocalJob(target=["-m", "fireflyer.haiscale.bench_pp_worker", spec_path], nodes=cfg.stages,
+    job = LocalJob(target=["-m", "fireflyer.bench.pp_worker", spec_path], nodes=cfg.stages,
                    ranks_per_node=1, quiet=True, timeout=cfg.timeout_s, log_dir=os.path.join(tmp, "logs"),
                    env={"GLOO_SOCKET_IFNAME": "lo"})
     try:
@@ -298,12 +297,7 @@ def print_table(console: Any, cfg: PPBenchConfig, rows: list[dict[str, Any]]) ->
 
 def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None:
     """Left: bubble against m, measured, replayed and in theory. Right: peak saved activations per stage."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from fireflyer.hfreduce.bench_report import atomic_write
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {Schedule.GPIPE.value: "tab:blue", Schedule.ONE_F_ONE_B.value: "tab:red",
@@ -344,23 +338,19 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
     fig.suptitle(f"pipeline schedules, {p} ranks on {os.cpu_count()} cores (measured: shared cores; "
                  f"replay: a device per rank)")
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(path, fig)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
     """Run the benchmark, print the table, write ``pp.json`` and ``pp.png`` under ``--out``."""
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console, write_json
 
     cfg = build_config(list(argv))
     console = make_console()
     rows = run(cfg)
     print_table(console, cfg, rows)
     doc = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "machine": machine_info(),
+        **document(invoked_command()),
         "config": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
         "reference": {"bubble": "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for Interleaved1F1B",
                       "replay": "measured op CPU times replayed in each rank's executed order, a device per "

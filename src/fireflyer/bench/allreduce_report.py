@@ -3,44 +3,78 @@ report, JSON and the PNG. Pure functions first (unit-tested), writers after."""
 
 from __future__ import annotations
 
-import json
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from fireflyer import fsutil
+from fireflyer.bench.harness import (  # noqa: F401 - re-exported: the allreduce bench's callers and tests
+    atomic_write,
+    format_size,
+    make_console,
+    median,
+    parse_size,
+    plot_loglog,
+    slowest_per_op,
+    write_json,
+)
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import traffic
+from fireflyer.fabric import traffic
 from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes
-
-if TYPE_CHECKING:
-    from fireflyer.hfreduce.bench import BenchConfig, LayoutResult
 
 MiB = 1 << 20
 HEADLINE_BYTES = 64 * MiB
 
 
-# -- small pure functions (unit-tested) ----------------------------------------
+# -- what one run measures: layouts and their results ------------------------------
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+DEFAULT_LAYOUTS = ("1x4", "2x2", "2x2-shaped")
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``"1048576"``, ``"512K"``, ``"64M"``, ``"64MiB"``, ``"1G"`` (binary units)."""
-    m = _SIZE_RE.match(str(text))
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    local: int
+    shaped: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}x{self.local}" + ("-shaped" if self.shaped else "")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.local
+
+
+def parse_layout(text: str) -> Layout:
+    m = re.fullmatch(r"(\d+)x(\d+)(-shaped)?", text.strip())
     if not m:
-        raise UserError(f"cannot read size {text!r}; write bytes or a number with K, M or G (e.g. 64M)")
-    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
-    if value != int(value):
-        raise UserError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
+        raise UserError(f"bad layout {text!r}; write NODESxRANKS or NODESxRANKS-shaped, e.g. {','.join(DEFAULT_LAYOUTS)}")
+    lay = Layout(int(m.group(1)), int(m.group(2)), bool(m.group(3)))
+    if lay.nodes < 1 or lay.local < 1 or lay.world < 2:
+        raise UserError(f"layout {text!r} needs at least 2 ranks")
+    if lay.shaped and lay.nodes < 2:
+        raise UserError(f"layout {text!r}: a shaped link needs at least 2 nodes")
+    return lay
 
 
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
+@dataclass
+class LayoutResult:
+    layout: str
+    nodes: int
+    local: int
+    world: int
+    link_mbit: float | None = None
+    skipped: str | None = None
+    copy_bw: float | None = None
+    """Aggregate copy bandwidth of all ranks at once, bytes read+written per second."""
+    dispatch_floor: dict[str, Any] | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+    """Per system: why it was skipped here, or what it measures on this layout."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    roofline: dict[str, Any] = field(default_factory=dict)
 
+
+# -- small pure functions (unit-tested) ----------------------------------------
 
 def busbw_factor(world_size: int) -> float:
     """nccl-tests' allreduce bus-bandwidth factor 2(n-1)/n."""
@@ -98,8 +132,15 @@ def default_iters(nbytes: int) -> int:
     return max(2, min(20, (256 * MiB) // max(nbytes, 1)))
 
 
-TRAFFIC_MODEL = "fireflyer.hfreduce.traffic"
-"""The roofline's model of what each path reads and writes (:mod:`fireflyer.hfreduce.traffic`)."""
+TRAFFIC_MODEL = "fireflyer.fabric.traffic"
+"""The roofline's model of what each path reads and writes (:mod:`fireflyer.fabric.traffic`)."""
+
+
+def engine_path(nbytes: int, nodes: int, config: HFReduceConfig) -> str:
+    """The path hfreduce's engine takes for ``nbytes`` per rank on ``nodes`` nodes under ``config``:
+    its one-shot limit, and its chunk where unset resolved as the engine resolves it."""
+    return traffic.engine_path(nbytes, nodes, oneshot_bytes=config.oneshot_bytes,
+                               chunk_bytes=config.chunk_bytes or default_chunk_bytes(nodes))
 
 
 def path_traffic(nbytes: int, nodes: int, local: int, itemsize: int, config: HFReduceConfig) -> dict[str, Any]:
@@ -107,8 +148,8 @@ def path_traffic(nbytes: int, nodes: int, local: int, itemsize: int, config: HFR
     ranks under ``config``, and that path's memory traffic per node: ``mem_bytes``,
     ``floor_mem_bytes`` and ``link_bytes`` (bytes), and ``traffic_x`` and ``floor_x``, the same
     divided by the tensor (one-shot on 1x4: 28x against the floor's 8x, which is 2L x)."""
-    path = traffic.algorithm(nbytes, nodes, config)
-    t = traffic.memory_traffic(nbytes, local, nodes, itemsize, path=path)
+    path = engine_path(nbytes, nodes, config)
+    t = traffic.engine_traffic(nbytes, local, nodes, itemsize, path=path)
     return {"path": path, **t, "traffic_x": t["mem_bytes"] / nbytes, "floor_x": t["floor_mem_bytes"] / nbytes}
 
 
@@ -177,24 +218,6 @@ def default_ops(nbytes: int) -> int:
 def default_warmup(nbytes: int) -> int:
     """Untimed ops per round, the first of them checked: 2, or 1 from 64 MiB."""
     return 1 if nbytes >= 64 * MiB else 2
-
-
-def median(xs: list[float]) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
-def slowest_per_op(per_rank: list[list[float]]) -> list[float]:
-    """Each op's time is its slowest rank's: the element-wise max over ranks' per-op seconds."""
-    if not per_rank:
-        return []
-    n = len(per_rank[0])
-    if any(len(t) != n for t in per_rank):
-        raise ValueError(f"ranks timed different numbers of ops: {[len(t) for t in per_rank]}")
-    return [max(col) for col in zip(*per_rank)]
 
 
 def memory_floor_bytes(nbytes: int, local: int, nodes: int = 1) -> int:
@@ -312,13 +335,6 @@ def _label(candidate: str) -> str:
     return candidate if candidate != "gloo" else "gloo(cand)"
 
 
-def make_console(stderr: bool = False, width: int = 132) -> Any:
-    """A rich console at least ``width`` columns wide (the terminal's width where wider)."""
-    from rich.console import Console
-
-    return Console(width=max(width, Console().width), highlight=False, stderr=stderr)
-
-
 def _present(res: LayoutResult) -> list[str]:
     return [s for s in SYSTEMS if any(s in row for row in res.rows)]
 
@@ -334,8 +350,8 @@ def layout_title(console: Any, res: Any) -> str | None:
     return title
 
 
-def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
-    """One table per layout: each system's median time, the memory floor, the candidate's
+def print_layout(console: Any, cfg: Any, res: LayoutResult) -> None:
+    """One table per layout (``cfg``: the run's :class:`~fireflyer.bench.allreduce.BenchConfig`): each system's median time, the memory floor, the candidate's
     share of it and its speedup over each peer; then the floors and the peers' notes."""
     from rich.table import Table
 
@@ -417,24 +433,6 @@ def print_layout(console: Any, cfg: BenchConfig, res: LayoutResult) -> None:
     console.print()
 
 
-def atomic_write(path: str, write: Callable[[Any], None]) -> None:
-    """Write via a temporary file, fsync, rename: readers never see a half-written file."""
-    fsutil.atomic_write(path, write)
-
-
-def write_json(path: str, doc: dict[str, Any]) -> None:
-    def clean(x: Any) -> Any:  # NaN is not JSON
-        if isinstance(x, float) and x != x:
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    atomic_write(path, lambda f: f.write(json.dumps(clean(doc), indent=1).encode() + b"\n"))
-
-
 def plot_series(res: LayoutResult, dtype: str) -> dict[str, list[tuple[int, float]]]:
     """(bytes, seconds) per system of one layout and dtype, plus the memory floor: what the PNG draws."""
     rows = [r for r in res.rows if r["dtype"] == dtype]
@@ -449,7 +447,7 @@ def plot_series(res: LayoutResult, dtype: str) -> dict[str, list[tuple[int, floa
     return out
 
 
-def write_png(path: str, cfg: BenchConfig, results: list[LayoutResult]) -> None:
+def write_png(path: str, cfg: Any, results: list[LayoutResult]) -> None:
     """Time against size, log-log: one panel per layout and dtype, every system, the memory
     floor and the dispatch floor."""
     panels = []
@@ -468,38 +466,3 @@ def write_png(path: str, cfg: BenchConfig, results: list[LayoutResult]) -> None:
                            "hlines": [("dispatch floor", floor)] if floor == floor else []})
     plot_loglog(path, panels, "allreduce, median of the slowest rank per op", "time per allreduce (ms)",
                 max(1, len(cfg.dtypes)))
-
-
-def plot_loglog(path: str, panels: list[dict[str, Any]], title: str, ylabel: str, ncols: int = 1) -> None:
-    """Time (ms) against bytes per rank, log-log, ``ncols`` panels a row, written to ``path`` as PNG.
-
-    Each panel: ``title``; ``lines``, a list of (label, [(bytes, seconds)], matplotlib style);
-    ``sizes``, the x ticks; ``hlines``, (label, seconds) drawn dotted across."""
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    nrows = max(1, -(-len(panels) // ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
-    for k, panel in enumerate(panels):
-        ax = axes[k // ncols][k % ncols]
-        for label, pts, style in panel["lines"]:
-            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], label=label, **{"ls": "-", **style})
-        for label, seconds in panel.get("hlines", []):
-            ax.axhline(seconds * 1e3, color="gray", ls=":", lw=1, label=label)
-        ax.set_xscale("log", base=2)
-        if panel.get("sizes"):
-            ax.set_xticks(panel["sizes"], [format_size(b) for b in panel["sizes"]])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_yscale("log")
-        ax.set_title(panel["title"])
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    plt.close(fig)

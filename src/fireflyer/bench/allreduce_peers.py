@@ -23,9 +23,9 @@ op is built by g++ and ninja on first use, about a minute, and cached in
 How each peer runs:
 
 - **OpenMPI**: ``mpirun --allow-run-as-root --oversubscribe -np N`` starts N ranks of
-  :mod:`fireflyer.hfreduce.bench_mpi_worker`, which call ``comm.Allreduce(MPI.IN_PLACE,
+  :mod:`fireflyer.bench.mpi_worker`, which call ``comm.Allreduce(MPI.IN_PLACE,
   buf)`` on numpy views of fp32 buffers. MPI has no bf16 type, so bf16 is n/a.
-- **DeepSpeed**: N ranks of :mod:`fireflyer.hfreduce.bench_worker` with torchrun's
+- **DeepSpeed**: N ranks of :mod:`fireflyer.bench.allreduce_worker` with torchrun's
   environment plus ``DS_ACCELERATOR=cpu`` and ``LOCAL_SIZE`` = N call
   ``deepspeed.init_distributed(dist_backend="gloo")`` and then
   ``torch.ops.deepspeed.inference_all_reduce_(buf)``. Its bf16 kernel needs AVX-512BW and
@@ -48,16 +48,17 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from fireflyer.bench.allreduce_report import Layout, LayoutResult
+from fireflyer.launch import rank_env
 from fireflyer.ports import free_port
-
-if TYPE_CHECKING:
-    from fireflyer.hfreduce.bench import BenchConfig, Layout, LayoutResult
 
 OPENMPI = "openmpi"
 DEEPSPEED = "deepspeed"
 PEERS = (OPENMPI, DEEPSPEED)
+CONNECT_TIMEOUT_S = 120.0
+"""How long a rank retries connecting to the parent's control socket."""
 
 INSTALL = {
     OPENMPI: "apt-get install openmpi-bin libopenmpi-dev && .venv/bin/pip install -c constraints.txt mpi4py",
@@ -255,18 +256,19 @@ def probe(names: tuple[str, ...], build_timeout_s: float, progress: Callable[[st
 # -- process sets: launched, spoken to over the control socket, ended ------------------------
 
 
-_LAYOUT_ENV = ("GLOO_SOCKET_IFNAME", "FIREFLYER_NODE_ID", "FIREFLYER_HFREDUCE_IFADDR", "LOCAL_SIZE",
-               "DS_ACCELERATOR")
+_RANK_ENV = frozenset(rank_env(rank=0, world_size=1, local_rank=0, local_world_size=1, node=0, master_port=1))
+"""What :func:`fireflyer.launch.rank_env` sets for a rank: never inherited from this process."""
+_LAYOUT_ENV = _RANK_ENV | {"GLOO_SOCKET_IFNAME", "FIREFLYER_HFREDUCE_IFADDR", "LOCAL_SIZE", "DS_ACCELERATOR"}
 """Set per layout; any other FIREFLYER_* setting passes through to the workers."""
 
 
 def worker_env(lay: Layout, rank: int, master_addr: str, port: int) -> dict[str, str]:
+    """Rank ``rank`` of ``lay``'s emulated nodes: this environment, less what is set per layout,
+    plus :func:`fireflyer.launch.rank_env` (what torchrun gives a rank) and one thread."""
     env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_ENV and not k.startswith("TORCHELASTIC_")}
-    node = rank // lay.local
-    env.update(RANK=str(rank), WORLD_SIZE=str(lay.world), LOCAL_RANK=str(rank % lay.local),
-               LOCAL_WORLD_SIZE=str(lay.local), GROUP_RANK=str(node), MASTER_ADDR=master_addr,
-               MASTER_PORT=str(port), FIREFLYER_NODE_ID=f"node{node}", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env.update(rank_env(rank=rank, world_size=lay.world, local_rank=rank % lay.local, local_world_size=lay.local,
+                        node=rank // lay.local, master_addr=master_addr, master_port=port),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
 
@@ -386,7 +388,7 @@ class ProcessSet:
             fn()
 
 
-def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
+def start_sets(cfg: Any, lay: Layout, tmp: str, control: str, link: Any,
                peers: dict[str, PeerStatus], res: LayoutResult, sets: dict[str, ProcessSet]) -> None:
     """Start the torch ranks and every peer that runs on this layout, into ``sets`` as they
     start (so that whoever called can end them all even when a later start fails)."""
@@ -413,7 +415,7 @@ def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
 
     candidate = cfg.candidate if "candidate" in cfg.systems else "gloo"
     st = sets["torch"] = ProcessSet("torch", lay.world, log_of("torch"))
-    argv = [sys.executable, "-m", "fireflyer.hfreduce.bench_worker", spec("torch", candidate=candidate)]
+    argv = [sys.executable, "-m", "fireflyer.bench.allreduce_worker", spec("torch", candidate=candidate)]
     master, port = (link.addrs[0], 29500) if link else ("127.0.0.1", free_port())
     for rank in range(lay.world):
         env = worker_env(lay, rank, master, port)
@@ -438,7 +440,7 @@ def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
         if name == DEEPSPEED:
             st = sets[name] = ProcessSet(name, lay.world, log_of(name))
             ds_port = free_port()
-            argv = [sys.executable, "-m", "fireflyer.hfreduce.bench_worker", spec(name)]
+            argv = [sys.executable, "-m", "fireflyer.bench.allreduce_worker", spec(name)]
             for rank in range(lay.world):
                 env = deepspeed_env(worker_env(lay, rank, "127.0.0.1", ds_port), lay.world)
                 env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -448,7 +450,7 @@ def start_sets(cfg: BenchConfig, lay: Layout, tmp: str, control: str, link: Any,
             st = sets[name] = ProcessSet(name, lay.world, lambda _r: os.path.join(tmp, "openmpi.log"))
             env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_ENV}
             env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            worker = [sys.executable, "-m", "fireflyer.hfreduce.bench_mpi_worker", spec(name)]
+            worker = [sys.executable, "-m", "fireflyer.bench.mpi_worker", spec(name)]
             popen(st, 0, mpirun_argv(shutil.which("mpirun") or "mpirun", lay.world, worker), env)
 
 
@@ -458,8 +460,6 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
     ``pending``: channels accepted whose rank has not said who it is yet. A rank names its
     set and rank as soon as it connects, so one that dies during setup is known by name
     even where its launcher lives on (mpirun waits for the ranks still running)."""
-    from fireflyer.hfreduce.bench_worker import Channel
-
     deadline = time.monotonic() + timeout_s
     server.settimeout(POLL_S)
     while not all(st.ready for st in sets.values()):
@@ -501,3 +501,53 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
             late = [f"{st.name} rank {r}" for st in sets.values() for r, h in enumerate(st.hello) if h is None]
             raise SetFailed(next(st.name for st in sets.values() if not st.ready),
                             f"not started within {timeout_s:.0f} s: {', '.join(late)}")
+
+
+# -- the control channel -------------------------------------------------------------------
+
+
+class Channel:
+    """JSON lines over a connected stream socket; the parent's side and a rank's side alike."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(path)
+                return cls(s)
+            except (FileNotFoundError, ConnectionRefusedError):
+                s.close()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no bench parent listening at {path} after {timeout_s:.0f} s") from None
+                time.sleep(0.05)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def recv(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next message; None when the other side closed; TimeoutError after ``timeout_s``
+        (a partial line is kept for the next call)."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message in {timeout_s:.1f} s")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except socket.timeout:
+                raise TimeoutError(f"no message in {timeout_s:.1f} s") from None
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,6 +1,6 @@
 """Quick single-thread bandwidth of the reduce kernels, against torch ops and the copy roofline.
 
-``python -m fireflyer.hfreduce.bench_kernels [--mib 16] [--inputs 4]``. Each row reduces
+``python -m fireflyer.bench.kernels [--mib 16] [--inputs 4]``. Each row reduces
 ``--inputs`` buffers of ``--mib`` MiB of fp32 (and bf16 at the same element count, half the
 bytes) into one; GB/s counts the bytes that must move, each input read once and out written
 once, so rows compare as times do. The roofline is torch's single-thread ``copy_`` bandwidth

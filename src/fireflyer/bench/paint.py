@@ -1,6 +1,6 @@
 """How fast the dashboard paints, measured in headless Chromium with the browser's own timings.
 
-``python -m fireflyer.platform.server.paint_bench [--loads 9] [--tasks 50] [--url URL --token TOKEN]``
+``python -m fireflyer.bench.paint [--loads 9] [--tasks 50] [--url URL --token TOKEN]``
 
 Without ``--url`` it sets up what it measures: a platform in a temporary home (``fireflyer platform start``,
 4 emulated nodes), an admin made with ``fireflyer platform user add``, ``fireflyer platform serve --port 0``,

@@ -17,7 +17,6 @@ each rank had.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
+from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_png, write_json
 from fireflyer.errors import UserError
 from fireflyer.launch import LocalJob, run_local
 
@@ -89,7 +89,7 @@ def build_config(argv: list[str]) -> DDPBenchConfig:
 def _run(cfg: DDPBenchConfig, nodes: int, per: int, variants: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fireflyer-bench-ddp-") as tmp:
         out = os.path.join(tmp, "report.json")
-        run_local(LocalJob(target=["-m", "fireflyer.haiscale.bench_ddp_worker", "--out", out, "--variants", variants,
+        run_local(LocalJob(target=["-m", "fireflyer.bench.ddp_worker", "--out", out, "--variants", variants,
                                    *cfg.model_args],
                            nodes=nodes, ranks_per_node=per, timeout=cfg.timeout, quiet=True, log_dir=tmp))
         with open(out) as f:
@@ -147,10 +147,7 @@ def _print(console: Any, rows: list[dict[str, Any]], weak: list[dict[str, Any]])
 
 
 def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2 if weak else 1, figsize=(11 if weak else 6, 4), squeeze=False)
     ax = axes[0][0]
@@ -177,16 +174,12 @@ def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]
         ax2.legend(fontsize=8)
         ax2.set_title("Weak scaling")
     fig.tight_layout()
-    from fireflyer.hfreduce.bench_report import atomic_write
-
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    save_png(path, fig)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
-    from fireflyer.hfreduce.bench import machine_info
-    from fireflyer.hfreduce.bench_report import make_console, write_json
 
     console, err = make_console(), make_console(stderr=True)
     rows = []
@@ -202,9 +195,7 @@ def main(argv: list[str]) -> int:
         r["compute_efficiency"] = weak[0]["step_s"]["compute"] / r["step_s"]["compute"]
     _print(console, rows, weak)
     doc = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": ["fireflyer", "bench", "ddp", *argv],
-        "machine": machine_info(),
+        **document(bench_command("ddp", argv)),
         "baseline": "torch.nn.parallel.DistributedDataParallel over gloo",
         "floor": "compute alone: the same steps with no communication (perfect hiding)",
         "target": {"ratio_at_most": 0.6},

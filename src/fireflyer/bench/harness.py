@@ -1,0 +1,209 @@
+"""The one harness every ``fireflyer bench <part>`` shares.
+
+What each benchmark used to carry its own copy of: the machine it ran on, the result
+document's head (when, the command, the machine), JSON and PNG written atomically through
+:mod:`fireflyer.fsutil`, a rich console wide enough for the tables, sizes as people write
+them, and the rounds' arithmetic (each op's time is its slowest rank's; figures are medians).
+No torch at import time: ``fireflyer bench <part> --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform as _platform
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from fireflyer import fsutil
+from fireflyer.errors import UserError
+
+MiB = 1 << 20
+
+
+# -- the machine and the result document ---------------------------------------------
+
+
+def machine_info(*, torch: bool = True) -> dict[str, Any]:
+    """Host, OS, Python, core count, CPU model and memory; torch's version too unless ``torch=False``
+    (benchmarks that never import torch leave it out)."""
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": _platform.platform(),
+                            "python": _platform.python_version()}
+    if torch:
+        import torch as _torch
+
+        info["torch"] = _torch.__version__
+    info["cpu_count"] = os.cpu_count()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        if torch:
+            with open("/proc/meminfo", encoding="utf-8") as f:
+                info["mem_total_kib"] = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        pass
+    return info
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, or None where /proc/loadavg cannot be read."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def timestamp() -> str:
+    """Now, UTC, to the second (ISO 8601): when a result was measured."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def bench_command(part: str, argv: Iterable[str]) -> list[str]:
+    """The command line of ``fireflyer bench PART ARGV...``, as a result document records it."""
+    return ["fireflyer", "bench", part, *argv]
+
+
+def invoked_command() -> list[str]:
+    """This process's own command line (its program's base name, then its arguments)."""
+    return [os.path.basename(sys.argv[0])] + sys.argv[1:]
+
+
+def document(command: list[str], *, torch: bool = True, **fields: Any) -> dict[str, Any]:
+    """A result document: ``timestamp``, ``command`` and ``machine`` first, then ``fields`` in order."""
+    return {"timestamp": timestamp(), "command": command, "machine": machine_info(torch=torch), **fields}
+
+
+# -- writing results ----------------------------------------------------------------------
+
+
+def atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Write via a temporary file, fsync, rename: readers never see a half-written file."""
+    fsutil.atomic_write(path, write)
+
+
+def clean_json(x: Any) -> Any:
+    """``x`` with every NaN float as None (NaN is not JSON)."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: clean_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean_json(v) for v in x]
+    return x
+
+
+def write_json(path: str, doc: dict[str, Any], indent: int = 1) -> None:
+    """``doc`` as indented JSON at ``path``, atomically, NaN written as null."""
+    atomic_write(path, lambda f: f.write(json.dumps(clean_json(doc), indent=indent).encode() + b"\n"))
+
+
+def save_png(path: str, fig: Any, dpi: int = 110) -> None:
+    """A matplotlib figure as PNG at ``path``, atomically."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def make_console(stderr: bool = False, width: int = 132) -> Any:
+    """A rich console at least ``width`` columns wide (the terminal's width where wider)."""
+    from rich.console import Console
+
+    return Console(width=max(width, Console().width), highlight=False, stderr=stderr)
+
+
+# -- sizes ------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1048576"``, ``"512K"``, ``"64M"``, ``"64MiB"``, ``"1G"`` (binary units)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise UserError(f"cannot read size {text!r}; write bytes or a number with K, M or G (e.g. 64M)")
+    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
+    if value != int(value):
+        raise UserError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+# -- rounds and medians -----------------------------------------------------------------
+
+
+def median(xs: Iterable[float]) -> float:
+    """The median, NaN for no samples."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def spread(xs: Iterable[float]) -> dict[str, float]:
+    """``median``, ``min`` and ``max`` of some samples (at least one)."""
+    s = list(xs)
+    return {"median": median(s), "min": min(s), "max": max(s)}
+
+
+def slowest_per_op(per_rank: list[list[float]]) -> list[float]:
+    """Each op's time is its slowest rank's: the element-wise max over ranks' per-op seconds."""
+    if not per_rank:
+        return []
+    n = len(per_rank[0])
+    if any(len(t) != n for t in per_rank):
+        raise ValueError(f"ranks timed different numbers of ops: {[len(t) for t in per_rank]}")
+    return [max(col) for col in zip(*per_rank)]
+
+
+# -- charts -------------------------------------------------------------------------------
+
+
+def plot_loglog(path: str, panels: list[dict[str, Any]], title: str, ylabel: str, ncols: int = 1) -> None:
+    """Time (ms) against bytes per rank, log-log, ``ncols`` panels a row, written to ``path`` as PNG.
+
+    Each panel: ``title``; ``lines``, a list of (label, [(bytes, seconds)], matplotlib style);
+    ``sizes``, the x ticks; ``hlines``, (label, seconds) drawn dotted across."""
+    import matplotlib.ticker
+
+    plt = pyplot()
+    nrows = max(1, -(-len(panels) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for k, panel in enumerate(panels):
+        ax = axes[k // ncols][k % ncols]
+        for label, pts, style in panel["lines"]:
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], label=label, **{"ls": "-", **style})
+        for label, seconds in panel.get("hlines", []):
+            ax.axhline(seconds * 1e3, color="gray", ls=":", lw=1, label=label)
+        ax.set_xscale("log", base=2)
+        if panel.get("sizes"):
+            ax.set_xticks(panel["sizes"], [format_size(b) for b in panel["sizes"]])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_yscale("log")
+        ax.set_title(panel["title"])
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_png(path, fig)
+    plt.close(fig)
