@@ -4,7 +4,7 @@ Two clusters of each layout run the same collectives on the same inputs, one wit
 compiled core (the default where it is built) and one with ``FIREFLYER_HFREDUCE_CORE=0``.
 Every result must be the same bytes: one-shot sizes, pipelined sizes that reuse every
 arena buffer, every dtype and op, in place through ``dist.all_reduce`` and through the
-direct API. The kernels alone are compared in tests/unit/test_hfreduce_kernels.py.
+direct API. The kernels alone are compared in tests/hfreduce/test_hfreduce_kernels.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """HFReduceWork on its own: what each of torch's Work methods reports for a success, a failure and a timeout.
 
 The communicator is a stand-in here (the process boundary); the multi-process tests in
-tests/multiproc/test_torch_faults.py drive the real one through torch.distributed.
+tests/hfreduce/test_torch_faults.py drive the real one through torch.distributed.
 """
 
 from __future__ import annotations

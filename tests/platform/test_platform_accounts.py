@@ -2,7 +2,7 @@
 
 The rules are tested with the accounts every Debian machine has (root and nobody); the
 file checks chown to nobody, so they need root and are skipped otherwise. Tasks run as
-real, freshly made accounts in tests/integration/test_platform_isolation.py.
+real, freshly made accounts in tests/platform/test_platform_isolation.py.
 """
 
 from __future__ import annotations

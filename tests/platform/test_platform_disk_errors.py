@@ -2,7 +2,7 @@
 
 Nothing a cycle could not record happens (no launch, no kill recorded as a failure), an end the
 store could not take is recorded as it was once the disk has room, the API answers 503, the CLI
-one line, and the daemon's heartbeat says it is unhealthy. tests/multiproc/test_platform_full_disk.py
+one line, and the daemon's heartbeat says it is unhealthy. tests/platform/test_platform_full_disk.py
 does the same on a real full tmpfs.
 """
 

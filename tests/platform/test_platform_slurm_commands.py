@@ -1,6 +1,6 @@
 """The Slurm executor's command building and parsing, against fake ``sbatch``, ``squeue``,
 ``scancel``, ``sinfo``, ``scontrol`` and ``srun`` executables put first on PATH (the process
-boundary is the one thing faked). The real Slurm runs in tests/integration."""
+boundary is the one thing faked). The real Slurm runs in test_platform_slurm.py."""
 
 from __future__ import annotations
 
