@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from fireflyer.testing import jobs
 
 pytestmark = pytest.mark.multiproc
 
-WRITER = jobs.path("ckpt_writer")
+WRITER = Path(jobs.__file__).with_name("ckpt_writer.py")
 
 
 def test_kill_9_during_saves_never_tears_a_checkpoint(tmp_path):

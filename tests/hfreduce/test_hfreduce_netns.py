@@ -16,7 +16,7 @@ from fireflyer.testing import jobs
 _REASON = netns_unavailable_reason()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
-JOB = jobs.path("netns")
+JOB = Path(jobs.__file__).with_name("netns_job.py")
 
 
 def test_allreduce_across_network_namespaces(tmp_path):

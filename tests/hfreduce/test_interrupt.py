@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from fireflyer.testing import jobs
 
 pytestmark = pytest.mark.multiproc
 
-JOB = jobs.path("interrupt")
+JOB = Path(jobs.__file__).with_name("interrupt_job.py")
 
 
 def _port() -> int:

@@ -15,7 +15,7 @@ from fireflyer.testing import jobs
 
 pytestmark = pytest.mark.multiproc
 
-JOB = jobs.path("torch_backend")
+JOB = Path(jobs.__file__).with_name("torch_job.py")
 
 
 def _torchrun(nodes: int, per_node: int, out: Path, job: Path = JOB) -> None:
@@ -128,7 +128,7 @@ def test_fsdp2_over_hfreduce_matches_fsdp2_over_gloo(report):
 
 def test_a_group_can_be_destroyed_and_created_again_on_the_same_store(tmp_path):
     out = tmp_path / "reinit"
-    _torchrun(1, 2, out, job=jobs.path("reinit"))
+    _torchrun(1, 2, out, job=JOB.with_name("reinit_job.py"))
     lines = Path(f"{out}.r").read_text().split()
     # ranks 0 and 1 add (rank + i) for i = 0, 1, 2: sums 1, 3, 5 on both ranks
     assert sorted(lines) == sorted(["1.0", "3.0", "5.0"] * 2)

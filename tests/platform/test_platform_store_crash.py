@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ from fireflyer.testing import jobs
 
 pytestmark = pytest.mark.multiproc
 
-WRITER = jobs.path("store_writer")
+WRITER = Path(jobs.__file__).with_name("store_writer.py")
 
 
 def test_kill_9_while_scheduling_loses_and_duplicates_nothing(tmp_path):

@@ -2,7 +2,7 @@
 
 Rank 0 calls ``dist.all_reduce`` while rank 1 stays away; the test sends rank 0 SIGINT. Rank 1
 then calls ``dist.all_reduce`` up to twice. Each rank prints one ``RESULT <what> <seconds>`` line
-(rank 1's ``what``: each call's outcome and seconds). Usage: interrupt.py RANK PORT NBYTES
+(rank 1's ``what``: each call's outcome and seconds). Usage: interrupt_job.py RANK PORT NBYTES
 """
 
 import os
