@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from platform_harness import Platform, run_cli
 
 from fireflyer.train.config import builtin_config
