@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from fireflyer.hfreduce.netns import ShapedLink, netns_unavailable_reason
-from fireflyer.testing import jobs
 
 _REASON = netns_unavailable_reason()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
-JOB = Path(jobs.__file__).with_name("netns_job.py")
+JOB = ["-m", "fireflyer.testing.jobs.netns_job"]
 
 
 def test_allreduce_across_network_namespaces(tmp_path):
@@ -38,7 +37,7 @@ def test_allreduce_across_network_namespaces(tmp_path):
                     FIREFLYER_HFREDUCE_IFADDR=link.addrs[node],
                     OMP_NUM_THREADS="1",
                 )
-                procs.append(link.popen(node, [sys.executable, str(JOB), str(out)], env=env,
+                procs.append(link.popen(node, [sys.executable, *JOB, str(out)], env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         logs = [p.communicate(timeout=120)[0] for p in procs]
         for p, log in zip(procs, logs):
