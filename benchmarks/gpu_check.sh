@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD/src:$PWD/tests/multiproc${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 "$PY" -c 'import sys, torch
 if not torch.cuda.is_available():
@@ -22,7 +22,7 @@ if ! "$PY" setup.py -q build_ext --inplace >/tmp/gpu_check_build.log 2>&1; then
     tail -5 /tmp/gpu_check_build.log
 fi
 "$PY" -c 'from fireflyer.hfreduce import kernels; print("gpu_check: hfreduce kernels:", kernels.isa())'
-"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/multiproc/test_cuda.py tests/multiproc/test_ddp_cuda.py tests/multiproc/test_validator_cuda.py tests/unit/test_storage_cache.py || status=$?
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/hfreduce/test_cuda.py tests/haiscale/test_ddp_cuda.py tests/validator/test_validator_cuda.py tests/storage/test_storage_cache.py || status=$?
 "$PY" -m fireflyer.bench.gpu || status=$?
 "$PY" -m fireflyer.cli validate --quick || status=$?
 exit $status

@@ -1,0 +1,5 @@
+"""Tests of bench: the benchmarks' flags, arithmetic and reports (tiny sizes, no timing asserts).
+
+No fixture is shared by several of this part's files yet: put the first here. Suite-wide settings live
+in tests/conftest.py; cost is marked per file (pytestmark: multiproc, integration, cuda, root).
+"""

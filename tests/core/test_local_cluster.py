@@ -1,0 +1,35 @@
+"""The test harness itself: a rank killed in the middle of an answer silences no other rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from fireflyer.testing.cluster import LocalCluster
+
+pytestmark = pytest.mark.multiproc
+
+
+def _answer_and_die(ctx, victim: int) -> bytes:
+    """The victim dies while its (large) answer is on its way; the others answer normally."""
+    if ctx.rank == victim:
+        threading.Timer(0.15, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        return b"x" * (256 << 20)
+    return bytes([ctx.rank])
+
+
+def _ping(ctx) -> int:
+    return ctx.rank
+
+
+def test_a_rank_killed_while_answering_leaves_the_others_heard():
+    with LocalCluster([3], env={"FIREFLYER_TEST_COMM": "0"}, parent_store=True) as cluster:
+        for r in range(3):
+            cluster.submit(r, _answer_and_die, 1)
+        got = cluster.gather(timeout=60, expect=[0, 2])
+        assert got[0] == ("ok", b"\x00") and got[2] == ("ok", b"\x02")
+        cluster.respawn(1)
+        assert cluster.run(_ping, timeout=60) == [0, 1, 2]
