@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fireflyer {command}: interrupted", file=sys.stderr)
         return 130
-    except (FireflyerError, RuntimeError, OSError, ValueError, TypeError) as exc:
+    except FireflyerError as exc:  # the root of every error a user can cause; anything else is a bug
         print(f"fireflyer {command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -7,3 +7,19 @@ class FireflyerError(Exception):
 
 class UserError(FireflyerError, ValueError):
     """Bad input from a user: a flag, a config field, a file. The CLI prints it as one line."""
+
+
+class UserTypeError(UserError, TypeError):
+    """Input of the wrong kind (a tensor of the wrong dtype, a string where a number belongs)."""
+
+
+class CannotWrite(FireflyerError, OSError):
+    """The system refused a write fireflyer needed: a folder it cannot create, a full disk, a
+    read-only file system. The errno and the path are kept, so ``errno.ENOSPC`` handlers still work."""
+
+    def __init__(self, path: object, exc: OSError) -> None:
+        super().__init__(exc.errno, f"cannot write {path}: {exc.strerror or exc}")
+        self.filename = str(path)
+
+    def __str__(self) -> str:
+        return str(self.strerror)

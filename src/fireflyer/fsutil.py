@@ -7,6 +7,7 @@ import json
 import os
 import stat
 from typing import IO, Any, Callable
+from fireflyer.errors import CannotWrite, UserError
 
 
 def fsync_dir(path: str) -> None:
@@ -18,52 +19,62 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str | os.PathLike) -> None:
+    """``os.makedirs(path, exist_ok=True)``, with a refusal raised as :class:`CannotWrite` (which names the path)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except CannotWrite:
+        raise
+    except OSError as exc:
+        raise CannotWrite(path, exc) from exc
+
+
 def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, tmp_name: str | None = None) -> None:
     """Write via a temporary file beside ``path``, fsync it, rename it over ``path``, fsync the
     directory: readers see the old file or the whole new one, never a torn one.
 
     ``tmp_name`` names the temporary file (in the same folder) where ``path.tmp.PID`` would
-    be mistaken for a finished file by whoever scans the folder."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, tmp_name) if tmp_name else f"{path}.tmp.{os.getpid()}"
-    try:
+    be mistaken for a finished file by whoever scans the folder. A refusal of the system
+    (no such folder, a full disk) is raised as :class:`CannotWrite`, keeping its errno."""
+
+    def fill(tmp: str) -> None:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(d)
+
+    _replace_with(path, fill, tmp_name, synced=True)
 
 
 def atomic_write_file(path: str, fill: Callable[[str], object], *, tmp_name: str | None = None) -> None:
     """:func:`atomic_write` for a writer that needs a file *name*, not a file object (a download
     to a path): ``fill(tmp_path)`` makes the temporary file beside ``path``, which is then
     fsynced, renamed over ``path``, and the directory fsynced."""
+    _replace_with(path, fill, tmp_name, synced=False)
+
+
+def _replace_with(path: str, fill: Callable[[str], object], tmp_name: str | None, *, synced: bool) -> None:
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    make_dirs(d)
     tmp = os.path.join(d, tmp_name) if tmp_name else f"{path}.tmp.{os.getpid()}"
     try:
         fill(tmp)
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if not synced:
+            fd = os.open(tmp, os.O_RDWR)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+        fsync_dir(d)
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and not isinstance(exc, CannotWrite):
+            raise CannotWrite(path, exc) from exc
         raise
-    fsync_dir(d)
 
 
 def durable_replace(src: str, dst: str) -> None:
@@ -113,7 +124,7 @@ def open_beneath(root: str | os.PathLike, relative: str, flags: int, mode: int =
     """
     parts = [p for p in relative.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
-        raise ValueError(f"not a plain relative path: {relative!r}")
+        raise UserError(f"not a plain relative path: {relative!r}")
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in parts[:-1]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from fireflyer.errors import FireflyerError
+from fireflyer.errors import FireflyerError, UserError
 from fireflyer.ports import free_port
 
 
@@ -51,11 +51,11 @@ class LocalJob:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1:
-            raise ValueError(f"nodes and ranks_per_node must be at least 1, got {self.nodes} x {self.ranks_per_node}")
+            raise UserError(f"nodes and ranks_per_node must be at least 1, got {self.nodes} x {self.ranks_per_node}")
         if not self.target:
-            raise ValueError("target is empty: give a script or '-m module' for torchrun to run")
+            raise UserError("target is empty: give a script or '-m module' for torchrun to run")
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+            raise UserError(f"timeout must be positive seconds, got {self.timeout}")
 
     @property
     def world_size(self) -> int:
@@ -83,7 +83,7 @@ def rank_env(*, rank: int, world_size: int, local_rank: int, local_world_size: i
     its name (the node's rank is then ``rank // local_world_size``, as in an even layout).
     """
     if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size:
-        raise ValueError(f"rank {rank}/{world_size} (local {local_rank}/{local_world_size}) is out of range")
+        raise UserError(f"rank {rank}/{world_size} (local {local_rank}/{local_world_size}) is out of range")
     node_rank = rank // local_world_size if isinstance(node, str) else node
     return {
         "RANK": str(rank), "WORLD_SIZE": str(world_size),

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fireflyer import cli
+from fireflyer.errors import UserError
 from fireflyer.validator import failures_cli
 
 
@@ -60,10 +61,16 @@ def test_save_cost_comes_from_the_checkpoint_benchmark_or_a_default(tmp_path):
     assert failures_cli.save_cost(None, bench) == (3.5, f"{bench}: sync_save_s")
     bench.write_text(json.dumps({"stall_s": 0.2, "sync_save_s": 3.5}))
     assert failures_cli.save_cost(None, bench)[0] == 0.2
-    bench.write_text("{not json")
-    assert failures_cli.save_cost(None, bench)[0] == failures_cli.DEFAULT_SAVE_COST_S
-    assert failures_cli.save_cost(None, tmp_path / "missing.json")[0] == failures_cli.DEFAULT_SAVE_COST_S
     assert failures_cli.save_cost(9.0, bench) == (9.0, "--save-cost")
+    # a JSON the user named must be readable; only the default one may be missing
+    bench.write_text("{not json")
+    with pytest.raises(UserError, match="not JSON"):
+        failures_cli.save_cost(None, bench)
+    with pytest.raises(UserError, match="missing.json"):
+        failures_cli.save_cost(None, tmp_path / "missing.json")
+    default = failures_cli.CHECKPOINT_JSON
+    expected = failures_cli.DEFAULT_SAVE_COST_S if not default.is_file() else failures_cli.save_cost(None, default)[0]
+    assert failures_cli.save_cost(None, None)[0] == expected
 
 
 def test_node_name_from_the_file_name_or_the_flag(tmp_path):

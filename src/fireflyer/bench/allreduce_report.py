@@ -79,7 +79,7 @@ class LayoutResult:
 def busbw_factor(world_size: int) -> float:
     """nccl-tests' allreduce bus-bandwidth factor 2(n-1)/n."""
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise UserError(f"world_size must be >= 1, got {world_size}")
     return 2.0 * (world_size - 1) / world_size
 
 

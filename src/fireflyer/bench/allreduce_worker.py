@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
 from fireflyer.hfreduce.config import node_key
+from fireflyer.errors import UserError
 
 PERIOD = 65521
 """Inputs repeat a seeded random block of this many elements: prime, so a chunk moved to
@@ -124,7 +125,7 @@ def exchange_input(rank: int, world_size: int, numel: int, size_index: int) -> t
     :func:`count_wrong`), and a chunk from the wrong rank or put at the wrong place shows
     (chunks are not multiples of the prime ``PERIOD``)."""
     if numel % world_size:
-        raise ValueError(f"{numel} elements do not split evenly over {world_size} ranks")
+        raise UserError(f"{numel} elements do not split evenly over {world_size} ranks")
     c = numel // world_size
     x = torch.empty(numel, dtype=torch.float32)
     for j in range(world_size):
@@ -200,7 +201,7 @@ def serve(ch: Channel, rank: int, world: int, systems: dict[str, Callable[[torch
         elif kind in handlers:
             ch.send(handlers[kind](cmd))
         else:
-            raise ValueError(f"unknown command {kind!r}")
+            raise UserError(f"unknown command {kind!r}")
 
 
 Setup = tuple[dict[str, Callable[[torch.Tensor], Op]], Callable[[], Any],

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fireflyer.hfreduce.config import node_key
 from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
+from fireflyer.errors import UserError
 
 VARIANTS = ("haiscale", "haiscale-optbwd", "fsdp2-gloo", "fsdp2-hfreduce", "ddp")
 """haiscale: fully_shard on hfreduce (prefetch, overlapped reduce-scatter) with a normal AdamW step;
@@ -78,7 +79,7 @@ def make_variant(name: str, cfg: ModelShape, gloo: dist.ProcessGroup, lr: float)
     elif name == "ddp":
         model = DDP(model, process_group=dist.group.WORLD, gradient_as_bucket_view=True)
     else:
-        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        raise UserError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     variant = Variant(model=model, optimizer=adamw(model.parameters()), in_backward=False)
     if name == "haiscale":
         variant.stats = lambda: dict(sharding_info(model).backlog.stats)

@@ -170,7 +170,7 @@ def slowest_per_op(per_rank: list[list[float]]) -> list[float]:
         return []
     n = len(per_rank[0])
     if any(len(t) != n for t in per_rank):
-        raise ValueError(f"ranks timed different numbers of ops: {[len(t) for t in per_rank]}")
+        raise UserError(f"ranks timed different numbers of ops: {[len(t) for t in per_rank]}")
     return [max(col) for col in zip(*per_rank)]
 
 

@@ -75,11 +75,11 @@ class PlatformBenchConfig:
     def __post_init__(self) -> None:
         for name in ("tasks", "nodes", "zones", "users", "cycles", "reps", "sim_nodes", "sim_zones", "day_seeds"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.zones > self.nodes:
-            raise ValueError(f"zones ({self.zones}) cannot exceed nodes ({self.nodes})")
+            raise UserError(f"zones ({self.zones}) cannot exceed nodes ({self.nodes})")
         if not self.ticks or min(self.ticks) <= 0:
-            raise ValueError(f"ticks must be positive seconds, got {self.ticks}")
+            raise UserError(f"ticks must be positive seconds, got {self.ticks}")
 
 
 QUICK: dict[str, Any] = {"tasks": 1_000, "nodes": 125, "users": 40, "cycles": 2, "reps": 1, "ticks": (0.1,)}
@@ -223,7 +223,7 @@ def measure_cycle(cfg: PlatformBenchConfig, work: Path) -> dict[str, Any]:
         pure.append(time.perf_counter() - t)
     template = _build_store(state, work / "template")
     setup_s = time.perf_counter() - t0
-    pcfg = PlatformConfig(nodes=cfg.nodes, zones=cfg.zones, default_quota=None)  # the pure cycle's policy
+    pcfg = PlatformConfig(nodes=cfg.nodes, zones=cfg.zones, policy=PolicyConfig(default_quota=None))  # the pure cycle's policy
     ticks, decide, steady, started, suspended = [], [], [], [], []
     for k in range(cfg.cycles):
         root = work / f"cycle{k}"

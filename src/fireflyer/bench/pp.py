@@ -180,7 +180,7 @@ def replay(per_rank_events: list[list[list[Any]]], num_stages: int) -> dict[str,
                 pos[r] += 1
                 moved = True
     if any(p < len(ops) for p, ops in zip(pos, order)):
-        raise ValueError("the recorded ops do not form a pipeline schedule (an op waits on one never run)")
+        raise UserError("the recorded ops do not form a pipeline schedule (an op waits on one never run)")
     makespan = max(free)
     return {"wall_s": makespan, "bubble": [1.0 - b / makespan if makespan > 0 else float("nan") for b in busy]}
 

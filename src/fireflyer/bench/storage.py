@@ -59,13 +59,13 @@ class StorageBenchConfig:
 
     def __post_init__(self) -> None:
         if min(self.samples, self.sample_kb, self.reads, self.batch, self.shard_kb, self.trace_len) < 1:
-            raise ValueError("--samples, --sample-kb, --reads, --batch, --shard-kb and --trace-len must be >= 1")
+            raise UserError("--samples, --sample-kb, --reads, --batch, --shard-kb and --trace-len must be >= 1")
         if not self.threads or min(self.threads) < 1:
-            raise ValueError("--threads must be positive integers")
+            raise UserError("--threads must be positive integers")
         if self.prefetch_threads < 1:
-            raise ValueError("--prefetch-threads must be at least 1")
+            raise UserError("--prefetch-threads must be at least 1")
         if self.latency_ms < 0 or self.backend_mbps <= 0 or self.compute_ms < 0:
-            raise ValueError("--latency-ms and --compute-ms must be >= 0 and --backend-mbps > 0")
+            raise UserError("--latency-ms and --compute-ms must be >= 0 and --backend-mbps > 0")
 
 
 def build_config(argv: list[str]) -> StorageBenchConfig:

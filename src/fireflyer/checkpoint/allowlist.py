@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fireflyer.checkpoint.errors import CorruptCheckpoint, UnsafeCheckpoint
+from fireflyer.errors import UserTypeError
 
 _lock = threading.Lock()
 _registered: set[tuple[str, str]] = set()
@@ -32,7 +33,7 @@ def qualname(obj: Any) -> tuple[str, str]:
     """(module, qualified name) of a class or function, as a pickle names it."""
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(name, str) or "<locals>" in name:
-        raise TypeError(f"{obj!r} cannot be allowlisted: it is not a class or function importable by name")
+        raise UserTypeError(f"{obj!r} cannot be allowlisted: it is not a class or function importable by name")
     return module, name
 
 

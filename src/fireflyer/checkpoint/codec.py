@@ -43,6 +43,7 @@ import torch
 
 from fireflyer.checkpoint import allowlist
 from fireflyer.checkpoint.errors import CorruptCheckpoint, UnsafeCheckpoint
+from fireflyer.errors import UserError, UserTypeError
 
 FORMAT = "fireflyer.skeleton"
 VERSION = 1
@@ -83,7 +84,7 @@ def loads(data: bytes, allow: frozenset[tuple[str, str]] = frozenset(), *, what:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"bare {name} (this format tags it as $float)")
+    raise UserError(f"bare {name} (this format tags it as $float)")
 
 
 # ---------------------------------------------------------------------- encoding
@@ -138,7 +139,7 @@ def _encode_pickled(obj: Any, path: str, allow: frozenset[tuple[str, str]]) -> A
         name = None
     if name is None or name not in allow:
         shown = f"{t.__module__}.{t.__qualname__}"
-        raise TypeError(
+        raise UserTypeError(
             f"checkpoint entry {where!r} is a {shown}, which a checkpoint cannot hold as data (it holds None, "
             "bool, int, float, str, bytes, list, tuple, set, dict, tensors, torch dtype/Size/device and numpy "
             "numbers). Turn it into plain data (a dict, dataclasses.asdict, a state_dict() method), or, if it "
@@ -147,12 +148,12 @@ def _encode_pickled(obj: Any, path: str, allow: frozenset[tuple[str, str]]) -> A
     try:
         blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise TypeError(f"checkpoint entry {where!r} ({name[0]}.{name[1]}) cannot be pickled: {exc}") from None
+        raise UserTypeError(f"checkpoint entry {where!r} ({name[0]}.{name[1]}) cannot be pickled: {exc}") from None
     # Load it back the way a reader will, so a class it refers to that is not allowlisted fails now, not at resume.
     try:
         allowlist.loads(blob, allow, what=f"checkpoint entry {where!r}")
     except UnsafeCheckpoint as exc:
-        raise TypeError(str(exc)) from None
+        raise UserTypeError(str(exc)) from None
     return {"$pickle": base64.b64encode(blob).decode()}
 
 
@@ -175,39 +176,39 @@ def _decode(v: Any, allow: frozenset[tuple[str, str]], what: str) -> Any:
 
 def _items(body: Any, allow: frozenset, what: str) -> list:
     if type(body) is not list:
-        raise ValueError("expected an array")
+        raise UserError("expected an array")
     return [_decode(x, allow, what) for x in body]
 
 
 def _dict(body: Any, allow: frozenset, what: str) -> dict:
     if type(body) is not list or not all(type(p) is list and len(p) == 2 for p in body):
-        raise ValueError("$dict expects [key, value] pairs")
+        raise UserError("$dict expects [key, value] pairs")
     return {_decode(k, allow, what): _decode(x, allow, what) for k, x in body}
 
 
 def _str(body: Any) -> str:
     if type(body) is not str:
-        raise ValueError("expected a string")
+        raise UserError("expected a string")
     return body
 
 
 def _float(body: Any, allow: frozenset, what: str) -> float:
     if body not in ("nan", "inf", "-inf"):
-        raise ValueError(f"$float expects nan, inf or -inf, got {body!r}")
+        raise UserError(f"$float expects nan, inf or -inf, got {body!r}")
     return float(body)
 
 
 def _dtype(body: Any, allow: frozenset, what: str) -> torch.dtype:
     dtype = getattr(torch, _str(body), None)
     if type(dtype) is not torch.dtype:
-        raise ValueError(f"{body!r} is not a torch dtype")
+        raise UserError(f"{body!r} is not a torch dtype")
     return dtype
 
 
 def _np_dtype(name: Any) -> np.dtype:
     dtype = np.dtype(_str(name))
     if dtype.kind not in _NUMERIC_KINDS or dtype.hasobject or dtype.fields is not None:
-        raise ValueError(f"numpy dtype {name!r} is not a plain number type")
+        raise UserError(f"numpy dtype {name!r} is not a plain number type")
     return dtype
 
 
@@ -215,7 +216,7 @@ def _ndarray(body: Any, allow: frozenset, what: str) -> np.ndarray:
     dtype = _np_dtype(body["dtype"])
     shape = tuple(body["shape"])
     if not all(type(n) is int and n >= 0 for n in shape):
-        raise ValueError(f"bad array shape {shape}")
+        raise UserError(f"bad array shape {shape}")
     return np.frombuffer(base64.b64decode(_str(body["data"]), validate=True), dtype=dtype).reshape(shape).copy()
 
 
@@ -223,13 +224,13 @@ def _npscalar(body: Any, allow: frozenset, what: str) -> np.generic:
     dtype = _np_dtype(body["dtype"])
     data = base64.b64decode(_str(body["data"]), validate=True)
     if len(data) != dtype.itemsize:
-        raise ValueError("numpy scalar of the wrong size")
+        raise UserError("numpy scalar of the wrong size")
     return np.frombuffer(data, dtype=dtype)[0]
 
 
 def _size(body: Any, allow: frozenset, what: str) -> torch.Size:
     if type(body) is not list or not all(type(n) is int and n >= 0 for n in body):
-        raise ValueError("$size expects an array of non-negative ints")
+        raise UserError("$size expects an array of non-negative ints")
     return torch.Size(body)
 
 

@@ -53,6 +53,7 @@ from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCh
 from fireflyer.checkpoint.names import plain_name
 from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
 from fireflyer.fsutil import atomic_write_bytes
+from fireflyer.errors import UserError
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 COMMIT = "COMMIT"
@@ -92,21 +93,21 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, (timedelta, int)):
-            raise ValueError(f"every must be a timedelta or a step count, got {self.every!r}")
+            raise UserError(f"every must be a timedelta or a step count, got {self.every!r}")
         if (self.every.total_seconds() if isinstance(self.every, timedelta) else self.every) <= 0:
-            raise ValueError(f"every must be positive, got {self.every!r}")
+            raise UserError(f"every must be positive, got {self.every!r}")
         if self.keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {self.keep_last}")
+            raise UserError(f"keep_last must be at least 1, got {self.keep_last}")
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+            raise UserError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+            raise UserError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.threads < 1 or self.chunk_bytes < 4096:
-            raise ValueError("threads must be at least 1 and chunk_bytes at least 4096")
+            raise UserError("threads must be at least 1 and chunk_bytes at least 4096")
         if not self.commit_timeout > 0:
-            raise ValueError(f"commit_timeout must be positive seconds, got {self.commit_timeout}")
+            raise UserError(f"commit_timeout must be positive seconds, got {self.commit_timeout}")
         if self.snapshot not in SNAPSHOTS:
-            raise ValueError(f"snapshot must be one of {SNAPSHOTS}, got {self.snapshot!r}")
+            raise UserError(f"snapshot must be one of {SNAPSHOTS}, got {self.snapshot!r}")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -170,7 +171,7 @@ class CheckpointManager:
             rank = dist.get_rank() if initialised and rank is None else (rank or 0)
             world_size = dist.get_world_size() if initialised and world_size is None else (world_size or 1)
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+            raise UserError(f"rank {rank} is outside 0..{world_size - 1}")
         self.rank, self.world_size = rank, world_size
         os.makedirs(self.root, exist_ok=True)
         self._thread: threading.Thread | None = None
@@ -203,7 +204,7 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, blocking: bool = False) -> bool:
         """Snapshot ``state`` now and persist it in the background; returns False if skipped by policy."""
         if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise UserError(f"step must be a non-negative int, got {step!r}")
         self._raise_failure()
         if self._thread is not None and self._thread.is_alive():
             if self.config.policy == "skip":

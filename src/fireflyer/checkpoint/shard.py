@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fireflyer.checkpoint.errors import CorruptCheckpoint
+from fireflyer.errors import UserTypeError
 
 # torch dtype <-> safetensors dtype name
 _ST_DTYPES = {
@@ -66,7 +67,7 @@ def st_dtype(dtype: torch.dtype) -> str:
     try:
         return _ST_DTYPES[dtype]
     except KeyError:
-        raise TypeError(f"checkpoints cannot hold {dtype} tensors; supported: {sorted(map(str, _ST_DTYPES))}") from None
+        raise UserTypeError(f"checkpoints cannot hold {dtype} tensors; supported: {sorted(map(str, _ST_DTYPES))}") from None
 
 
 def plan(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[Entry]]:

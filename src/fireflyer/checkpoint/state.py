@@ -20,6 +20,7 @@ import torch
 
 from fireflyer.checkpoint import codec
 from fireflyer.checkpoint.codec import TensorRef
+from fireflyer.errors import UserError, UserTypeError
 
 __all__ = ["TensorRef", "dumps_skeleton", "flatten", "load_into", "loads_skeleton", "rng_state", "set_rng_state",
            "unflatten"]
@@ -35,10 +36,10 @@ def flatten(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             if callable(local):  # a DTensor (FSDP2): this rank's shard is what it saves (kind="per_rank")
                 obj = local()
             if obj.layout != torch.strided:
-                raise TypeError(f"checkpoint entry {path!r} is a {obj.layout} tensor; only dense tensors are supported")
+                raise UserTypeError(f"checkpoint entry {path!r} is a {obj.layout} tensor; only dense tensors are supported")
             name = path or "tensor"
             if name in tensors:
-                raise ValueError(f"two tensors would share the checkpoint name {name!r}; rename a key")
+                raise UserError(f"two tensors would share the checkpoint name {name!r}; rename a key")
             tensors[name] = obj.detach()
             return TensorRef(name)
         if hasattr(obj, "state_dict") and callable(obj.state_dict) and not isinstance(obj, type):
@@ -111,13 +112,13 @@ def _copy_tree(live: Any, saved: Any, path: str) -> None:
     if isinstance(live, torch.Tensor):
         dst = live.to_local() if callable(getattr(live, "to_local", None)) else live
         if not isinstance(saved, torch.Tensor) or saved.shape != dst.shape:
-            raise ValueError(f"checkpoint entry {path!r} has shape {tuple(getattr(saved, 'shape', ()))} but the live "
+            raise UserError(f"checkpoint entry {path!r} has shape {tuple(getattr(saved, 'shape', ()))} but the live "
                              f"tensor (its shard) has {tuple(dst.shape)}; was it saved with another world size or model?")
         with torch.no_grad():
             dst.copy_(saved)
     elif isinstance(live, dict):
         if not isinstance(saved, dict) or set(live) - set(saved):
-            raise ValueError(f"checkpoint entry {path!r} lacks "
+            raise UserError(f"checkpoint entry {path!r} lacks "
                              f"{sorted(map(str, set(live) - set(saved or {})))[:5]} that the live object has")
         for k in live:
             _copy_tree(live[k], saved[k], f"{path}/{k}")

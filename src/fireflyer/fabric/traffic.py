@@ -137,7 +137,7 @@ def engine_traffic(nbytes: int, local_size: int, num_nodes: int, itemsize: int =
     floor = 2.0 * L * S
     if path == ONE_SHOT:
         if N > 1:
-            raise ValueError("the one-shot path runs on one node only")
+            raise UserError("the one-shot path runs on one node only")
         return {"mem_bytes": 2 * L * S + L * (L + 1) * S, "floor_mem_bytes": floor, "link_bytes": 0.0}
     a = 4.0 / itemsize if itemsize < 4 else 1.0  # accumulation bytes per data byte
     stage_in = 2 * (L - 1) * S

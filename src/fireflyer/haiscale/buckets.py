@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Hashable, Sequence
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,9 @@ def plan_buckets(
     ready order, so buckets fill front to back as backward runs.
     """
     if cap_bytes <= 0 or first_cap_bytes <= 0:
-        raise ValueError(f"bucket caps must be positive, got cap {cap_bytes} and first cap {first_cap_bytes}")
+        raise UserError(f"bucket caps must be positive, got cap {cap_bytes} and first cap {first_cap_bytes}")
     if sorted(order) != list(range(len(numels))):
-        raise ValueError("order must be a permutation of the parameter indices")
+        raise UserError("order must be a permutation of the parameter indices")
     buckets: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0

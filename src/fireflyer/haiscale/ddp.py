@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from fireflyer.haiscale.buckets import plan_buckets
 from fireflyer.hfreduce.reduce import Op
+from fireflyer.errors import UserError, UserTypeError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,13 +65,13 @@ class DDPConfig:
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+            raise UserError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         if not self.first_bucket_mb > 0:
-            raise ValueError(f"first_bucket_mb must be positive, got {self.first_bucket_mb}")
+            raise UserError(f"first_bucket_mb must be positive, got {self.first_bucket_mb}")
         if self.reduce_dtype is not None and (not isinstance(self.reduce_dtype, torch.dtype) or not self.reduce_dtype.is_floating_point):
-            raise ValueError(f"reduce_dtype must be a floating torch.dtype such as torch.float32, got {self.reduce_dtype!r}")
+            raise UserError(f"reduce_dtype must be a floating torch.dtype such as torch.float32, got {self.reduce_dtype!r}")
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+            raise UserError(f"timeout must be positive seconds, got {self.timeout}")
 
 
 class _Bucket:
@@ -122,9 +123,9 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+            raise UserTypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialised: call dist.init_process_group('hfreduce') first "
+            raise UserError("torch.distributed is not initialised: call dist.init_process_group('hfreduce') first "
                              "(for example under torchrun)")
         self.config = DDPConfig(
             bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, reduce_dtype=reduce_dtype,
@@ -138,17 +139,17 @@ class DistributedDataParallel(nn.Module):
         self._root = dist.get_global_rank(self.process_group, 0)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("the module has no parameters that require grad, so there is nothing to synchronise")
+            raise UserError("the module has no parameters that require grad, so there is nothing to synchronise")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         devices = {p.device for p in self._params}
         if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}; "
+            raise UserError(f"all parameters must be on one device, got {sorted(map(str, devices))}; "
                              "wrap one model replica per rank (use pipeline stages to split a model)")
         self.device = devices.pop()
         for n, p in named:
             if p.layout != torch.strided:
-                raise ValueError(f"parameter {n!r} has layout {p.layout}; only dense parameters are supported")
+                raise UserError(f"parameter {n!r} has layout {p.layout}; only dense parameters are supported")
         self._buffers_list = [b for b in module.buffers()]
         if self.config.check_model:
             self._check_same_model()
@@ -238,7 +239,7 @@ class DistributedDataParallel(nn.Module):
             (f"rank {first} has '{b}' where rank 0 has '{a}'" for a, b in zip(reference, theirs) if a != b),
             f"rank {first} has {len(theirs)} parameters and buffers where rank 0 has {len(reference)}",
         )
-        raise ValueError(f"the model differs across ranks (ranks {differing} differ from rank 0): {detail}; "
+        raise UserError(f"the model differs across ranks (ranks {differing} differ from rank 0): {detail}; "
                          "every rank must construct the same model before wrapping it")
 
     def _sync_tensors(self, tensors: list[torch.Tensor]) -> None:

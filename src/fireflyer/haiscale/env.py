@@ -8,6 +8,7 @@ haiscale's engine settings are hfreduce's (:mod:`fireflyer.hfreduce.env`, read b
 from __future__ import annotations
 
 import os
+from fireflyer.errors import UserError
 
 PP_TIMEOUT = "FIREFLYER_PP_TIMEOUT"
 """Seconds every send and receive of the pipeline groups may take, where ``make_subgroups``
@@ -20,4 +21,4 @@ def pp_timeout_s(default: float) -> float:
     try:
         return float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{PP_TIMEOUT}={raw!r} is not a number of seconds") from None
+        raise UserError(f"{PP_TIMEOUT}={raw!r} is not a number of seconds") from None

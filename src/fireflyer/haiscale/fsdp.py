@@ -53,6 +53,7 @@ from fireflyer.haiscale import fsdp_optim
 from fireflyer.haiscale.fsdp_comm import CUSTOM_REDUCE_SCATTER, OverlappedReduceScatter, ReduceScatterBacklog
 from fireflyer.haiscale.fsdp_memory import TensorBytes, tensor_bytes
 from fireflyer.haiscale.fsdp_optim import InBackwardStepper, OptimizerSpec
+from fireflyer.errors import UserError, UserTypeError
 
 __all__ = ["FSDPConfig", "FullyShardedDataParallel", "ShardingInfo", "apply_optimizer_in_backward",
            "fully_shard", "sharding_info"]
@@ -80,13 +81,13 @@ class FSDPConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+            raise UserTypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a whole number of units >= 0, got {self.prefetch!r}")
+            raise UserError(f"prefetch must be a whole number of units >= 0, got {self.prefetch!r}")
         if not isinstance(self.overlap_reduce_scatter, bool):
-            raise TypeError(f"overlap_reduce_scatter must be True or False, got {self.overlap_reduce_scatter!r}")
+            raise UserTypeError(f"overlap_reduce_scatter must be True or False, got {self.overlap_reduce_scatter!r}")
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
-            raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
+            raise UserTypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
                             f"got {type(self.mp_policy).__name__}")
 
 
@@ -113,7 +114,7 @@ def sharding_info(module: nn.Module) -> ShardingInfo:
     target = module.module if isinstance(module, FullyShardedDataParallel) else module
     info = getattr(target, _INFO_ATTR, None)
     if not isinstance(info, ShardingInfo):
-        raise ValueError(f"{type(module).__name__} was not sharded by fireflyer.haiscale.fully_shard; call that first")
+        raise UserError(f"{type(module).__name__} was not sharded by fireflyer.haiscale.fully_shard; call that first")
     return info
 
 
@@ -176,19 +177,19 @@ def _check_shard_types(shard_types: Any) -> tuple[type, ...] | None:
         shard_types = (shard_types,)
     if not isinstance(shard_types, (tuple, list)) or not shard_types \
             or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in shard_types):
-        raise TypeError(f"shard_types must be a module class or a tuple of them (e.g. (Block,)), got {shard_types!r}")
+        raise UserTypeError(f"shard_types must be a module class or a tuple of them (e.g. (Block,)), got {shard_types!r}")
     return tuple(shard_types)
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialised: `import fireflyer.hfreduce` and call "
+            raise UserError("torch.distributed is not initialised: `import fireflyer.hfreduce` and call "
                              "dist.init_process_group('hfreduce') (torchrun sets the rest) before fully_shard, "
                              "or pass group=")
         return dist.group.WORLD  # type: ignore[return-value]
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup that this rank belongs to, got "
+        raise UserTypeError(f"group must be a torch.distributed ProcessGroup that this rank belongs to, got "
                         f"{type(group).__name__} (dist.new_group returns a placeholder on ranks outside the group)")
     return group
 
@@ -196,10 +197,10 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 def _device_type(module: nn.Module) -> str:
     devices = {p.device.type for p in module.parameters()} | {b.device.type for b in module.buffers()}
     if "meta" in devices:
-        raise ValueError("the module has parameters on the meta device; materialise them (to_empty + init) "
+        raise UserError("the module has parameters on the meta device; materialise them (to_empty + init) "
                          "before fully_shard")
     if len(devices) != 1:
-        raise ValueError(f"the module's tensors are on several device types {sorted(devices)}; move it to one device first")
+        raise UserError(f"the module's tensors are on several device types {sorted(devices)}; move it to one device first")
     return devices.pop()
 
 
@@ -232,21 +233,21 @@ def fully_shard(
     an LR scheduler or a checkpoint) as ``sharding_info(model).optimizer``.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+        raise UserTypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
     config = FSDPConfig(reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                         overlap_reduce_scatter=overlap_reduce_scatter, mp_policy=mp_policy)
     types = _check_shard_types(shard_types)
     if types is not None and auto_wrap is not None:
-        raise ValueError("give shard_types or auto_wrap, not both")
+        raise UserError("give shard_types or auto_wrap, not both")
     if auto_wrap is not None and not callable(auto_wrap):
-        raise TypeError(f"auto_wrap must be a function module -> bool, got {type(auto_wrap).__name__}")
+        raise UserTypeError(f"auto_wrap must be a function module -> bool, got {type(auto_wrap).__name__}")
     if optimizer is not None and not (callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer must be a factory such as functools.partial(torch.optim.AdamW, lr=...), "
+        raise UserTypeError(f"optimizer must be a factory such as functools.partial(torch.optim.AdamW, lr=...), "
                         f"got {type(optimizer).__name__}")
     if next(module.parameters(), None) is None:
-        raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to shard")
+        raise UserError(f"{type(module).__name__} has no parameters: there is nothing to shard")
     if any(isinstance(m, FSDPModule) for m in module.modules()) or hasattr(module, _INFO_ATTR):
-        raise ValueError(f"{type(module).__name__} (or a submodule) is already sharded; call fully_shard once, on the "
+        raise UserError(f"{type(module).__name__} (or a submodule) is already sharded; call fully_shard once, on the "
                          "unsharded model")
     pg = _resolve_group(group)
     device_type = _device_type(module)
@@ -309,7 +310,7 @@ def apply_optimizer_in_backward(module: nn.Module, optimizer: OptimizerSpec) -> 
     """
     info = sharding_info(module)
     if info.stepper is not None:
-        raise ValueError("this model already steps an optimizer inside backward")
+        raise UserError("this model already steps an optimizer inside backward")
     target = module.module if isinstance(module, FullyShardedDataParallel) else module
     built = fsdp_optim.build_optimizer(optimizer, target)
     info.stepper = fsdp_optim.attach(built, target, info.backlog)

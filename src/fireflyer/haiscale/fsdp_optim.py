@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from fireflyer.haiscale.fsdp_comm import ReduceScatterBacklog
+from fireflyer.errors import UserError, UserTypeError
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Builds the optimizer from the model's sharded parameters, e.g. ``functools.partial(torch.optim.AdamW, lr=3e-4)``."""
@@ -75,22 +76,22 @@ def build_optimizer(spec: OptimizerSpec, module: nn.Module) -> torch.optim.Optim
     elif callable(spec):
         optimizer = spec(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer; "
+            raise UserTypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer; "
                             "pass e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
     else:
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable that builds one from a list of "
+        raise UserTypeError(f"optimizer must be a torch.optim.Optimizer or a callable that builds one from a list of "
                         f"parameters, got {type(spec).__name__}")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError("LBFGS needs a closure that re-runs the model, which cannot run inside backward")
+        raise UserTypeError("LBFGS needs a closure that re-runs the model, which cannot run inside backward")
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     own = {id(p) for p in params}
     if in_optimizer - own:
-        raise ValueError("the optimizer holds parameters that are not the sharded model's; build it after "
+        raise UserError("the optimizer holds parameters that are not the sharded model's; build it after "
                          "fully_shard (or pass a factory, which is called with the sharded parameters)")
     names = {id(p): n for n, p in module.named_parameters()}
     missing = [names[id(p)] for p in params if p.requires_grad and id(p) not in in_optimizer]
     if missing:
-        raise ValueError(f"the optimizer leaves out trainable parameters {missing[:5]}"
+        raise UserError(f"the optimizer leaves out trainable parameters {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}; their gradients would never be used or freed. "
                          "Set requires_grad=False on them or give them to the optimizer")
     return optimizer

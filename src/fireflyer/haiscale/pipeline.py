@@ -52,6 +52,7 @@ from torch import nn
 
 from fireflyer.haiscale.env import pp_timeout_s
 from fireflyer.haiscale.pipeline_placement import PipelinePlacement, plan_pipelines
+from fireflyer.errors import UserError, UserTypeError
 
 __all__ = [
     "Pipeline",
@@ -88,11 +89,11 @@ class Schedule(str, Enum):
         if isinstance(name, Schedule):
             return name
         if not isinstance(name, str):
-            raise TypeError(f"schedule must be a name (str) or Schedule, got {type(name).__name__}")
+            raise UserTypeError(f"schedule must be a name (str) or Schedule, got {type(name).__name__}")
         key = name.replace("-", "").replace("_", "").strip().lower()
         aliases = {s.value.lower(): s for s in cls} | {"pipedream": cls.ONE_F_ONE_B}
         if key not in aliases:
-            raise ValueError(f"unknown pipeline schedule {name!r}; valid schedules: "
+            raise UserError(f"unknown pipeline schedule {name!r}; valid schedules: "
                              f"{', '.join(s.value for s in cls)} (PipeDream is an alias of 1F1B)")
         return aliases[key]
 
@@ -117,9 +118,9 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule.parse(self.schedule))
         if isinstance(self.n_microbatches, bool) or not isinstance(self.n_microbatches, int):
-            raise TypeError(f"n_microbatches must be an int, got {type(self.n_microbatches).__name__}")
+            raise UserTypeError(f"n_microbatches must be an int, got {type(self.n_microbatches).__name__}")
         if self.n_microbatches < 1:
-            raise ValueError(f"n_microbatches must be at least 1, got {self.n_microbatches}")
+            raise UserError(f"n_microbatches must be at least 1, got {self.n_microbatches}")
 
 
 # -- groups ---------------------------------------------------------------------------
@@ -139,14 +140,14 @@ def _timeout(timeout: float | timedelta | None) -> timedelta:
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = timedelta(seconds=float(timeout))
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive seconds or a positive timedelta, got {timeout!r}")
+        raise UserError(f"timeout must be positive seconds or a positive timedelta, got {timeout!r}")
     return timeout
 
 
 def _check_pp_backend(backend: str) -> None:
     parts = [p.split(":", 1)[-1].strip().lower() for p in backend.split(",")]
     if "nccl" in parts and not dist.is_nccl_available():
-        raise ValueError(f"pp_backend={backend!r} needs NCCL, which this torch build lacks; use 'hfreduce' or 'gloo'")
+        raise UserError(f"pp_backend={backend!r} needs NCCL, which this torch build lacks; use 'hfreduce' or 'gloo'")
 
 
 def make_subgroups(pp_size: int, *, pp_backend: str | None = None, dp_backend: str | None = None,
@@ -203,15 +204,15 @@ def make_subgroups(pp_size: int, *, pp_backend: str | None = None, dp_backend: s
 def split_sizes(n_layers: int, num_stages: int, balance: Sequence[int] | None = None) -> list[int]:
     """Layers per stage: ``balance`` checked, else as even as possible (earlier stages get the extra)."""
     if num_stages < 1:
-        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+        raise UserError(f"num_stages must be at least 1, got {num_stages}")
     if balance is not None:
         sizes = list(balance)
         if len(sizes) != num_stages or any(not isinstance(b, int) or b < 1 for b in sizes) or sum(sizes) != n_layers:
-            raise ValueError(f"balance={sizes} must give {num_stages} positive layer counts summing to the "
+            raise UserError(f"balance={sizes} must give {num_stages} positive layer counts summing to the "
                              f"model's {n_layers} layers")
         return sizes
     if n_layers < num_stages:
-        raise ValueError(f"cannot split {n_layers} layers into {num_stages} stages: every stage needs at least one "
+        raise UserError(f"cannot split {n_layers} layers into {num_stages} stages: every stage needs at least one "
                          f"layer. Use fewer stages or a deeper model")
     base, extra = divmod(n_layers, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
@@ -226,10 +227,10 @@ def partition(model: nn.Module, stage_index: int, num_stages: int, *,
     models build each stage's layers directly.
     """
     if not isinstance(model, (nn.Sequential, nn.ModuleList)):
-        raise TypeError(f"partition needs an nn.Sequential or nn.ModuleList, got {type(model).__name__}; "
+        raise UserTypeError(f"partition needs an nn.Sequential or nn.ModuleList, got {type(model).__name__}; "
                         f"write the model as a sequence of layers or build the stages yourself")
     if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
+        raise UserError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
     sizes = split_sizes(len(model), num_stages, balance)
     start = sum(sizes[:stage_index])
     layers = model[start:start + sizes[stage_index]]
@@ -242,7 +243,7 @@ def stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[
     This is torch's "loop" order, which the interleaved schedule expects.
     """
     if not 0 <= pp_rank < pp_size or stages_per_rank < 1:
-        raise ValueError(f"need 0 <= pp_rank < pp_size and stages_per_rank >= 1, got {pp_rank}, {pp_size}, "
+        raise UserError(f"need 0 <= pp_rank < pp_size and stages_per_rank >= 1, got {pp_rank}, {pp_size}, "
                          f"{stages_per_rank}")
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
@@ -315,28 +316,28 @@ class Pipeline:
 
         mods = [modules] if isinstance(modules, nn.Module) else list(modules)
         if not mods or not all(isinstance(m, nn.Module) for m in mods):
-            raise TypeError("modules must be an nn.Module or a non-empty list of nn.Modules (this rank's stages)")
+            raise UserTypeError("modules must be an nn.Module or a non-empty list of nn.Modules (this rank's stages)")
         if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+            raise UserTypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
         if not isinstance(config, PipelineConfig):
-            raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
+            raise UserTypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
         self.config = config
         schedule = config.schedule
         assert isinstance(schedule, Schedule)
         if schedule is not Schedule.INTERLEAVED_1F1B and len(mods) != 1:
-            raise ValueError(f"schedule {schedule.value} runs one stage per rank but got {len(mods)} modules; "
+            raise UserError(f"schedule {schedule.value} runs one stage per rank but got {len(mods)} modules; "
                              f"use schedule='Interleaved1F1B' for several stages per rank, or join them in one "
                              f"nn.Sequential")
         self.pp_size = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         if self.pp_rank < 0:
-            raise ValueError("this rank is not a member of pp_group; pass the pp_group make_subgroups returned")
+            raise UserError("this rank is not a member of pp_group; pass the pp_group make_subgroups returned")
         m, p = config.n_microbatches, self.pp_size
         if schedule is Schedule.ONE_F_ONE_B and m < p:
-            raise ValueError(f"1F1B needs n_microbatches >= pp_size, got {m} < {p}; raise n_microbatches "
+            raise UserError(f"1F1B needs n_microbatches >= pp_size, got {m} < {p}; raise n_microbatches "
                              f"(more also means a smaller bubble) or use GPipe")
         if schedule is Schedule.INTERLEAVED_1F1B and m % max(1, m // p):
-            raise ValueError(f"Interleaved1F1B needs n_microbatches to be a multiple of its rounds "
+            raise UserError(f"Interleaved1F1B needs n_microbatches to be a multiple of its rounds "
                              f"(n_microbatches // pp_size = {m // p}), got {m}; use a multiple of pp_size={p}")
         self.stages_per_rank = len(mods)
         self.num_stages = p * len(mods)
@@ -360,11 +361,11 @@ class Pipeline:
     def _check_batch(self, what: str, value: Any) -> None:
         tensors = value if isinstance(value, tuple) else (value,)
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {type(value).__name__}")
+            raise UserTypeError(f"{what} must be a tensor or a tuple of tensors, got {type(value).__name__}")
         m = self.config.n_microbatches
         for t in tensors:
             if t.dim() == 0 or t.shape[0] % m:
-                raise ValueError(f"{what} has a batch dimension of {tuple(t.shape)[:1] or 'none'}, which does not "
+                raise UserError(f"{what} has a batch dimension of {tuple(t.shape)[:1] or 'none'}, which does not "
                                  f"split into n_microbatches={m} equal micro-batches; use a batch size that is a "
                                  f"multiple of {m}")
 
@@ -382,11 +383,11 @@ class Pipeline:
             raise RuntimeError("forward_backward needs autograd: it was called under torch.no_grad()")
         if self.is_first:
             if inputs is None:
-                raise ValueError(f"pp rank {self.pp_rank} holds the first stage: pass the batch's inputs")
+                raise UserError(f"pp rank {self.pp_rank} holds the first stage: pass the batch's inputs")
             self._check_batch("inputs", inputs)
         if self.is_last:
             if targets is None:
-                raise ValueError(f"pp rank {self.pp_rank} holds the last stage: pass the batch's targets")
+                raise UserError(f"pp rank {self.pp_rank} holds the last stage: pass the batch's targets")
             self._check_batch("targets", targets)
         args = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.is_first else ()
         losses: list[torch.Tensor] = []

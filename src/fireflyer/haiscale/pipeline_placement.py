@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from fireflyer.errors import UserError, UserTypeError
 
 ACROSS_NODES = "across-nodes"
 """Each stage of a pipeline on a different node (the paper's placement)."""
@@ -72,7 +73,7 @@ class PipelinePlacement:
         for i, pipeline in enumerate(self.pipelines):
             if rank in pipeline:
                 return i
-        raise ValueError(f"rank {rank} is not in this placement of {self.world_size} ranks")
+        raise UserError(f"rank {rank} is not in this placement of {self.world_size} ranks")
 
     def stage_of(self, rank: int) -> int:
         """The stage ``rank`` holds (its rank in its pipeline's process group)."""
@@ -82,7 +83,7 @@ class PipelinePlacement:
         for i, node in enumerate(self.nodes):
             if rank in node:
                 return i
-        raise ValueError(f"rank {rank} is not in this placement of {self.world_size} ranks")
+        raise UserError(f"rank {rank} is not in this placement of {self.world_size} ranks")
 
 
 def divisors(n: int) -> list[int]:
@@ -105,14 +106,14 @@ def plan_pipelines(node_of_rank: Sequence[Hashable], pp_size: int) -> PipelinePl
     ``pp_size`` cannot split the world, ``TypeError`` when it is not an integer.
     """
     if isinstance(pp_size, bool) or not isinstance(pp_size, int):
-        raise TypeError(f"pp_size must be an int, got {type(pp_size).__name__} {pp_size!r}")
+        raise UserTypeError(f"pp_size must be an int, got {type(pp_size).__name__} {pp_size!r}")
     world = len(node_of_rank)
     if world < 1:
-        raise ValueError("the layout has no ranks: give one node key per global rank")
+        raise UserError("the layout has no ranks: give one node key per global rank")
     if pp_size < 1:
-        raise ValueError(f"pp_size must be at least 1, got {pp_size}")
+        raise UserError(f"pp_size must be at least 1, got {pp_size}")
     if world % pp_size:
-        raise ValueError(
+        raise UserError(
             f"pp_size={pp_size} does not divide the world size {world}: every pipeline needs exactly "
             f"pp_size ranks. Choose pp_size from {', '.join(map(str, divisors(world)))}, or change the "
             f"number of ranks")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fireflyer.hfreduce.reduce import Descriptor, Kind, Op, Plan, check_dtype, check_op
+from fireflyer.errors import UserError, UserTypeError
 
 
 def _flat(t: torch.Tensor, plan_done: list, write_back: bool, as_bytes: bool = False) -> torch.Tensor:
@@ -25,11 +26,11 @@ def _flat(t: torch.Tensor, plan_done: list, write_back: bool, as_bytes: bool = F
     ``as_bytes`` reinterprets any dtype as raw bytes, for collectives that only move data.
     """
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"hfreduce collectives take torch.Tensor, got {type(t).__name__}")
+        raise UserTypeError(f"hfreduce collectives take torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise ValueError(f"hfreduce supports dense (strided) tensors, got layout {t.layout}")
+        raise UserError(f"hfreduce supports dense (strided) tensors, got layout {t.layout}")
     if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"hfreduce supports cpu and cuda tensors, got a tensor on {t.device}")
+        raise UserError(f"hfreduce supports cpu and cuda tensors, got a tensor on {t.device}")
     if not as_bytes:
         check_dtype(t.dtype)
     if t.is_contiguous():
@@ -50,10 +51,10 @@ def _flat(t: torch.Tensor, plan_done: list, write_back: bool, as_bytes: bool = F
 def _same_dtype(*tensors: torch.Tensor) -> torch.dtype:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"hfreduce collectives take torch.Tensor, got {type(t).__name__}")
+            raise UserTypeError(f"hfreduce collectives take torch.Tensor, got {type(t).__name__}")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
-        raise TypeError(f"hfreduce needs one dtype per collective, got {sorted(map(str, dtypes))}")
+        raise UserTypeError(f"hfreduce needs one dtype per collective, got {sorted(map(str, dtypes))}")
     return tensors[0].dtype
 
 
@@ -68,7 +69,7 @@ def allreduce(tensor: torch.Tensor, op: Op, world_size: int) -> Plan:
 def reduce(tensor: torch.Tensor, op: Op, root: int, rank: int, world_size: int) -> Plan:
     """Like allreduce, but only ``root`` takes the result; the other ranks' tensors are left as they were."""
     if not 0 <= root < world_size:
-        raise ValueError(f"reduce root must be in 0..{world_size - 1}, got {root}")
+        raise UserError(f"reduce root must be in 0..{world_size - 1}, got {root}")
     done: list = []
     flat = _flat(tensor, done, write_back=rank == root)
     check_op(op, flat.dtype)
@@ -82,7 +83,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int,
     check_dtype(dtype)
     check_op(op, dtype)
     if input.numel() != output.numel() * world_size:
-        raise ValueError(
+        raise UserError(
             f"reduce_scatter needs input.numel() == output.numel() * world_size ({output.numel()} * {world_size}), "
             f"got {input.numel()}"
         )
@@ -96,7 +97,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int,
 def allgather(output: torch.Tensor, input: torch.Tensor, rank: int, world_size: int) -> Plan:
     _same_dtype(output, input)
     if output.numel() != input.numel() * world_size:
-        raise ValueError(
+        raise UserError(
             f"allgather needs output.numel() == input.numel() * world_size ({input.numel()} * {world_size}), "
             f"got {output.numel()}"
         )
@@ -111,7 +112,7 @@ def allgather(output: torch.Tensor, input: torch.Tensor, rank: int, world_size: 
 
 def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int) -> Plan:
     if not 0 <= root < world_size:
-        raise ValueError(f"broadcast root must be in 0..{world_size - 1}, got {root}")
+        raise UserError(f"broadcast root must be in 0..{world_size - 1}, got {root}")
     done: list = []
     flat = _flat(tensor, done, write_back=rank != root, as_bytes=True)
     desc = Descriptor(Kind.BROADCAST, torch.uint8, flat.numel(), Op.COPY, root)

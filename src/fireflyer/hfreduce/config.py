@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import TypeVar
 
 from fireflyer.hfreduce import env as names
+from fireflyer.errors import UserError
 
 _D = TypeVar("_D", int, None)
 
@@ -64,15 +65,15 @@ class HFReduceConfig:
 
     def __post_init__(self) -> None:
         if self.chunk_bytes is not None and (self.chunk_bytes < 4096 or self.chunk_bytes % 64):
-            raise ValueError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
+            raise UserError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
         if self.depth < 2:
-            raise ValueError(f"depth must be at least 2, got {self.depth}")
+            raise UserError(f"depth must be at least 2, got {self.depth}")
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+            raise UserError(f"timeout must be positive seconds, got {self.timeout}")
         if not 0 <= self.oneshot_bytes <= 1 << 40:
-            raise ValueError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
+            raise UserError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
         if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yields <= 1 << 20:
-            raise ValueError(f"spin must be 0..{1 << 24} and yields 0..{1 << 20}, got {self.spin} and {self.yields}")
+            raise UserError(f"spin must be 0..{1 << 24} and yields 0..{1 << 20}, got {self.spin} and {self.yields}")
 
     @classmethod
     def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
@@ -86,7 +87,7 @@ class HFReduceConfig:
                 try:
                     kw[name] = conv(raw)
                 except ValueError:
-                    raise ValueError(f"{names.field(name)}={raw!r} is not a valid {conv.__name__}") from None
+                    raise UserError(f"{names.field(name)}={raw!r} is not a valid {conv.__name__}") from None
         if timeout is not None and "timeout" not in kw:
             kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         kw.update({k: v for k, v in overrides.items() if v is not None})
@@ -114,7 +115,7 @@ def _flag(raw: str) -> bool:
         return True
     if raw.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(raw)
+    raise UserError(raw)
 
 
 _flag.__name__ = "flag (0 or 1)"
@@ -164,7 +165,7 @@ def read_int(name: str, default: _D, what: str, env: Mapping[str, str] | None = 
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not {what}") from None
+        raise UserError(f"{name}={raw!r} is not {what}") from None
 
 
 SECRET_ENV = names.JOB_SECRET
@@ -176,5 +177,5 @@ def launcher_secret() -> bytes | None:
     if raw is None or raw == "":
         return None
     if len(raw) < 16:
-        raise ValueError(f"{SECRET_ENV} must be at least 16 characters (a random token), got {len(raw)}")
+        raise UserError(f"{SECRET_ENV} must be at least 16 characters (a random token), got {len(raw)}")
     return raw.encode()

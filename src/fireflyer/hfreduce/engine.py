@@ -34,6 +34,7 @@ from datetime import timedelta
 
 import torch
 
+from fireflyer.errors import UserError
 from fireflyer.hfreduce import collectives, fdshare
 from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
 from fireflyer.hfreduce.config import (
@@ -83,7 +84,7 @@ class Communicator:
         global_ranks: list[int] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+            raise UserError(f"rank {rank} is outside 0..{world_size - 1}")
         self.config = config or HFReduceConfig.from_env()
         self.rank = rank
         self.world_size = world_size
@@ -419,4 +420,4 @@ def _op(op: Op | str) -> Op:
         return Op[str(op).upper()]
     except KeyError:
         names = ", ".join(o.name.lower() for o in USER_OPS)
-        raise ValueError(f"unsupported op {op!r}; hfreduce supports: {names}") from None
+        raise UserError(f"unsupported op {op!r}; hfreduce supports: {names}") from None

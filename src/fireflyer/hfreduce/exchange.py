@@ -59,6 +59,7 @@ from fireflyer.hfreduce.transfers import (
     source_bytes,
 )
 from fireflyer.hfreduce.transport import Listener
+from fireflyer.errors import UserError
 
 DIRECT_ENV = names.DIRECT_BYTES
 
@@ -68,23 +69,23 @@ def direct_bytes() -> int:
     0 turns them off); smaller ones through the ring, where they cost no round trip."""
     value = read_int(DIRECT_ENV, 256 << 10, "a whole number of bytes")
     if value < 0:
-        raise ValueError(f"{DIRECT_ENV} must be 0 (off) or a positive number of bytes, got {value}")
+        raise UserError(f"{DIRECT_ENV} must be 0 (off) or a positive number of bytes, got {value}")
     return value
 
 
 def split_rows(t: torch.Tensor, splits: list[int] | None, world: int, what: str) -> list[int]:
     """Rows per rank of an all_to_all_single tensor, checked as gloo checks them."""
     if t.dim() == 0:
-        raise ValueError(f"hfreduce all_to_all_single needs an {what} tensor with at least one dimension (rows)")
+        raise UserError(f"hfreduce all_to_all_single needs an {what} tensor with at least one dimension (rows)")
     n = t.shape[0]
     if not splits:
         if n % world:
-            raise ValueError(f"hfreduce all_to_all_single: the {what}'s dim 0 ({n}) does not divide into {world} "
+            raise UserError(f"hfreduce all_to_all_single: the {what}'s dim 0 ({n}) does not divide into {world} "
                              f"equal parts; pass {what}_split_sizes")
         return [n // world] * world
     splits = [int(s) for s in splits]
     if len(splits) != world or any(s < 0 for s in splits) or sum(splits) != n:
-        raise ValueError(f"hfreduce all_to_all_single: {what}_split_sizes={splits} must give {world} non-negative "
+        raise UserError(f"hfreduce all_to_all_single: {what}_split_sizes={splits} must give {world} non-negative "
                          f"row counts (one per rank) that sum to the {what}'s dim 0 ({n})")
     return splits
 
@@ -194,7 +195,7 @@ class Exchange:
         ``sync``: the caller will wait for it anyway, so it moves the bytes itself (and returns when done)."""
         w = self.world_size
         if len(outputs) != w or len(inputs) != w:
-            raise ValueError(f"hfreduce all_to_all needs {w} input and {w} output tensors (one per rank), "
+            raise UserError(f"hfreduce all_to_all needs {w} input and {w} output tensors (one per rank), "
                              f"got {len(inputs)} and {len(outputs)}")
         finish: list = []
         recv = [(dest_bytes(o, finish), digest(Kind.ALL_TO_ALL, o.dtype, o.numel())) for o in outputs]
@@ -219,7 +220,7 @@ class Exchange:
         me = self.rank
         (mine_in, want), (mine_out, have) = recv[me], send[me]
         if want != have or mine_in.numel() != mine_out.numel():
-            raise ValueError(f"hfreduce {name}: rank {me} sends itself {describe_digest(have)} but expects "
+            raise UserError(f"hfreduce {name}: rank {me} sends itself {describe_digest(have)} but expects "
                              f"{describe_digest(want)}; the sizes of a rank's own piece must agree")
         mine_in.copy_(mine_out)
         return self._start(name, None, timeout, result, finish,
@@ -279,11 +280,11 @@ class Exchange:
     # -- plumbing --------------------------------------------------------------------------
     def _peer(self, peer: int, what: str) -> None:
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
-            raise ValueError(f"hfreduce cannot {what} rank {peer!r}: the group's ranks are 0..{self.world_size - 1}")
+            raise UserError(f"hfreduce cannot {what} rank {peer!r}: the group's ranks are 0..{self.world_size - 1}")
 
     def _root(self, root: int, what: str) -> None:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ValueError(f"hfreduce {what} root must be a rank of the group (0..{self.world_size - 1}), got {root!r}")
+            raise UserError(f"hfreduce {what} root must be a rank of the group (0..{self.world_size - 1}), got {root!r}")
 
     def _start(self, name: str, key: tuple[int, int] | None, timeout: float | None, result: list[torch.Tensor],
                finish: list[Callable[[], None]], *, sends: list, recvs: list, drive_here: bool = False,
@@ -295,7 +296,7 @@ class Exchange:
         each of ``sends`` and ``recvs`` is ``(peer, key, data, digest)`` (:meth:`post`).
         """
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"a timeout must be positive seconds, got {timeout}")
+            raise UserError(f"a timeout must be positive seconds, got {timeout}")
         limit = timeout or self._timeout()
         claimed_out: list = []
         claimed_in: list = []

@@ -27,6 +27,7 @@ from fireflyer.hfreduce.node_stage import (
     NodeStage,
 )
 from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan, acc_dtype, check_op
+from fireflyer.errors import UserError
 
 
 class FastDoor:
@@ -69,7 +70,7 @@ class FastDoor:
                                                              node.shared.locate(tensor) is not None):
             return False
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"a collective's timeout must be positive seconds, got {timeout}")
+            raise UserError(f"a collective's timeout must be positive seconds, got {timeout}")
         desc, packed, dtype_code, acc_code, divisor, numel, trace = fast
         seconds = timeout or self._timeout()
         seq = jobs.claim(lambda seq: self._flight.record(seq, "allreduce", input_sizes=trace[0],

@@ -50,6 +50,7 @@ from typing import Any, Mapping
 from fireflyer.fsutil import atomic_write
 from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce.config import read, read_int
+from fireflyer.errors import UserError
 
 BUFFER_ENV = names.TRACE_BUFFER
 DIR_ENV = names.TRACE_DIR
@@ -91,7 +92,7 @@ def capacity_from_env(env: Mapping[str, str] | None = None) -> int:
     """Entries per group: ``FIREFLYER_HFREDUCE_TRACE_BUFFER`` (in ``env``, default this process's), else 2000."""
     value = read_int(BUFFER_ENV, DEFAULT_CAPACITY, "an integer (entries per group; 0 turns recording off)", env)
     if value < 0:
-        raise ValueError(f"{BUFFER_ENV} must be 0 or more entries, got {value}")
+        raise UserError(f"{BUFFER_ENV} must be 0 or more entries, got {value}")
     return value
 
 
@@ -204,13 +205,13 @@ class FlightRecorder:
                  group_desc: str = "", capacity: int | None = None,
                  dump_dir: str | os.PathLike | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..world_size-1, got rank {rank} of {world_size}")
+            raise UserError(f"rank must be in 0..world_size-1, got rank {rank} of {world_size}")
         if len(global_ranks) != world_size or len(set(global_ranks)) != world_size:
-            raise ValueError(f"global_ranks must list {world_size} distinct global ranks, got {list(global_ranks)}")
+            raise UserError(f"global_ranks must list {world_size} distinct global ranks, got {list(global_ranks)}")
         if capacity is None:
             capacity = capacity_from_env()
         if capacity < 0:
-            raise ValueError(f"capacity must be 0 or more entries, got {capacity}")
+            raise UserError(f"capacity must be 0 or more entries, got {capacity}")
         self.rank = rank
         self.world_size = world_size
         self.global_ranks = [int(r) for r in global_ranks]
@@ -258,7 +259,7 @@ class FlightRecorder:
         if not self.capacity:
             return
         if op not in PROFILING_NAMES:
-            raise ValueError(f"unknown collective {op!r}; the flight recorder knows {', '.join(PROFILING_NAMES)}")
+            raise UserError(f"unknown collective {op!r}; the flight recorder knows {', '.join(PROFILING_NAMES)}")
         args = (next(self._file.ids), seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes,
                 int(timeout_s * 1000), _frames(sys._getframe(1)) if self._stack else None)
         with self._lock:

@@ -27,6 +27,7 @@ from fireflyer.hfreduce.errors import HFReduceError, fresh
 from fireflyer.hfreduce.failures import Failures
 from fireflyer.hfreduce.flight import FlightRecorder
 from fireflyer.hfreduce.reduce import Kind, Plan
+from fireflyer.errors import UserError
 
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle
 
@@ -237,4 +238,4 @@ class Jobs:
 
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and not timeout > 0:
-        raise ValueError(f"a collective's timeout must be positive seconds, got {timeout}")
+        raise UserError(f"a collective's timeout must be positive seconds, got {timeout}")

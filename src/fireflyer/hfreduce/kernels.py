@@ -48,6 +48,7 @@ from fireflyer.hfreduce.config import read
 from fireflyer.hfreduce.core import CORE as _core
 from fireflyer.hfreduce.core import MISSING as _core_missing
 from fireflyer.hfreduce.reduce import DTYPES, LOW_PRECISION, Op, Reducer, acc_dtype, check_dtype, check_op
+from fireflyer.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,9 @@ def set_isa(name: str | None) -> str:
         _use_reference = True
         return previous
     if name not in ISAS:
-        raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(ISAS + (REFERENCE,))}")
+        raise UserError(f"unknown kernel set {name!r}; choose one of {', '.join(ISAS + (REFERENCE,))}")
     if _core is None:
-        raise ValueError(f"hfreduce's compiled core is not available: {_core_missing}; only 'reference' runs")
+        raise UserError(f"hfreduce's compiled core is not available: {_core_missing}; only 'reference' runs")
     _core.set_isa(name)  # ValueError names the best this CPU has
     _use_reference = False
     return previous
@@ -155,10 +156,10 @@ def round_into(out: torch.Tensor, acc: torch.Tensor, *, divisor: int = 0) -> Non
     (fp16, bf16, fp8): the tree root's finish of a partial sum, rounded once to nearest even."""
     if acc.dtype != torch.float32 or out.dtype not in LOW_PRECISION or out.numel() != acc.numel() or \
             not out.is_contiguous() or not acc.is_contiguous() or out.is_cuda or acc.is_cuda:
-        raise ValueError(f"round_into takes a contiguous CPU fp32 accumulation and a low-precision output of its "
+        raise UserError(f"round_into takes a contiguous CPU fp32 accumulation and a low-precision output of its "
                          f"size, got {acc.dtype} {tuple(acc.shape)} into {out.dtype} {tuple(out.shape)}")
     if divisor < 0:
-        raise ValueError(f"divisor must be 0 (none) or positive, got {divisor}")
+        raise UserError(f"divisor must be 0 (none) or positive, got {divisor}")
     if not available():
         _warn_fallback()
         reference_round(out, acc, divisor=divisor)
@@ -191,27 +192,27 @@ def _warn_fallback() -> None:
 def _check(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, divisor: int) -> int:
     """Refuse what the kernels cannot take, saying what to pass instead; returns the element count."""
     if not inputs:
-        raise ValueError("hfreduce reduce needs at least one input tensor")
+        raise UserError("hfreduce reduce needs at least one input tensor")
     dtype, n = inputs[0].dtype, inputs[0].numel()
     check_dtype(dtype)
     if op != Op.COPY:
         check_op(op, dtype)
     for t in (out, *inputs):
         if t.device.type != "cpu":
-            raise ValueError(f"hfreduce reduce runs on CPU tensors, got one on {t.device}; stage it to host memory")
+            raise UserError(f"hfreduce reduce runs on CPU tensors, got one on {t.device}; stage it to host memory")
         if not t.is_contiguous():
-            raise ValueError("hfreduce reduce needs contiguous tensors; pass t.contiguous()")
+            raise UserError("hfreduce reduce needs contiguous tensors; pass t.contiguous()")
     for t in inputs:
         if t.dtype != dtype or t.numel() != n:
-            raise ValueError(
+            raise UserError(
                 f"hfreduce reduce inputs must share one dtype and size: {dtype}[{n}] vs {t.dtype}[{t.numel()}]"
             )
     acc = acc_dtype(dtype, op)
     if out.dtype not in (dtype, acc) or out.numel() != n:
         want = dtype if acc == dtype else f"{dtype} or {acc}"
-        raise ValueError(f"hfreduce reduce out must be {want} with {n} elements, got {out.dtype}[{out.numel()}]")
+        raise UserError(f"hfreduce reduce out must be {want} with {n} elements, got {out.dtype}[{out.numel()}]")
     if not isinstance(divisor, int) or divisor < 0:
-        raise ValueError(f"divisor must be an int >= 0, got {divisor!r}")
+        raise UserError(f"divisor must be an int >= 0, got {divisor!r}")
     if divisor and op != Op.AVG:
-        raise ValueError(f"divisor is AVG's finish; {op.name} takes none (pass divisor=0)")
+        raise UserError(f"divisor is AVG's finish; {op.name} takes none (pass divisor=0)")
     return n

@@ -48,6 +48,7 @@ from fireflyer.hfreduce.config import read_int
 from fireflyer.hfreduce import fdshare, futex
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.errors import UserError
 
 MAGIC = 0x48465842  # "HFXB"
 _HEADER = struct.Struct("<IIQ")  # magic, local_size, ring_bytes
@@ -69,7 +70,7 @@ def ring_bytes_for(local_size: int) -> int:
     value = read_int(RING_ENV, None, "a whole number of bytes")
     if value is not None:
         if not _PAGE <= value <= 1 << 30 or value % _PAGE:
-            raise ValueError(f"{RING_ENV} must be a multiple of {_PAGE} between {_PAGE} and {1 << 30}, got {value}")
+            raise UserError(f"{RING_ENV} must be a multiple of {_PAGE} between {_PAGE} and {1 << 30}, got {value}")
         return value
     # at most about 16 MiB of rings into each rank, whatever the node's size
     per_peer = (16 << 20) // max(1, local_size - 1)

@@ -27,6 +27,7 @@ from fireflyer.hfreduce.flight import trace_of
 from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
 from fireflyer.hfreduce.reduce import Op, Plan
 from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
+from fireflyer.errors import UserError
 
 BACKEND = "hfreduce"
 
@@ -64,7 +65,7 @@ def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     if isinstance(tensors, torch.Tensor):
         return tensors
     if len(tensors) != 1:
-        raise ValueError(f"hfreduce {what} takes exactly one tensor per rank, got {len(tensors)}")
+        raise UserError(f"hfreduce {what} takes exactly one tensor per rank, got {len(tensors)}")
     return tensors[0]
 
 
@@ -97,7 +98,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     @property
     def group_name(self) -> str:
         if not self._name:
-            raise ValueError("ProcessGroup name not set")
+            raise UserError("ProcessGroup name not set")
         return self._name
 
     def _set_group_name(self, name: str) -> None:
@@ -107,7 +108,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def set_timeout(self, timeout: timedelta) -> None:
         value = seconds(timeout)
         if value is None:
-            raise ValueError(f"a process group's timeout must be positive, got {timeout}")
+            raise UserError(f"a process group's timeout must be positive, got {timeout}")
         self.comm.set_timeout(value)
 
     # -- plumbing -----------------------------------------------------------------------
@@ -171,10 +172,10 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def _gather_into_list(self, outs: list[torch.Tensor], inp: torch.Tensor, what: str) -> Plan:
         """An allgather into a flat buffer, copied out into ``outs`` (one tensor per rank) when done."""
         if len(outs) != self.size():
-            raise ValueError(f"hfreduce {what} needs an output list of {self.size()} tensors, got {len(outs)}")
+            raise UserError(f"hfreduce {what} needs an output list of {self.size()} tensors, got {len(outs)}")
         for o in outs:
             if not isinstance(o, torch.Tensor) or o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise ValueError(f"hfreduce {what} needs every output tensor to match the input's size and dtype "
+                raise UserError(f"hfreduce {what} needs every output tensor to match the input's size and dtype "
                                  f"({inp.numel()} x {inp.dtype})")
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
         plan = collectives.allgather(flat, inp, self.rank(), self.size())
@@ -189,7 +190,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None):
         inp = _one(input_tensors, "allgather")
         if len(output_tensors) != 1:
-            raise ValueError(f"hfreduce allgather needs one output list, got {len(output_tensors)}")
+            raise UserError(f"hfreduce allgather needs one output list, got {len(output_tensors)}")
         outs = output_tensors[0]
         plan = self._gather_into_list(outs, inp, "allgather")
         across = spread.work(self.comm, [plan], output_tensors, opts, "all_gather")  # several nodes: along the rails
@@ -200,7 +201,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """torch's layout: ``output_lists[r][i]`` receives input ``i`` of rank ``r``."""
         if len(output_lists) != self.size() or any(len(outs) != len(input_tensors) for outs in output_lists):
-            raise ValueError(f"hfreduce all_gather_coalesced needs {self.size()} output lists (one per rank) of "
+            raise UserError(f"hfreduce all_gather_coalesced needs {self.size()} output lists (one per rank) of "
                              f"{len(input_tensors)} tensors (one per input)")
         plans = [self._gather_into_list([outs[i] for outs in output_lists], inp, "all_gather_coalesced")
                  for i, inp in enumerate(input_tensors)]
@@ -221,7 +222,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if len(outputs) != len(inputs):
-            raise ValueError(f"hfreduce coalesced all_gather needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
+            raise UserError(f"hfreduce coalesced all_gather needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         plans = [collectives.allgather(o, i, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
         across = spread.work(self.comm, plans, outputs, opts, "all_gather_into_tensor_coalesced")
         if across is not None:
@@ -233,11 +234,11 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out = _one(output_tensors, "reduce_scatter")
         if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
-            raise ValueError(f"hfreduce reduce_scatter needs one input list of {self.size()} tensors")
+            raise UserError(f"hfreduce reduce_scatter needs one input list of {self.size()} tensors")
         ins = input_tensors[0]
         for t in ins:
             if not isinstance(t, torch.Tensor) or t.numel() != out.numel() or t.dtype != out.dtype:
-                raise ValueError(f"hfreduce reduce_scatter needs every input tensor to match the output's size and "
+                raise UserError(f"hfreduce reduce_scatter needs every input tensor to match the output's size and "
                                  f"dtype ({out.numel()} x {out.dtype})")
         flat = torch.cat([t.reshape(-1) for t in ins])
         plan = collectives.reduce_scatter(out, flat, _op(opts), self.rank(), self.size())
@@ -257,7 +258,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if len(outputs) != len(inputs):
-            raise ValueError(f"hfreduce coalesced reduce_scatter needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
+            raise UserError(f"hfreduce coalesced reduce_scatter needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         op = _op(opts)
         plans = [collectives.reduce_scatter(o, i, op, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
         across = spread.work(self.comm, plans, outputs, opts, "reduce_scatter_tensor_coalesced")

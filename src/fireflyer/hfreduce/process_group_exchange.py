@@ -19,24 +19,25 @@ from fireflyer.hfreduce import node_all_to_all
 from fireflyer.hfreduce.errors import HFReduceError
 from fireflyer.hfreduce.exchange import split_rows
 from fireflyer.hfreduce.work import HFReduceWork, seconds
+from fireflyer.errors import UserError, UserTypeError
 
 
 def _single(tensors, what: str) -> torch.Tensor:
     if isinstance(tensors, torch.Tensor):
         return tensors
     if len(tensors) != 1 or not isinstance(tensors[0], torch.Tensor):
-        raise ValueError(f"hfreduce {what} takes exactly one tensor, got {len(tensors)}")
+        raise UserError(f"hfreduce {what} takes exactly one tensor, got {len(tensors)}")
     return tensors[0]
 
 
 def _check_tensors(tensors: list, like: torch.Tensor, count: int, what: str, name: str) -> None:
     if len(tensors) != count:
-        raise ValueError(f"hfreduce {what} needs a {name} of {count} tensors (one per rank), got {len(tensors)}")
+        raise UserError(f"hfreduce {what} needs a {name} of {count} tensors (one per rank), got {len(tensors)}")
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"hfreduce {what}: {name}[{i}] is a {type(t).__name__}, not a tensor")
+            raise UserTypeError(f"hfreduce {what}: {name}[{i}] is a {type(t).__name__}, not a tensor")
         if t.dtype != like.dtype or t.numel() != like.numel():
-            raise ValueError(f"hfreduce {what}: {name}[{i}] has {t.numel()} x {t.dtype} but the tensor has "
+            raise UserError(f"hfreduce {what}: {name}[{i}] has {t.numel()} x {t.dtype} but the tensor has "
                              f"{like.numel()} x {like.dtype}; every tensor of the list must match it")
 
 
@@ -68,7 +69,7 @@ class ExchangeCollectives:
     # -- all to all -----------------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         if output.dtype != input.dtype:
-            raise TypeError(f"hfreduce all_to_all_single needs one dtype, got input {input.dtype} and output "
+            raise UserTypeError(f"hfreduce all_to_all_single needs one dtype, got input {input.dtype} and output "
                             f"{output.dtype}")
         exchange = self._exchange()
         out_splits, in_splits = list(output_split_sizes or []), list(input_split_sizes or [])
@@ -88,7 +89,7 @@ class ExchangeCollectives:
     def alltoall(self, output_tensors, input_tensors, opts=None):
         for name, ts in (("input", input_tensors), ("output", output_tensors)):
             if not all(isinstance(t, torch.Tensor) for t in ts):
-                raise TypeError(f"hfreduce all_to_all takes lists of tensors; the {name} list holds something else")
+                raise UserTypeError(f"hfreduce all_to_all takes lists of tensors; the {name} list holds something else")
         op = self._exchange().all_to_all(list(output_tensors), list(input_tensors), timeout=_timeout(opts),
                                          sync=_sync(opts))
         return self._exchange_work(op, list(output_tensors), "all_to_all")
@@ -101,11 +102,11 @@ class ExchangeCollectives:
         outs = None
         if self.rank() == root:
             if len(output_tensors) != 1:
-                raise ValueError("hfreduce gather needs one output list (gather_list) on the root")
+                raise UserError("hfreduce gather needs one output list (gather_list) on the root")
             outs = list(output_tensors[0])
             _check_tensors(outs, t, self.size(), "gather", "gather_list")
         elif output_tensors and any(len(o) for o in output_tensors):
-            raise ValueError("hfreduce gather takes a gather_list on the root only")
+            raise UserError("hfreduce gather takes a gather_list on the root only")
         op = self._exchange().gather(outs, t, root, timeout=_timeout(opts), sync=_sync(opts))
         return self._exchange_work(op, outs if outs is not None else [t], "gather")
 
@@ -116,11 +117,11 @@ class ExchangeCollectives:
         ins = None
         if self.rank() == root:
             if len(input_tensors) != 1:
-                raise ValueError("hfreduce scatter needs one input list (scatter_list) on the root")
+                raise UserError("hfreduce scatter needs one input list (scatter_list) on the root")
             ins = list(input_tensors[0])
             _check_tensors(ins, t, self.size(), "scatter", "scatter_list")
         elif input_tensors and any(len(i) for i in input_tensors):
-            raise ValueError("hfreduce scatter takes a scatter_list on the root only")
+            raise UserError("hfreduce scatter takes a scatter_list on the root only")
         op = self._exchange().scatter(t, ins, root, timeout=_timeout(opts), sync=_sync(opts))
         return self._exchange_work(op, [t], "scatter")
 

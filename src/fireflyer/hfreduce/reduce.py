@@ -18,6 +18,7 @@ from typing import Any, Callable
 from enum import IntEnum
 
 import torch
+from fireflyer.errors import UserError, UserTypeError
 
 
 class Op(IntEnum):
@@ -83,19 +84,19 @@ def supported_dtypes() -> str:
 
 def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in REDUCIBLE:
-        raise TypeError(f"hfreduce does not support dtype {dtype}; supported: {supported_dtypes()}")
+        raise UserTypeError(f"hfreduce does not support dtype {dtype}; supported: {supported_dtypes()}")
 
 
 def check_op(op: Op, dtype: torch.dtype) -> None:
     """Refuse an op the dtype cannot take, saying what to use instead. ``dtype`` is already checked."""
     if op not in USER_OPS:
         names = ", ".join(o.name for o in USER_OPS)
-        raise ValueError(f"hfreduce cannot reduce with op {op.name}; supported: {names}")
+        raise UserError(f"hfreduce cannot reduce with op {op.name}; supported: {names}")
     if op == Op.AVG and not dtype.is_floating_point:
         fix = "use MAX for any or MIN for all" if dtype == torch.bool else "use SUM and divide yourself"
-        raise ValueError(f"hfreduce AVG needs a floating-point dtype, got {dtype}; {fix}")
+        raise UserError(f"hfreduce AVG needs a floating-point dtype, got {dtype}; {fix}")
     if op in BITWISE and dtype.is_floating_point:
-        raise TypeError(
+        raise UserTypeError(
             f"hfreduce {op.name} is a bitwise op and takes integer and bool dtypes only ({_names(INTEGRAL)}), "
             f"got {dtype}; to combine a float tensor's bits, reduce a view of it as the integer dtype of the same "
             f"size, such as t.view(torch.int32) for float32"

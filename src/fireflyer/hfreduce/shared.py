@@ -29,6 +29,7 @@ import torch
 
 from fireflyer.hfreduce import fdshare
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
+from fireflyer.errors import UserError
 
 _ALIGN = 4096
 
@@ -56,7 +57,7 @@ class SharedBuffers:
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed flat tensor of ``numel`` elements; registered when the node can share it."""
         if numel < 0:
-            raise ValueError(f"numel must be non-negative, got {numel}")
+            raise UserError(f"numel must be non-negative, got {numel}")
         if not self.enabled or numel == 0:
             return torch.zeros(numel, dtype=dtype)
         index = self._count

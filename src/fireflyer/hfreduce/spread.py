@@ -57,6 +57,7 @@ from fireflyer.hfreduce.topology import Layout
 from fireflyer.hfreduce.transfers import COLLECTIVE, byte_view, digest, settle
 from fireflyer.hfreduce.transfers import Kind as Digest  # its frames' kinds: ALL_GATHER, BROADCAST, REDUCE_SCATTER + op
 from fireflyer.hfreduce.work import HFReduceWork, seconds
+from fireflyer.errors import UserError
 
 CHUNK_ENV = names.SPREAD_CHUNK_BYTES
 ENABLE_ENV = names.SPREAD
@@ -66,7 +67,7 @@ _DEFAULT_CHUNK = 4 << 20
 def chunk_bytes() -> int:
     value = read_int(CHUNK_ENV, _DEFAULT_CHUNK, "a whole number of bytes")
     if value < 1:
-        raise ValueError(f"{CHUNK_ENV} must be a positive number of bytes, got {value}")
+        raise UserError(f"{CHUNK_ENV} must be a positive number of bytes, got {value}")
     return value
 
 

@@ -10,6 +10,7 @@ rails move L slices of every chunk in parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class TreeLinks:
 def _btree(n: int, rank: int) -> TreeLinks:
     """NCCL's in-order binary tree over 0..n-1, rooted at 0 (``ncclGetBtree``)."""
     if not 0 <= rank < n:
-        raise ValueError(f"rank {rank} is outside 0..{n - 1}")
+        raise UserError(f"rank {rank} is outside 0..{n - 1}")
     bit = 1
     while bit < n:
         bit <<= 1
@@ -55,7 +56,7 @@ def tree_links(n: int, node: int, tree: int) -> TreeLinks:
     if tree == 0:
         return _btree(n, node)
     if tree != 1:
-        raise ValueError(f"tree must be 0 or 1, got {tree}")
+        raise UserError(f"tree must be 0 or 1, got {tree}")
     if n % 2 == 0:
         to_base = lambda x: n - 1 - x  # noqa: E731 - the mirror is its own inverse
         from_base = to_base
@@ -100,7 +101,7 @@ class Layout:
     def from_node_keys(cls, keys: list[str]) -> "Layout":
         """Group ranks by node key (``keys[rank]``), e.g. a host name or FIREFLYER_NODE_ID."""
         if not keys:
-            raise ValueError("a layout needs at least one rank")
+            raise UserError("a layout needs at least one rank")
         groups: dict[str, list[int]] = {}
         for rank, key in enumerate(keys):
             groups.setdefault(key, []).append(rank)
@@ -123,7 +124,7 @@ class Layout:
         for i, members in enumerate(self.nodes):
             if rank in members:
                 return i
-        raise ValueError(f"rank {rank} is not in this layout of {self.world_size} ranks")
+        raise UserError(f"rank {rank} is not in this layout of {self.world_size} ranks")
 
     def local_rank(self, rank: int) -> int:
         return self.nodes[self.node_of(rank)].index(rank)

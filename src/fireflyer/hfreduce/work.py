@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.hfreduce.errors import HFReduceError, fresh
+from fireflyer.errors import UserTypeError
 
 if TYPE_CHECKING:
     from fireflyer.hfreduce.engine import Communicator
@@ -37,7 +38,7 @@ def seconds(timeout: Any) -> float | None:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         value = float(timeout)
     else:
-        raise TypeError(f"a timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
+        raise UserTypeError(f"a timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
     return value if value > 0 else None
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, NoReturn
 from fireflyer.fsutil import atomic_write
 from fireflyer.platform import env
 from fireflyer.platform.layout import AttemptDir
+from fireflyer.errors import UserError
 
 SIMULATE_ENV = env.SIMULATE_SUSPEND
 _IMPORTED_AT = time.monotonic()
@@ -51,7 +52,7 @@ def _simulated_after() -> float | None:
     try:
         return float(raw)
     except ValueError:
-        raise ValueError(f"{SIMULATE_ENV}={raw!r} must be a number of seconds") from None
+        raise UserError(f"{SIMULATE_ENV}={raw!r} must be a number of seconds") from None
 
 
 def is_managed() -> bool:
@@ -154,7 +155,7 @@ def get_whole_life_state() -> int:
 def set_whole_life_state(state: int) -> bool:
     """Keep ``state`` for the chain's next attempts; False when it was already that value."""
     if not isinstance(state, int) or isinstance(state, bool) or not -2**31 <= state < 2**31:
-        raise ValueError(f"a whole-life state is a 32-bit int, got {state!r}")
+        raise UserError(f"a whole-life state is a 32-bit int, got {state!r}")
     if get_whole_life_state() == state:
         return False
     adir = _attempt()

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from fireflyer.platform.executor import Timeouts
 from fireflyer.platform.layout import Home, read_json, write_json_atomic
 from fireflyer.platform.policy import Node, PolicyConfig
+from fireflyer.errors import UserError
 
 EXECUTORS = ("local", "slurm")
 _POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyConfig))
@@ -56,27 +57,27 @@ class PlatformConfig:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
+            raise UserError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
         if self.slots_per_node is not None and (not isinstance(self.slots_per_node, int)
                                                 or not self.ranks_per_node <= self.slots_per_node <= 100_000):
-            raise ValueError(f"slots_per_node must be an integer from ranks_per_node to 100000, got {self.slots_per_node!r}")
+            raise UserError(f"slots_per_node must be an integer from ranks_per_node to 100000, got {self.slots_per_node!r}")
         for name in ("nodes", "zones", "ranks_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
         if self.zones > self.nodes:
-            raise ValueError(f"{self.zones} zones need at least as many nodes, got {self.nodes}")
+            raise UserError(f"{self.zones} zones need at least as many nodes, got {self.nodes}")
         if not self.tick > 0:
-            raise ValueError(f"tick must be positive seconds, got {self.tick!r}")
+            raise UserError(f"tick must be positive seconds, got {self.tick!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+            raise UserError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
         if self.runs_dir is not None and (not isinstance(self.runs_dir, str) or not os.path.isabs(self.runs_dir)):
-            raise ValueError(f"runs_dir must be an absolute path, got {self.runs_dir!r}")
+            raise UserError(f"runs_dir must be an absolute path, got {self.runs_dir!r}")
         for name in ("isolate", "allow_root_tasks"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise UserError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.policy, PolicyConfig):
-            raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
+            raise UserError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
 
     def slots(self) -> int:
         """The most ranks per node a task may ask for."""
@@ -99,7 +100,7 @@ class PlatformConfig:
         known = {f.name for f in dataclasses.fields(cls)} | _POLICY_FIELDS
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown platform settings: {', '.join(unknown)}")
+            raise UserError(f"unknown platform settings: {', '.join(unknown)}")
         # A platform.json from before the policy settings were nested keeps them at the top level.
         policy = {**{k: data.pop(k) for k in _POLICY_FIELDS if k in data}, **data.get("policy", {})}
         data["policy"] = PolicyConfig(**{"default_quota": "half", **policy})

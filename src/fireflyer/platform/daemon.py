@@ -31,7 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fireflyer.errors import FireflyerError
+from fireflyer.errors import FireflyerError, UserError
 from fireflyer.fsutil import open_owned, private_dir
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
@@ -336,12 +336,12 @@ def read_status(adir: AttemptDir) -> dict | None:
         detail = raw.get("detail", "")
         nodes = raw.get("failed_nodes", [])
         if not isinstance(code, int) or isinstance(code, bool) or not 0 < code <= _KNOWN_CODES or code & ~_KNOWN_CODES:
-            raise ValueError(f"stop_code {code!r}")
+            raise UserError(f"stop_code {code!r}")
         if life is not None and (not isinstance(life, int) or isinstance(life, bool) or not -2**63 <= life < 2**63):
-            raise ValueError(f"whole_life_state {life!r}")
+            raise UserError(f"whole_life_state {life!r}")
         if not isinstance(detail, str) or not isinstance(nodes, list) or \
                 not all(isinstance(n, str) and len(n) <= 256 for n in nodes[:1000]) or len(nodes) > 1000:
-            raise ValueError("detail or failed_nodes")
+            raise UserError("detail or failed_nodes")
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         return _bad_status(f"its status.json is not a supervisor's ({exc})")
     return {"stop_code": code, "detail": detail[:MAX_DETAIL], "whole_life_state": life, "failed_nodes": tuple(nodes)}

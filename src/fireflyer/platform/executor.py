@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Protocol
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Timeouts:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"timeout {name} must be a positive number of seconds, got {value!r}")
+                raise UserError(f"timeout {name} must be a positive number of seconds, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Callable, Iterable, Mapping, Sequence
+from fireflyer.errors import UserError
 
 
 class Priority(IntEnum):
@@ -63,7 +64,7 @@ class Priority(IntEnum):
                 return cls[str(value).upper().replace("-", "_")]
             except KeyError:
                 pass
-        raise ValueError(f"unknown priority {value!r}; choose one of "
+        raise UserError(f"unknown priority {value!r}; choose one of "
                          f"{', '.join(f'{p.name} ({p.value})' for p in cls)}")
 
 
@@ -118,14 +119,14 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if self.time_share_after < 0:
-            raise ValueError(f"time_share_after must be non-negative seconds, got {self.time_share_after}")
+            raise UserError(f"time_share_after must be non-negative seconds, got {self.time_share_after}")
         if self.max_cross_zone < 0:
-            raise ValueError(f"max_cross_zone must be non-negative, got {self.max_cross_zone}")
+            raise UserError(f"max_cross_zone must be non-negative, got {self.max_cross_zone}")
         if self.demote_after is not None and self.demote_after < 0:
-            raise ValueError(f"demote_after must be non-negative seconds or None, got {self.demote_after}")
+            raise UserError(f"demote_after must be non-negative seconds or None, got {self.demote_after}")
         quota = self.default_quota
         if quota not in (None, "half") and (type(quota) is not int or quota < 0):
-            raise ValueError(f"default_quota must be a node count, 'half' or none (no default), got {quota!r}")
+            raise UserError(f"default_quota must be a node count, 'half' or none (no default), got {quota!r}")
 
     def for_nodes(self, nodes: int) -> "PolicyConfig":
         """These settings on a cluster of ``nodes`` nodes: a ``"half"`` default quota made a node count."""

@@ -16,6 +16,7 @@ import time
 
 from fireflyer.platform import env as names
 from fireflyer.platform.layout import AttemptDir
+from fireflyer.errors import UserError
 
 _FROM_SLURM = {
     "RANK": "SLURM_PROCID",
@@ -36,7 +37,7 @@ def rank_env(env: dict[str, str]) -> dict[str, str]:
     if "LOCAL_WORLD_SIZE" not in out and "SLURM_NTASKS_PER_NODE" in out:
         out["LOCAL_WORLD_SIZE"] = out["SLURM_NTASKS_PER_NODE"].split("(")[0]
     if "RANK" not in out:
-        raise ValueError("no RANK (nor SLURM_PROCID) in the environment: start ranks through the platform")
+        raise UserError("no RANK (nor SLURM_PROCID) in the environment: start ranks through the platform")
     out.setdefault("ROLE_RANK", out["RANK"])
     out.setdefault("ROLE_WORLD_SIZE", out.get("WORLD_SIZE", "1"))
     return out

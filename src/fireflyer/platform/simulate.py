@@ -46,6 +46,7 @@ from fireflyer.platform.policy import (
     effective_priority,
     schedule,
 )
+from fireflyer.errors import UserError
 
 POLICIES = ("hai", "fifo", "fifo_backfill")
 FINISHED = "finished"
@@ -73,17 +74,17 @@ class JobClass:
 
     def __post_init__(self) -> None:
         if self.count < 0 or not 0 <= self.at_start <= self.count:
-            raise ValueError(f"job class {self.name}: need 0 <= at_start <= count, got {self.at_start}, {self.count}")
+            raise UserError(f"job class {self.name}: need 0 <= at_start <= count, got {self.at_start}, {self.count}")
         if not self.sizes or min(self.sizes) < 1:
-            raise ValueError(f"job class {self.name}: sizes must be positive node counts, got {self.sizes}")
+            raise UserError(f"job class {self.name}: sizes must be positive node counts, got {self.sizes}")
         lo, hi = self.hours
         if not 0 < lo <= hi:
-            raise ValueError(f"job class {self.name}: hours must be 0 < low <= high, got {self.hours}")
+            raise UserError(f"job class {self.name}: hours must be 0 < low <= high, got {self.hours}")
         a, b = self.arrive
         if not 0 <= a <= b:
-            raise ValueError(f"job class {self.name}: arrive must be 0 <= start <= end hours, got {self.arrive}")
+            raise UserError(f"job class {self.name}: arrive must be 0 <= start <= end hours, got {self.arrive}")
         if self.bursts < 0:
-            raise ValueError(f"job class {self.name}: bursts must be non-negative, got {self.bursts}")
+            raise UserError(f"job class {self.name}: bursts must be non-negative, got {self.bursts}")
 
     def mean_node_hours(self) -> float:
         """Expected node-hours of one job (log-uniform mean times the mean size)."""
@@ -130,7 +131,7 @@ def make_workload(classes: Sequence[JobClass] = DEFAULT_CLASSES, *, seed: int = 
     Users ``u0..`` are drawn uniformly; user ``uK`` is in group ``gK % groups``.
     """
     if users < 1 or groups < 1:
-        raise ValueError(f"need at least one user and one group, got users={users}, groups={groups}")
+        raise UserError(f"need at least one user and one group, got users={users}, groups={groups}")
     rng = random.Random(seed)
     drafts: list[tuple[float, int, int, Job]] = []
     for ci, jc in enumerate(classes):
@@ -186,18 +187,18 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or self.nodes < 1:
-            raise ValueError(f"nodes must be a positive integer, got {self.nodes!r}")
+            raise UserError(f"nodes must be a positive integer, got {self.nodes!r}")
         if not isinstance(self.zones, int) or not 1 <= self.zones <= self.nodes:
-            raise ValueError(f"zones must be between 1 and nodes ({self.nodes}), got {self.zones!r}")
+            raise UserError(f"zones must be between 1 and nodes ({self.nodes}), got {self.zones!r}")
         if not self.hours > 0 or not self.step_s > 0:
-            raise ValueError(f"hours and step_s must be positive, got {self.hours}, {self.step_s}")
+            raise UserError(f"hours and step_s must be positive, got {self.hours}, {self.step_s}")
         if not self.checkpoint_every_s > 0:
-            raise ValueError(f"checkpoint_every_s must be positive, got {self.checkpoint_every_s}")
+            raise UserError(f"checkpoint_every_s must be positive, got {self.checkpoint_every_s}")
         for name in ("restart_cost_s", "suspend_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be non-negative seconds, got {getattr(self, name)}")
+                raise UserError(f"{name} must be non-negative seconds, got {getattr(self, name)}")
         if not isinstance(self.policy, PolicyConfig):
-            raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
+            raise UserError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
 
     def cluster(self) -> list[Node]:
         width = len(str(self.nodes - 1))
@@ -315,7 +316,7 @@ class PolicyResult:
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank ``q``-th percentile (0 < q <= 100)."""
     if not values:
-        raise ValueError("percentile of no values")
+        raise UserError("percentile of no values")
     s = sorted(values)
     return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
@@ -354,13 +355,13 @@ def simulate(jobs: Sequence[Job], cfg: SimConfig = SimConfig(), policy: str = "h
              quotas: Quotas | None = None) -> PolicyResult:
     """Run the cluster through ``cfg.hours`` under ``policy`` (one of :data:`POLICIES`)."""
     if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        raise UserError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     too_big = [j.id for j in jobs if j.nodes > cfg.nodes]
     if too_big:
-        raise ValueError(f"jobs {too_big[:5]} ask for more than the cluster's {cfg.nodes} nodes")
+        raise UserError(f"jobs {too_big[:5]} ask for more than the cluster's {cfg.nodes} nodes")
     ids = [j.id for j in jobs]
     if ids != sorted(ids) or len(set(ids)) != len(ids):
-        raise ValueError("jobs must have unique ids in submission order")
+        raise UserError("jobs must have unique ids in submission order")
     nodes = cfg.cluster()
     hai_cfg = cfg.policy.for_nodes(len(nodes))
     fifo_cfg = PolicyConfig(time_share_after=math.inf, max_cross_zone=cfg.policy.max_cross_zone, demote_after=None)

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fireflyer.errors import FireflyerError
+from fireflyer.errors import FireflyerError, UserError
 from fireflyer.platform.accounts import Account
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir
@@ -160,7 +160,7 @@ class SlurmExecutor:
 
     def sbatch_argv(self, launch: Launch, adir: AttemptDir, script: Path) -> list[str]:
         if not launch.nodes:
-            raise ValueError(f"task {launch.task_id}: no nodes to launch on")
+            raise UserError(f"task {launch.task_id}: no nodes to launch on")
         argv = ["sbatch", "--parsable", "--job-name", self.job_name(launch.task_id),
                 "--nodes", str(len(launch.nodes)), "--nodelist", ",".join(launch.nodes),
                 "--ntasks-per-node", str(launch.ranks_per_node),
@@ -220,7 +220,7 @@ class SlurmExecutor:
         """Send a signal to the job's batch script only: its supervisor (USR1 or TERM: a suspend request)."""
         _check_handle(handle)
         if not sig.replace("SIG", "", 1).isalnum():
-            raise ValueError(f"bad signal name {sig!r}")
+            raise UserError(f"bad signal name {sig!r}")
         run_slurm(["scancel", f"--signal={sig}", "--batch", handle], timeout=self.timeout)
 
     def find(self, task_id: int, attempt_dir: str | None = None) -> str | None:
@@ -247,7 +247,7 @@ class SlurmExecutor:
 
 def _check_handle(handle: str) -> None:
     if not str(handle).isdigit():
-        raise ValueError(f"not a Slurm job id: {handle!r}")
+        raise UserError(f"not a Slurm job id: {handle!r}")
 
 
 # ---------------------------------------------------------------------- inside the job
@@ -318,7 +318,7 @@ def slurm_nodes(partition: str | None = None, *, timeout: float = TIMEOUT_S) -> 
 
 def _check_node(node: str) -> None:
     if not node or any(c.isspace() or c in "=," for c in node):
-        raise ValueError(f"bad node name {node!r}")
+        raise UserError(f"bad node name {node!r}")
 
 
 def drain(node: str, reason: str, *, timeout: float = TIMEOUT_S) -> None:

@@ -25,7 +25,7 @@ from enum import IntFlag
 from pathlib import Path
 from typing import Any, Iterable
 
-from fireflyer.errors import FireflyerError
+from fireflyer.errors import FireflyerError, UserError
 from fireflyer.fsutil import private_dir, private_file
 from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
 
@@ -234,11 +234,11 @@ class Store:
         with self._tx() as db:
             if db.execute("UPDATE nodes SET drained=?, reason=? WHERE name=?", (int(drained), reason, name)).rowcount != 1:
                 known = [r[0] for r in db.execute("SELECT name FROM nodes ORDER BY name LIMIT 8")]
-                raise ValueError(f"unknown node {name!r}; nodes include {', '.join(known) or 'none'}")
+                raise UserError(f"unknown node {name!r}; nodes include {', '.join(known) or 'none'}")
 
     def set_quota(self, user: str, group: str, priority: Priority, nodes: int) -> None:
         if nodes < 0:
-            raise ValueError(f"a quota is a non-negative node count, got {nodes}")
+            raise UserError(f"a quota is a non-negative node count, got {nodes}")
         with self._tx() as db:
             db.execute("INSERT INTO quotas VALUES (?,?,?,?) ON CONFLICT(user, grp, priority) DO UPDATE SET "
                        "nodes=excluded.nodes", (user, group, int(priority), nodes))
@@ -281,11 +281,11 @@ class Store:
         """Queue a new chain; returns its task id (the earlier one if ``request_id`` was seen before)."""
         priority = Priority.parse(priority)
         if nodes < 1:
-            raise ValueError(f"a task needs at least one node, got {nodes}")
+            raise UserError(f"a task needs at least one node, got {nodes}")
         if not command:
-            raise ValueError("a task needs a command")
+            raise UserError("a task needs a command")
         if ranks_per_node < 1:
-            raise ValueError(f"a task needs at least one rank per node, got {ranks_per_node}")
+            raise UserError(f"a task needs at least one rank per node, got {ranks_per_node}")
         now = time.time() if now is None else now
         # Idempotency keys are the submitting user's own: another user's key never finds (or
         # blocks) this user's task. The column is unique, so the key is stored under its user.
@@ -402,7 +402,7 @@ class Store:
                 db.execute("UPDATE tasks SET stop_requested=1 WHERE id=?", (t.id,))
                 db.execute("INSERT INTO events(task_id, at, kind) VALUES (?,?,'stop requested')", (t.id, now))
         else:
-            raise ValueError(f"task {task_id} has already finished ({stop_text(t.stop_code)})")
+            raise UserError(f"task {task_id} has already finished ({stop_text(t.stop_code)})")
         return self.task(t.id)
 
     def request_suspend(self, task_id: int, *, now: float | None = None) -> TaskRow:
@@ -410,7 +410,7 @@ class Store:
         now = time.time() if now is None else now
         t = self.latest(task_id)
         if t.state not in (RUNNING, SUSPENDING):
-            raise ValueError(f"task {task_id} is {t.state}, not running: only a running task can be suspended")
+            raise UserError(f"task {task_id} is {t.state}, not running: only a running task can be suspended")
         with self._tx() as db:
             db.execute("UPDATE tasks SET state=?, hold=1 WHERE id=? AND state IN (?,?)",
                        (SUSPENDING, t.id, RUNNING, SUSPENDING))
@@ -427,7 +427,7 @@ class Store:
                 db.execute("UPDATE tasks SET hold=0 WHERE id=?", (t.id,))
             return self.task(t.id)
         if t.state != HELD:
-            raise ValueError(f"task {task_id} is {t.state}, not suspended by its user: nothing to resume")
+            raise UserError(f"task {task_id} is {t.state}, not suspended by its user: nothing to resume")
         with self._tx() as db:
             db.execute("UPDATE tasks SET state=?, submitted_at=? WHERE id=? AND state=?", (QUEUED, now, t.id, HELD))
             db.execute("INSERT INTO events(task_id, at, kind) VALUES (?,?,'resumed')", (t.id, now))

@@ -32,6 +32,7 @@ from fireflyer.storage.backends import Backend, open_backend
 from fireflyer.storage.errors import StorageError
 from fireflyer.fsutil import atomic_write
 from fireflyer.storage.policy import FrequencyAdmission, Prefetcher
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,15 +57,15 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "dram_bytes", "ssd_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.ssd_bytes > 0 and not self.ssd_dir:
-            raise ValueError("ssd_dir is required when ssd_bytes > 0")
+            raise UserError("ssd_dir is required when ssd_bytes > 0")
         if self.prefetch_threads < 1:
-            raise ValueError(f"prefetch_threads must be at least 1, got {self.prefetch_threads}")
+            raise UserError(f"prefetch_threads must be at least 1, got {self.prefetch_threads}")
         if self.prefetch_queue < 1:
-            raise ValueError(f"prefetch_queue must be at least 1, got {self.prefetch_queue}")
+            raise UserError(f"prefetch_queue must be at least 1, got {self.prefetch_queue}")
         if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {self.timeout}")
+            raise UserError(f"timeout must be positive seconds, got {self.timeout}")
 
 
 class _Tier:
@@ -215,7 +216,7 @@ class ShardCache:
         self.backend = open_backend(backend)
         self.keys = list(keys)
         if len(set(self.keys)) != len(self.keys):
-            raise ValueError("keys must be distinct")
+            raise UserError("keys must be distinct")
         self._index = {k: i for i, k in enumerate(self.keys)}
         self.tiers: list[_Tier] = []
         c = self.config
@@ -226,7 +227,7 @@ class ShardCache:
         if c.ssd_bytes > 0:
             self.tiers.append(_SSDTier(c.ssd_bytes, c.ssd_dir))  # type: ignore[arg-type]
         if not self.tiers:
-            raise ValueError("the cache has no tier: give dram_bytes, ssd_bytes or (with CUDA) gpu_bytes")
+            raise UserError("the cache has no tier: give dram_bytes, ssd_bytes or (with CUDA) gpu_bytes")
         self.prefetcher = prefetcher
         self.admission = admission
         self.stats = CacheStats(hits={t.name: 0 for t in self.tiers} | {"backend": 0, "top": 0},

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 from fireflyer.storage.policy import (LRU, ConfidencePrefetch, FrequencyAdmission, LocalityPrefetch, OraclePrefetch,
                                       Prefetcher)
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,19 +69,19 @@ class SimConfig:
         positive = ("shards", "trace_len", "max_step", "hbm_slots", "dram_slots", "window", "admission_window")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("ssd_cost", "dram_cost", "spec_overhead", "budget", "penalty"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0.0 <= self.local_prob <= 1.0:
-            raise ValueError(f"local_prob must be in [0, 1], got {self.local_prob}")
+            raise UserError(f"local_prob must be in [0, 1], got {self.local_prob}")
         if not self.distances or any(d < 1 for d in self.distances) or len(set(self.distances)) != len(self.distances):
-            raise ValueError(f"distances must be distinct integers >= 1, got {self.distances}")
+            raise UserError(f"distances must be distinct integers >= 1, got {self.distances}")
         if any(not 0.0 <= t <= 1.0 for t in self.thresholds) or not self.thresholds:
-            raise ValueError(f"thresholds must be in [0, 1], got {self.thresholds}")
+            raise UserError(f"thresholds must be in [0, 1], got {self.thresholds}")
         for name in ("lat_hbm", "lat_dram", "lat_ssd", "interval"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
 
 
 def make_trace(cfg: SimConfig) -> list[int]:

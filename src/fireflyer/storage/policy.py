@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Hashable, Protocol, Sequence
+from fireflyer.errors import UserError
 
 
 class Prefetcher(Protocol):
@@ -42,9 +43,9 @@ class LocalityPrefetch:
 
     def __post_init__(self) -> None:
         if self.distance < 0:
-            raise ValueError(f"distance must be >= 0, got {self.distance}")
+            raise UserError(f"distance must be >= 0, got {self.distance}")
         if self.num_shards < 1:
-            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+            raise UserError(f"num_shards must be >= 1, got {self.num_shards}")
 
     def observe(self, i: int, shard: int) -> None:
         pass
@@ -62,7 +63,7 @@ class OraclePrefetch:
 
     def __post_init__(self) -> None:
         if self.distance < 0:
-            raise ValueError(f"distance must be >= 0, got {self.distance}")
+            raise UserError(f"distance must be >= 0, got {self.distance}")
 
     def observe(self, i: int, shard: int) -> None:
         pass
@@ -87,13 +88,13 @@ class ConfidencePrefetch:
 
     def __post_init__(self) -> None:
         if self.max_distance < 1:
-            raise ValueError(f"max_distance must be >= 1, got {self.max_distance}")
+            raise UserError(f"max_distance must be >= 1, got {self.max_distance}")
         if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+            raise UserError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+            raise UserError(f"window must be >= 1, got {self.window}")
         if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+            raise UserError(f"decay must be in (0, 1], got {self.decay}")
         self.confidence = [self.initial] * (self.max_distance + 1)
         self._pending: deque[list] = deque()  # [issued at, offset, shard, resolved], oldest first
         self._open: dict[int, list[list]] = {}
@@ -141,7 +142,7 @@ class FrequencyAdmission:
 
     def __post_init__(self) -> None:
         if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+            raise UserError(f"window must be >= 1, got {self.window}")
         self._counts: dict[Hashable, int] = {}
         self._seen = 0
 
@@ -164,7 +165,7 @@ class LRU:
 
     def __init__(self, slots: int) -> None:
         if slots < 1:
-            raise ValueError(f"a tier needs at least one slot, got {slots}")
+            raise UserError(f"a tier needs at least one slot, got {slots}")
         self.slots = slots
         self._d: OrderedDict[Hashable, None] = OrderedDict()
 

@@ -37,6 +37,7 @@ import numpy as np
 from fireflyer.storage.backends import Backend, LocalBackend, open_backend
 from fireflyer.storage.errors import CorruptRecord, DatasetError, NotFound
 from fireflyer.fsutil import durable_replace
+from fireflyer.errors import UserError, UserTypeError
 
 MANIFEST = "dataset.json"
 _MAGIC = b"FFRIDX1\x00"
@@ -56,7 +57,7 @@ class WriterConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.records_per_shard <= 1 << 31:
-            raise ValueError(f"records_per_shard must be in 1..2**31, got {self.records_per_shard}")
+            raise UserError(f"records_per_shard must be in 1..2**31, got {self.records_per_shard}")
 
 
 class RecordWriter:
@@ -85,10 +86,10 @@ class RecordWriter:
         else:
             self.manifest = manifest
             if records_per_shard is not None and records_per_shard != manifest["records_per_shard"]:
-                raise ValueError(f"the dataset at {self.backend!r} has {manifest['records_per_shard']} records per "
+                raise UserError(f"the dataset at {self.backend!r} has {manifest['records_per_shard']} records per "
                                  f"shard; append with the same (or leave records_per_shard unset)")
             if meta is not None and meta != manifest.get("meta", {}):
-                raise ValueError("meta differs from the dataset's; appending records of another kind is refused")
+                raise UserError("meta differs from the dataset's; appending records of another kind is refused")
         self.rps = int(self.manifest["records_per_shard"])
         self._entries: list[tuple[int, int, int]] = []
         self._size = 0
@@ -138,10 +139,10 @@ class RecordWriter:
     def append(self, record: bytes | bytearray | memoryview) -> int:
         """Add one record; returns its sample id."""
         if self._closed:
-            raise ValueError("this RecordWriter is closed")
+            raise UserError("this RecordWriter is closed")
         data = bytes(record)
         if len(data) >= 1 << 32:
-            raise ValueError(f"a record must be under 4 GiB, got {len(data)} bytes")
+            raise UserError(f"a record must be under 4 GiB, got {len(data)} bytes")
         sid = self.count
         if self._spool is None:
             self._open_spool(len(self.manifest["shards"]))
@@ -247,7 +248,7 @@ class RecordReader:
 
     def __init__(self, root: str | os.PathLike | Backend, *, threads: int = 4) -> None:
         if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+            raise UserError(f"threads must be at least 1, got {threads}")
         if isinstance(root, Backend) or "://" in os.fspath(root):
             self.backend = open_backend(root)
         elif os.path.isdir(root):
@@ -293,7 +294,7 @@ class RecordReader:
     def locate(self, i: int) -> tuple[int, int, int, int]:
         """(shard number, offset, length, crc) of sample ``i``."""
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
-            raise TypeError(f"a sample id must be an int, got {type(i).__name__}")
+            raise UserTypeError(f"a sample id must be an int, got {type(i).__name__}")
         if not 0 <= i < self._len:
             raise IndexError(f"sample {i} is outside 0..{self._len - 1}")
         s, j = divmod(int(i), self.rps)
@@ -418,7 +419,7 @@ def from_numpy(array: np.ndarray, root: str | os.PathLike | Backend, *, records_
     """One record per row of ``array`` (C order); ``RecordReader.decode`` gives the rows back."""
     a = np.ascontiguousarray(array)
     if a.ndim < 1 or a.dtype.hasobject:
-        raise ValueError("from_numpy needs an array of at least one dimension with a plain (non-object) dtype")
+        raise UserError("from_numpy needs an array of at least one dimension with a plain (non-object) dtype")
     meta = {"kind": "numpy", "dtype": a.dtype.str, "shape": list(a.shape[1:])}
     with RecordWriter(root, records_per_shard=records_per_shard, meta=meta) as w:
         for row in a:
@@ -432,7 +433,7 @@ def from_folder(folder: str | os.PathLike, root: str | os.PathLike | Backend, *,
     which are also stored as ``names.json`` beside the shards."""
     base = os.fspath(folder)
     if not os.path.isdir(base):
-        raise ValueError(f"{base!r} is not a directory")
+        raise UserError(f"{base!r} is not a directory")
     names = []
     for dirpath, _, files in os.walk(base):
         for f in files:
@@ -442,7 +443,7 @@ def from_folder(folder: str | os.PathLike, root: str | os.PathLike | Backend, *,
     names.sort()
     backend = open_backend(root)
     if backend.exists(MANIFEST):
-        raise ValueError(f"{backend!r} already holds records; convert a folder into an empty location")
+        raise UserError(f"{backend!r} already holds records; convert a folder into an empty location")
     with RecordWriter(backend, records_per_shard=records_per_shard, meta={"kind": "files"}) as w:
         for rel in names:
             with open(os.path.join(base, *rel.split("/")), "rb") as f:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,13 +28,13 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
-            raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
+            raise UserError(f"num_samples must be at least 1, got {self.num_samples}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+            raise UserError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} must be in 0..world_size-1 (world_size {self.world_size})")
+            raise UserError(f"rank {self.rank} must be in 0..world_size-1 (world_size {self.world_size})")
         if self.drop_last and self.num_samples < self.world_size * self.batch_size:
-            raise ValueError(f"{self.num_samples} samples cannot fill one batch of {self.batch_size} on each of "
+            raise UserError(f"{self.num_samples} samples cannot fill one batch of {self.batch_size} on each of "
                              f"{self.world_size} ranks; lower batch_size or set drop_last=False")
 
 
@@ -54,7 +55,7 @@ class ResumableSampler:
     def set_step(self, step: int) -> None:
         """Continue from global step ``step`` (batches this rank has already consumed)."""
         if not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise UserError(f"step must be a non-negative int, got {step!r}")
         self.step = int(step)
 
     @property
@@ -100,6 +101,6 @@ class ResumableSampler:
         c = self.config
         for key in ("seed", "num_samples", "batch_size", "world_size", "shuffle", "drop_last"):
             if key in state and state[key] != getattr(c, key):
-                raise ValueError(f"the checkpoint's sampler had {key}={state[key]!r} but this one has "
+                raise UserError(f"the checkpoint's sampler had {key}={state[key]!r} but this one has "
                                  f"{getattr(c, key)!r}; resume with the same data settings")
         self.set_step(int(state["step"]))

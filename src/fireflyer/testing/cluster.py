@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from fireflyer.launch import JOB_SECRET, rank_env
 from fireflyer.ports import free_port
+from fireflyer.errors import UserError
 
 
 @dataclass
@@ -93,7 +94,7 @@ class LocalCluster:
     def __init__(self, layout: Sequence[int], *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
                  parent_store: bool = False) -> None:
         if not layout or any(n < 1 for n in layout):
-            raise ValueError(f"layout needs one positive rank count per node, got {list(layout)}")
+            raise UserError(f"layout needs one positive rank count per node, got {list(layout)}")
         self.layout = list(layout)
         self.world_size = sum(layout)
         self._mp = mp.get_context("spawn")
@@ -159,7 +160,7 @@ class LocalCluster:
     def respawn(self, rank: int, timeout: float = 120.0) -> None:
         """Start a new process for ``rank`` (after it died); needs ``parent_store=True``."""
         if self.store is None:
-            raise ValueError("respawn needs LocalCluster(..., parent_store=True): rank 0 holds the store otherwise")
+            raise UserError("respawn needs LocalCluster(..., parent_store=True): rank 0 holds the store otherwise")
         old = self.procs[rank]
         if old.is_alive():
             old.kill()

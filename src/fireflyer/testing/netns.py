@@ -25,6 +25,7 @@ import subprocess
 from types import TracebackType
 
 from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.errors import UserError
 
 CMD_TIMEOUT_S = 10.0
 """Timeout of every ``ip``/``tc`` call."""
@@ -118,13 +119,13 @@ class ShapedLink:
 
     def __init__(self, *, rate_mbit: float, nodes: int = 2, delay_ms: float = 0.0, prefix: str = "ffr") -> None:
         if not isinstance(rate_mbit, (int, float)) or not rate_mbit > 0:
-            raise ValueError(f"rate_mbit must be a positive number of Mbit/s, got {rate_mbit!r}")
+            raise UserError(f"rate_mbit must be a positive number of Mbit/s, got {rate_mbit!r}")
         if not isinstance(nodes, int) or not 2 <= nodes <= 200:
-            raise ValueError(f"nodes must be an integer in 2..200, got {nodes!r}")
+            raise UserError(f"nodes must be an integer in 2..200, got {nodes!r}")
         if not delay_ms >= 0:
-            raise ValueError(f"delay_ms must be >= 0, got {delay_ms!r}")
+            raise UserError(f"delay_ms must be >= 0, got {delay_ms!r}")
         if not prefix or "-" in prefix or not prefix.isascii() or len(prefix) > 8:
-            raise ValueError(f"prefix must be 1..8 ASCII characters without '-', got {prefix!r}")
+            raise UserError(f"prefix must be 1..8 ASCII characters without '-', got {prefix!r}")
         self.rate_mbit = float(rate_mbit)
         self.nodes = nodes
         self.delay_ms = float(delay_ms)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from fireflyer.validator.xid import TABLE_VI
+from fireflyer.errors import UserError
 
 FORMATS = ("dmesg", "dmesg-T", "journal")
 IB_PER_XID = 213 / 12970
@@ -80,19 +81,19 @@ class SynthConfig:
 
     def __post_init__(self) -> None:
         if self.xids < 0:
-            raise ValueError(f"xids must be >= 0, got {self.xids}")
+            raise UserError(f"xids must be >= 0, got {self.xids}")
         if self.nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+            raise UserError(f"nodes must be >= 1, got {self.nodes}")
         if self.days <= 0:
-            raise ValueError(f"days must be > 0, got {self.days}")
+            raise UserError(f"days must be > 0, got {self.days}")
         if not 0 <= self.outage_fraction <= 1:
-            raise ValueError(f"outage_fraction must be in [0, 1], got {self.outage_fraction}")
+            raise UserError(f"outage_fraction must be in [0, 1], got {self.outage_fraction}")
         if self.ib_incidents is not None and self.ib_incidents < 0:
-            raise ValueError(f"ib_incidents must be >= 0, got {self.ib_incidents}")
+            raise UserError(f"ib_incidents must be >= 0, got {self.ib_incidents}")
         if self.malformed < 0 or self.noise_per_event < 0:
-            raise ValueError("malformed and noise_per_event must be >= 0")
+            raise UserError("malformed and noise_per_event must be >= 0")
         if self.start.tzinfo is None:
-            raise ValueError("start must carry a time zone (use UTC)")
+            raise UserError("start must carry a time zone (use UTC)")
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,7 @@ from importlib import resources
 
 import numpy as np
 import torch
+from fireflyer.errors import UserError
 
 SPLIT_BLOCK = 8192
 SAMPLE_PROMPT = "ROMEO:\n"
@@ -57,7 +58,7 @@ class CharTokenizer:
         try:
             return torch.tensor([index[c] for c in text], dtype=torch.long)
         except KeyError as exc:
-            raise ValueError(f"character {exc.args[0]!r} is not in the vocabulary") from None
+            raise UserError(f"character {exc.args[0]!r} is not in the vocabulary") from None
 
     def decode(self, ids: torch.Tensor | list[int]) -> str:
         return "".join(self.chars[i] for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids))
@@ -86,7 +87,7 @@ class Batches:
 
     def __init__(self, tokens: torch.Tensor, *, context: int, batch: int, seed: int, device: torch.device) -> None:
         if len(tokens) < context + 2:
-            raise ValueError(f"a split of {len(tokens)} tokens is too short for a context of {context}; "
+            raise UserError(f"a split of {len(tokens)} tokens is too short for a context of {context}; "
                              "lower context or val_fraction")
         self.tokens = tokens
         self.context = context

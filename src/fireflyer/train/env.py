@@ -4,6 +4,7 @@ and the engine's settings (:mod:`fireflyer.hfreduce.env`); the functions here ar
 from __future__ import annotations
 
 import os
+from fireflyer.errors import UserError
 
 FAIL_AT = "FIREFLYER_TRAIN_FAIL_AT"
 """Fault injection: ``RANK:STEP`` makes that rank raise as it starts that step (tests use it)."""
@@ -20,7 +21,7 @@ def injected_failure(rank: int) -> int | None:
     try:
         fail_rank, step = (int(part) for part in raw.split(":"))
     except ValueError:
-        raise ValueError(f"{FAIL_AT}={raw!r} must be RANK:STEP, e.g. 1:5") from None
+        raise UserError(f"{FAIL_AT}={raw!r} must be RANK:STEP, e.g. 1:5") from None
     return step if fail_rank == rank else None
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fireflyer.errors import UserError
 
 HEAD_DIM = 64
 """The head width :meth:`ModelShape.for_params` keeps."""
@@ -40,9 +41,9 @@ class ModelShape:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context", "layers", "d_model", "heads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.heads:
-            raise ValueError(f"ModelShape.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+            raise UserError(f"ModelShape.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
 
     @property
     def num_params(self) -> int:
@@ -55,7 +56,7 @@ class ModelShape:
         """The shape whose width comes closest to ``target`` parameters: ``d_model`` 16, 32, 48, then
         multiples of 64 (heads of 64), so ``25M`` and ``1M`` give shapes alike."""
         if target < 1 or layers < 1:
-            raise ValueError(f"need a positive parameter target and layer count, got {target} and {layers}")
+            raise UserError(f"need a positive parameter target and layer count, got {target} and {layers}")
         best = None
         for d in [16, 32, 48, *range(HEAD_DIM, 16385, HEAD_DIM)]:
             shape = cls(vocab_size=vocab_size, context=context, layers=layers, d_model=d, heads=max(1, d // HEAD_DIM))
@@ -147,7 +148,7 @@ class GPT(nn.Module):
         """Logits of ``idx``; with ``targets``, their mean next-token cross-entropy instead."""
         t = idx.shape[1]
         if t > self.shape.context:
-            raise ValueError(f"sequence of {t} tokens is longer than the model's context of {self.shape.context}")
+            raise UserError(f"sequence of {t} tokens is longer than the model's context of {self.shape.context}")
         pos = torch.arange(t, device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.errors import UserError
+from fireflyer.fsutil import make_dirs
 from fireflyer.train.config import TrainConfig, builtin_config, check_resumable, read_toml
 
 
@@ -58,4 +59,4 @@ def start_afresh(out: Path) -> None:
     shutil.rmtree(out / "state", ignore_errors=True)  # states of the format before the checkpoint manager
     for name in ("run.json", "loss.png"):
         (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)

@@ -28,6 +28,7 @@ from fireflyer.train.files import write_json
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.train.optim import build_optimizer
 from fireflyer.train.progress import StepStats, Throughput, make_progress
+from fireflyer.errors import UserError
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Trainer:
     def _restore(self, step: int) -> int:
         state = saved.load_state(self.cfg.out, step)
         if state["vocab"] != self.tokenizer.chars:
-            raise ValueError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
+            raise UserError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
                              "vocabulary; start afresh with a new --out")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

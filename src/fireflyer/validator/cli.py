@@ -11,6 +11,7 @@ import re
 import sys
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
@@ -101,6 +102,8 @@ def main(argv: list[str]) -> int:
     from fireflyer.validator.runner import run_checks, select_checks
 
     names = select_checks(args.checks, args.skip)
+    if args.xid_log is not None and not Path(args.xid_log).is_file():
+        raise UserError(f"--xid-log {args.xid_log}: no such file")
     drain_argv = parse_drain_command(args.drain) if args.drain is not None else None
     profile = load_profile(args.profile or default_profile_name(gpu_names()))
     try:

@@ -38,6 +38,7 @@ from fireflyer.validator.xid import (
     lookup,
     recovery_action,
 )
+from fireflyer.errors import UserError
 
 DEFAULT_FLASH_WINDOW_S = 60.0
 
@@ -263,7 +264,7 @@ def analyse(logs: Iterable[ParsedLog], *, window_s: float = DEFAULT_FLASH_WINDOW
 def mtbf_hours(node_hours: float, failures: int) -> float | None:
     """Mean time between failures of *one node*: node-hours observed per failure (``None`` if none failed)."""
     if node_hours < 0:
-        raise ValueError(f"node_hours must be >= 0, got {node_hours}")
+        raise UserError(f"node_hours must be >= 0, got {node_hours}")
     return node_hours / failures if failures > 0 else None
 
 
@@ -274,7 +275,7 @@ def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
     an interval on average). Daly's refinement (:func:`daly_interval`) differs when C is not ≪ M.
     """
     if save_cost_s < 0 or mtbf_s <= 0:
-        raise ValueError(f"need save cost >= 0 and MTBF > 0, got C={save_cost_s}, M={mtbf_s}")
+        raise UserError(f"need save cost >= 0 and MTBF > 0, got C={save_cost_s}, M={mtbf_s}")
     return math.sqrt(2.0 * save_cost_s * mtbf_s)
 
 

@@ -69,7 +69,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--hours", type=_positive, metavar="H", help="observed hours per node (default: each log's first to last stamp)")
     p.add_argument("--save-cost", type=_non_negative, metavar="SECONDS", help="checkpoint save cost C (default: "
                    f"{'/'.join(_SAVE_COST_FIELDS)} from {CHECKPOINT_JSON} if present, else {DEFAULT_SAVE_COST_S:g} s)")
-    p.add_argument("--checkpoint-json", type=Path, default=CHECKPOINT_JSON, metavar="PATH", help=f"default {CHECKPOINT_JSON}")
+    p.add_argument("--checkpoint-json", type=Path, default=None, metavar="PATH",
+                   help=f"the checkpoint benchmark's JSON for the save cost (default {CHECKPOINT_JSON}, if it is there)")
     p.add_argument("--job-nodes", type=int, metavar="N", help="nodes one job spans, for its MTBF (default: every node seen)")
     g = p.add_argument_group("synthetic logs")
     g.add_argument("--synthesize", type=int, metavar="N", help="write logs with N Xid events in the paper's mix instead")
@@ -141,14 +142,20 @@ def read_logs(items: list[str], *, node: str | None, boot_time: datetime | None,
     return logs
 
 
-def save_cost(flag: float | None, path: Path) -> tuple[float, str]:
-    """The checkpoint save cost C and where it came from: the flag, the benchmark's JSON, or the default."""
+def save_cost(flag: float | None, path: Path | None) -> tuple[float, str]:
+    """The checkpoint save cost C and where it came from: the flag, the benchmark's JSON, or the default.
+
+    A JSON the user named (``path`` given) must be readable; the default one may be missing."""
     if flag is not None:
         return flag, "--save-cost"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads((path or CHECKPOINT_JSON).read_text())
+    except (OSError, ValueError) as exc:
+        if path is not None:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"not JSON ({exc})"
+            raise UserError(f"--checkpoint-json {path}: {why}") from None
         return DEFAULT_SAVE_COST_S, "default (no readable checkpoint benchmark)"
+    path = path or CHECKPOINT_JSON
     for name in _SAVE_COST_FIELDS:
         value = _find_number(data, name)
         if value is not None:
@@ -311,7 +318,8 @@ def plot_timeline(analysis: Analysis, path: Path) -> None:
     ax.set_xlabel(f"hours since {start} UTC" if clocks == ["wall"] else
                   "hours since boot" if clocks == ["boot"] else f"hours (wall clock since {start}; boot-clock logs since boot)")
     ax.set_title("Xid and InfiniBand events per node")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # nothing to name on a quiet log
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     atomic_write(str(path), lambda f: fig.savefig(f, format="png", dpi=110))
 

@@ -14,6 +14,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from fireflyer.errors import UserError
 
 
 class Status(enum.IntEnum):
@@ -41,9 +42,9 @@ class Thresholds:
         for name in ("warn_below", "fail_below"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise ValueError(f"{name} must be a fraction of the expected value in [0, 1], got {value!r}")
+                raise UserError(f"{name} must be a fraction of the expected value in [0, 1], got {value!r}")
         if self.fail_below > self.warn_below:
-            raise ValueError(f"fail_below ({self.fail_below}) must not exceed warn_below ({self.warn_below})")
+            raise UserError(f"fail_below ({self.fail_below}) must not exceed warn_below ({self.warn_below})")
 
 
 def grade(measured: float, expected: float | None, thresholds: Thresholds) -> tuple[Status, str]:

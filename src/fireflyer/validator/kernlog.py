@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
+from fireflyer.errors import UserError
 
 Clock = Literal["wall", "boot"]
 """``wall``: seconds since the Unix epoch. ``boot``: seconds since the node booted."""
@@ -149,13 +150,13 @@ def _stamp(line_no: int, line: str, boot: float | None) -> _Stamped | None:
     if m := _DMESG_T.match(line):
         mon = _MONTHS.get(m.group(1))
         if mon is None:
-            raise ValueError(f"no month {m.group(1)!r}")
+            raise UserError(f"no month {m.group(1)!r}")
         t = _epoch(int(m.group(6)), mon, int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)))
         return _Stamped(line_no, t, "wall", None, m.group(7))
     if m := _SHORT.match(line):
         mon = _MONTHS.get(m.group(1))
         if mon is None:
-            raise ValueError(f"no month {m.group(1)!r}")
+            raise UserError(f"no month {m.group(1)!r}")
         frac = float(m.group(6)) if m.group(6) else 0.0
         parts = (mon, int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)), frac)
         _epoch(2000, *parts)  # leap year: rejects Feb 30 and 25:00 now, accepts Feb 29

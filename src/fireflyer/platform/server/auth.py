@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fireflyer.errors import FireflyerError
+from fireflyer.errors import FireflyerError, UserError
 
 TOKEN_PREFIX = "ff_"
 _TOKEN_RE = re.compile(r"^ff_[A-Za-z0-9_-]{43}$")
@@ -197,7 +197,7 @@ class FailedLogins:
     def __init__(self, *, limit: int = 10, window: float = 60.0, max_addresses: int = 10_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if limit < 1 or window <= 0:
-            raise ValueError(f"FailedLogins needs limit >= 1 and window > 0, got {limit} and {window}")
+            raise UserError(f"FailedLogins needs limit >= 1 and window > 0, got {limit} and {window}")
         self.limit, self.window, self.max_addresses = limit, window, max_addresses
         self._clock = clock
         self._failures: dict[str, deque[float]] = {}

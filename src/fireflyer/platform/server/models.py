@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from fireflyer.platform.api import MAX_TASK_ID
+from fireflyer.errors import UserError
 
 MAX_ID = MAX_TASK_ID
 """Task ids and offsets stay well inside SQLite's signed 64-bit integers."""
@@ -23,9 +24,9 @@ def _storable(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+        raise UserError("text must be valid Unicode (no lone surrogates)") from None
     if "\0" in text:
-        raise ValueError("text must not contain NUL characters")
+        raise UserError("text must not contain NUL characters")
     return text
 
 

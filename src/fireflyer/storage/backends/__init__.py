@@ -13,6 +13,7 @@ from urllib.parse import parse_qs, urlparse
 
 from fireflyer.storage.backends.base import Backend, RetryConfig, check_key
 from fireflyer.storage.backends.local import LocalBackend
+from fireflyer.errors import UserError
 
 __all__ = ["Backend", "LocalBackend", "RetryConfig", "check_key", "open_backend"]
 
@@ -36,4 +37,4 @@ def open_backend(url: str | os.PathLike | Backend, *, retry: RetryConfig | None 
         return S3Backend(S3Config.from_env(bucket=parsed.netloc, prefix=parsed.path.lstrip("/"),
                                            endpoint_url=q.get("endpoint", [None])[0], region=q.get("region", [None])[0]),
                          retry=retry)
-    raise ValueError(f"unknown storage URL scheme {parsed.scheme!r} in {text!r}; use a path, file://, s3:// or 3fs://")
+    raise UserError(f"unknown storage URL scheme {parsed.scheme!r} in {text!r}; use a path, file://, s3:// or 3fs://")

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from fireflyer.storage.errors import BackendError, NotFound
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,17 +28,17 @@ class RetryConfig:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError(f"attempts must be at least 1, got {self.attempts}")
+            raise UserError(f"attempts must be at least 1, got {self.attempts}")
         if self.backoff < 0 or self.max_backoff < 0:
-            raise ValueError("backoff and max_backoff must not be negative")
+            raise UserError("backoff and max_backoff must not be negative")
 
 
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not key:
-        raise ValueError(f"an object key must be a non-empty string, got {key!r}")
+        raise UserError(f"an object key must be a non-empty string, got {key!r}")
     parts = key.split("/")
     if key.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"object key {key!r} must be relative, with no empty, '.' or '..' parts")
+        raise UserError(f"object key {key!r} must be relative, with no empty, '.' or '..' parts")
     return key
 
 
@@ -60,7 +61,7 @@ class Backend:
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset`` (fewer only at the object's end)."""
         if offset < 0 or length < 0:
-            raise ValueError(f"offset and length must not be negative, got {offset}, {length}")
+            raise UserError(f"offset and length must not be negative, got {offset}, {length}")
         if length == 0:
             return b""
         return self._call("read", check_key(key), lambda: self._read_range(key, offset, length))

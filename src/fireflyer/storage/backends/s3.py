@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fireflyer.fsutil import atomic_write_file
 from fireflyer.storage import env
 from fireflyer.storage.backends.base import Backend, RetryConfig
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,11 +34,11 @@ class S3Config:
 
     def __post_init__(self) -> None:
         if not self.bucket or "/" in self.bucket:
-            raise ValueError(f"bucket must be a bucket name without '/', got {self.bucket!r}")
+            raise UserError(f"bucket must be a bucket name without '/', got {self.bucket!r}")
         if self.prefix.startswith("/"):
-            raise ValueError(f"prefix must be relative, got {self.prefix!r}")
+            raise UserError(f"prefix must be relative, got {self.prefix!r}")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
-            raise ValueError("connect_timeout and read_timeout must be positive seconds")
+            raise UserError("connect_timeout and read_timeout must be positive seconds")
 
     @classmethod
     def from_env(cls, *, bucket: str, prefix: str = "", endpoint_url: str | None = None, region: str | None = None,

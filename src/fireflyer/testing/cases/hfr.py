@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from fireflyer.errors import UserError
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 INTS = [torch.int32, torch.int64]
@@ -98,7 +99,7 @@ def run_case(ctx, case: Case) -> torch.Tensor:
             return _plain(x)
         same = torch.equal(before.view(torch.uint8), _plain(x).view(torch.uint8))
         return torch.tensor([0.0 if same else 1.0], dtype=torch.float64)
-    raise ValueError(case.kind)
+    raise UserError(case.kind)
 
 
 # numpy, independently of torch, in the input dtype: integers wrap as in C, torch and gloo.
@@ -150,7 +151,7 @@ def reference(case: Case, world: int) -> list[torch.Tensor]:
         return [torch.cat(wide)] * world
     if case.kind == "broadcast":
         return [wide[case.root]] * world
-    raise ValueError(case.kind)
+    raise UserError(case.kind)
 
 
 def tolerance(case: Case, world: int) -> float:

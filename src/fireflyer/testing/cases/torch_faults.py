@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from fireflyer.errors import UserError
 
 BIG = 4 << 20  # elements: a collective that runs long enough to die in the middle of
 _CELL = {"name": ""}
@@ -73,7 +74,7 @@ def _call(style: str, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
 
         tensor.copy_(funcol.all_reduce(tensor, "sum" if op == dist.ReduceOp.SUM else "max", dist.group.WORLD))
     else:
-        raise ValueError(style)
+        raise UserError(style)
 
 
 def _outcome(fn, check=None) -> dict:
@@ -299,7 +300,7 @@ def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
 
         model = DistributedDataParallel(_model())
     else:
-        raise ValueError(who)
+        raise UserError(who)
     _step(model)  # one good step through the wrapper
     if ctx.rank == victim:
         if fault == "between":

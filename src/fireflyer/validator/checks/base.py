@@ -23,6 +23,7 @@ from fireflyer.validator.grading import (
     grade,
     worst,
 )
+from fireflyer.errors import UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,11 +62,11 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if self.storage_mb is not None and self.storage_mb < 1:
-            raise ValueError(f"storage_mb must be at least 1, got {self.storage_mb}")
+            raise UserError(f"storage_mb must be at least 1, got {self.storage_mb}")
         if self.ranks is not None and self.ranks < 1:
-            raise ValueError(f"ranks must be at least 1, got {self.ranks}")
+            raise UserError(f"ranks must be at least 1, got {self.ranks}")
         if not self.budget_scale > 0:
-            raise ValueError(f"budget_scale must be positive, got {self.budget_scale}")
+            raise UserError(f"budget_scale must be positive, got {self.budget_scale}")
 
 
 @dataclass(frozen=True, kw_only=True)

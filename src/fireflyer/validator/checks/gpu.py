@@ -17,6 +17,7 @@ import time
 from typing import Any, ClassVar
 
 from fireflyer.validator.checks.base import Check, CheckContext, Findings
+from fireflyer.errors import UserError
 
 GIB = 1 << 30
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32"}
@@ -121,7 +122,7 @@ class GpuGemm(Check):
 
         dname = ctx.param("dtype")
         if dname not in DTYPES:
-            raise ValueError(f"gpu_gemm dtype {dname!r}: choose one of {', '.join(DTYPES)}")
+            raise UserError(f"gpu_gemm dtype {dname!r}: choose one of {', '.join(DTYPES)}")
         dtype = getattr(torch, DTYPES[dname])
         prev_tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = dname == "tf32"
