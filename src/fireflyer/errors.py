@@ -23,3 +23,19 @@ class CannotWrite(FireflyerError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class UsageError(FireflyerError, RuntimeError):
+    """An API called in a state that does not allow it (a closed wrapper, outside a platform task)."""
+
+
+class TimedOut(FireflyerError, TimeoutError):
+    """A bounded wait ran out: a job, a prefetch, a save in flight. The message says what was waited for."""
+
+
+class NotPermitted(FireflyerError, PermissionError):
+    """A file or folder that is not the owner's it must be, or a request fireflyer refuses on purpose."""
+
+
+class JobFailed(FireflyerError, RuntimeError):
+    """A job fireflyer started ended without what it had to produce; the message says where its logs are."""

@@ -7,7 +7,7 @@ import json
 import os
 import stat
 from typing import IO, Any, Callable
-from fireflyer.errors import CannotWrite, UserError
+from fireflyer.errors import CannotWrite, NotPermitted, UserError
 
 
 def fsync_dir(path: str) -> None:
@@ -147,12 +147,12 @@ def open_owned(path: str | os.PathLike, uid: int) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a link where the file should be
-            raise PermissionError(f"{path} is a link, not a file of uid {uid}") from None
+            raise NotPermitted(f"{path} is a link, not a file of uid {uid}") from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
         os.close(fd)
-        raise PermissionError(f"{path} is not a file of uid {uid}")
+        raise NotPermitted(f"{path} is not a file of uid {uid}")
     return fd
 
 
@@ -162,7 +162,7 @@ def read_owned(path: str | os.PathLike, uid: int, *, limit: int = 1 << 20) -> by
     try:
         data = os.read(fd, limit + 1)
         if len(data) > limit or os.read(fd, 1):
-            raise PermissionError(f"{path} is larger than {limit} bytes")
+            raise NotPermitted(f"{path} is larger than {limit} bytes")
         return data
     finally:
         os.close(fd)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from fireflyer.errors import FireflyerError, UserError
+from fireflyer.errors import FireflyerError, TimedOut, UserError
 from fireflyer.ports import free_port
 
 
@@ -174,7 +174,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
         if all(code is not None for code in codes):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the job did not finish within {timeout:.0f}s and was stopped")
+            raise TimedOut(f"the job did not finish within {timeout:.0f}s and was stopped")
         # One failed node means the others will only wait for it: give them a moment, then stop them.
         if any(code not in (None, 0) for code in codes):
             grace = time.monotonic() + 10

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from fireflyer.cliutil import ArgumentParser
-from fireflyer.errors import UserError
+from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench import allreduce_peers
 from fireflyer.bench.harness import document, invoked_command, machine_info  # noqa: F401 - machine_info re-exported
 from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for tests and callers
@@ -274,7 +274,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, allreduce_peers.P
             st.finish()
     except (RuntimeError, OSError) as exc:
         keep_logs = True  # the error message points at them
-        raise RuntimeError(f"layout {lay.name}: {exc} (logs in {tmp})") from exc
+        raise JobFailed(f"layout {lay.name}: {exc} (logs in {tmp})") from exc
     finally:
         for st in sets.values():
             st.kill()
@@ -375,7 +375,7 @@ def _check_candidate(name: str) -> None:
     try:
         import fireflyer.hfreduce  # noqa: F401
     except Exception as exc:
-        raise RuntimeError(f"`import fireflyer.hfreduce` failed ({exc}); try --candidate gloo") from exc
+        raise JobFailed(f"`import fireflyer.hfreduce` failed ({exc}); try --candidate gloo") from exc
     if name.lower() not in dist.Backend.backend_list:
         raise UserError(f"backend {name!r} is not registered (have: {', '.join(dist.Backend.backend_list)}); "
                         f"until the engine registers it, use --candidate gloo")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
 from fireflyer.hfreduce.config import node_key
-from fireflyer.errors import UserError
+from fireflyer.errors import JobFailed, UserError
 
 PERIOD = 65521
 """Inputs repeat a seeded random block of this many elements: prime, so a chunk moved to
@@ -341,7 +341,7 @@ def _deepspeed_set(spec: dict[str, Any], rank: int) -> Setup:
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec["timeout_s"]))
     if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
-        raise RuntimeError("DeepSpeed did not load its shm op (torch.ops.deepspeed.inference_all_reduce_)")
+        raise JobFailed("DeepSpeed did not load its shm op (torch.ops.deepspeed.inference_all_reduce_)")
     level = getattr(getattr(ds_comm.comm, "cdb", None), "shm_vector_kernel_level", 0)
     _inject_fault(rank, DEEPSPEED)
     allreduce = torch.ops.deepspeed.inference_all_reduce_

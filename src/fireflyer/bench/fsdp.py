@@ -28,7 +28,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
-from fireflyer.errors import UserError
+from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench.fsdp_worker import VARIANTS
 from fireflyer.train.model import ModelShape
 
@@ -127,7 +127,7 @@ def run_layout(cfg: FSDPBenchConfig, nodes: int, per_node: int) -> list[dict[str
     world = nodes * per_node
     missing = [r for r in range(world) if not (tmp / f"rank{r}.json").exists()]
     if missing:
-        raise RuntimeError(f"layout {nodes}x{per_node}: ranks {missing} wrote no results (logs in {tmp / 'logs'})")
+        raise JobFailed(f"layout {nodes}x{per_node}: ranks {missing} wrote no results (logs in {tmp / 'logs'})")
     ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
     shutil.rmtree(tmp, ignore_errors=True)
     return ranks

@@ -38,7 +38,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.bench.harness import bench_command, document, loadavg, pyplot, save_png, write_json
-from fireflyer.errors import UserError
+from fireflyer.errors import JobFailed, UserError
 from fireflyer.platform import simulate as sim
 from fireflyer.platform.policy import Node, PolicyConfig, Priority, Task, schedule
 from fireflyer.testing.live_platform import MARKS_JOB, LivePlatform
@@ -307,7 +307,7 @@ def _roundtrip_once(p: _BenchPlatform) -> dict[str, float]:
     ready1 = p.wait_mark("ready", chain, 1)
     first, second = p.store.chain(chain)[:2]
     if not first.stop_code & StopCode.INTERRUPT:
-        raise RuntimeError(f"task {chain}'s first attempt ended {first.stop_code}, not INTERRUPT: {first.detail}")
+        raise JobFailed(f"task {chain}'s first attempt ended {first.stop_code}, not INTERRUPT: {first.detail}")
     ack = p.wait_mark("ack", chain, 0)
     ended = p.status_time(first.id)
     p.finish(chain)
@@ -329,7 +329,7 @@ def _preempt_once(p: _BenchPlatform) -> dict[str, float]:
     ack = p.wait_mark("ack", low, 0)
     first = p.store.chain(low)[0]
     if not first.stop_code & StopCode.INTERRUPT:
-        raise RuntimeError(f"task {low} ended {first.stop_code}, not INTERRUPT: {first.detail}")
+        raise JobFailed(f"task {low} ended {first.stop_code}, not INTERRUPT: {first.detail}")
     started = p.store.task(high).started_at
     p.wait_stored(high, FINISHED)
     p.wait_mark("ready", low, 1)  # the preempted chain comes back by itself

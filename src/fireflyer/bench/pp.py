@@ -30,7 +30,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
-from fireflyer.errors import UserError
+from fireflyer.errors import JobFailed, UserError
 from fireflyer.haiscale.pipeline import Schedule
 
 DEFAULT_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
@@ -251,7 +251,7 @@ def run(cfg: PPBenchConfig) -> list[dict[str, Any]]:
     try:
         run_local(job)
     except (LaunchFailed, TimeoutError) as exc:
-        raise RuntimeError(f"the benchmark job failed: {exc}") from None
+        raise JobFailed(f"the benchmark job failed: {exc}") from None
     ranks = []
     for r in range(cfg.stages):
         with open(os.path.join(tmp, f"rank{r}.json"), encoding="utf-8") as f:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fireflyer.errors import JobFailed
 from fireflyer.bench.harness import write_json
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
@@ -63,7 +64,7 @@ def _time(conn: http.client.HTTPConnection, path: str, token: str) -> tuple[floa
     body = resp.read()
     took = time.perf_counter() - start
     if resp.status != 200:
-        raise RuntimeError(f"GET {path}: {resp.status} {body[:200]!r}")
+        raise JobFailed(f"GET {path}: {resp.status} {body[:200]!r}")
     return took, body
 
 
@@ -83,14 +84,14 @@ def measure(home: Home, token: str, tasks: int, runs: int, log: Path) -> dict[st
             if found and "Application startup complete" in text:
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {text[-1000:]}")
+                raise JobFailed(f"the server did not start: {text[-1000:]}")
             time.sleep(0.05)
         conn = http.client.HTTPConnection(found.group(1), int(found.group(2)), timeout=60)
         whole = f"/api/tasks?all=1&limit={tasks}"
         _, body = _time(conn, whole, token)  # warm-up: imports, the first connection, SQLite's page cache
         page = json.loads(body)
         if page["total"] != tasks or len(page["tasks"]) != tasks:
-            raise RuntimeError(f"listed {len(page['tasks'])} of {page['total']} tasks, expected {tasks}")
+            raise JobFailed(f"listed {len(page['tasks'])} of {page['total']} tasks, expected {tasks}")
         times = [_time(conn, whole, token)[0] for _ in range(runs)]
         parse = []
         for _ in range(runs):

@@ -53,7 +53,7 @@ from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCh
 from fireflyer.checkpoint.names import plain_name
 from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
 from fireflyer.fsutil import atomic_write_bytes
-from fireflyer.errors import UserError
+from fireflyer.errors import TimedOut, UserError
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 COMMIT = "COMMIT"
@@ -386,7 +386,7 @@ class CheckpointManager:
         if th is not None:
             th.join(timeout)
             if th.is_alive():
-                raise TimeoutError(f"the checkpoint save in flight did not finish within {timeout:.0f}s")
+                raise TimedOut(f"the checkpoint save in flight did not finish within {timeout:.0f}s")
         self._raise_failure()
 
     def _raise_failure(self) -> None:

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from fireflyer.haiscale.buckets import plan_buckets
 from fireflyer.hfreduce.reduce import Op
-from fireflyer.errors import UserError, UserTypeError
+from fireflyer.errors import UsageError, UserError, UserTypeError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +169,7 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
-            raise RuntimeError("this DistributedDataParallel was closed; wrap the module again to keep training")
+            raise UsageError("this DistributedDataParallel was closed; wrap the module again to keep training")
         self._sync_backward = self._require_sync
         if self.config.broadcast_buffers and self._buffers_list and self._world > 1:
             self._sync_tensors(self._buffers_list)
@@ -331,7 +331,7 @@ class DistributedDataParallel(nn.Module):
             step = self._step = _Step(self._buckets)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if i in step.ready:
-            raise RuntimeError(
+            raise UsageError(
                 f"parameter {self._names[i]!r} received a gradient twice in one backward pass; with DDP each "
                 "parameter may be reduced once per step (use no_sync() for several backward passes per step)")
         step.ready.add(i)

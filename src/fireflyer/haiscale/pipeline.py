@@ -52,7 +52,7 @@ from torch import nn
 
 from fireflyer.haiscale.env import pp_timeout_s
 from fireflyer.haiscale.pipeline_placement import PipelinePlacement, plan_pipelines
-from fireflyer.errors import UserError, UserTypeError
+from fireflyer.errors import UsageError, UserError, UserTypeError
 
 __all__ = [
     "Pipeline",
@@ -168,7 +168,7 @@ def make_subgroups(pp_size: int, *, pp_backend: str | None = None, dp_backend: s
     :class:`PlacementWarning` on rank 0; impossible ones raise ``ValueError``.
     """
     if not dist.is_initialized():
-        raise RuntimeError("make_subgroups needs torch.distributed: call "
+        raise UsageError("make_subgroups needs torch.distributed: call "
                            "dist.init_process_group('hfreduce') first (torchrun sets the environment)")
     pp_backend = pp_backend or default_pp_backend()
     _check_pp_backend(pp_backend)
@@ -380,7 +380,7 @@ class Pipeline:
         optimizer step (and ``zero_grad``) stays with the caller.
         """
         if not torch.is_grad_enabled():
-            raise RuntimeError("forward_backward needs autograd: it was called under torch.no_grad()")
+            raise UsageError("forward_backward needs autograd: it was called under torch.no_grad()")
         if self.is_first:
             if inputs is None:
                 raise UserError(f"pp rank {self.pp_rank} holds the first stage: pass the batch's inputs")

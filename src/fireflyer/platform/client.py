@@ -33,7 +33,7 @@ from typing import Any, Callable, NoReturn
 from fireflyer.fsutil import atomic_write
 from fireflyer.platform import env
 from fireflyer.platform.layout import AttemptDir
-from fireflyer.errors import UserError
+from fireflyer.errors import UsageError, UserError
 
 SIMULATE_ENV = env.SIMULATE_SUSPEND
 _IMPORTED_AT = time.monotonic()
@@ -130,7 +130,7 @@ def go_suspend(*, timeout: float = 60.0) -> NoReturn:
         if _simulated_after() is not None:
             print("fireflyer: simulated suspend: exiting", file=sys.stderr, flush=True)
             sys.exit(0)
-        raise RuntimeError("go_suspend() outside a platform task: nothing would stop or resume this process "
+        raise UsageError("go_suspend() outside a platform task: nothing would stop or resume this process "
                            f"(set {SIMULATE_ENV}=SECONDS to try the protocol locally)")
     adir.raise_flag("can_suspend", f"rank {rank()} pid {os.getpid()} {time.time():.3f}")
     sys.stdout.flush()

@@ -486,7 +486,7 @@ def serve(home: Home, stop: threading.Event | None = None) -> None:
     """Run cycles until SIGTERM/SIGINT (or ``stop`` is set)."""
     cfg = platform_config.load(home)
     if cfg is None:
-        raise RuntimeError(f"no platform configured in {home.root}: run 'fireflyer platform start' first")
+        raise UserError(f"no platform configured in {home.root}: run 'fireflyer platform start' first")
     fd = lock(home)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fireflyer.errors import NotPermitted
 from fireflyer.fsutil import open_beneath, read_owned, write_json_atomic  # noqa: F401 - writers import it here
 from fireflyer.platform import env
 
@@ -78,7 +79,7 @@ def open_runs_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     st = os.lstat(path)
     if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.geteuid():
-        raise PermissionError(f"runs_dir {path} must be a folder of the platform's own account")
+        raise NotPermitted(f"runs_dir {path} must be a folder of the platform's own account")
     if st.st_mode & 0o7777 != 0o711:
         os.chmod(path, 0o711)
 

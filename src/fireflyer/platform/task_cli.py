@@ -50,8 +50,8 @@ def api_errors() -> Iterator[None]:
     """The API's errors as the CLI's: a user's mistake exits 2, an unusable platform 1 (try again later)."""
     try:
         yield
-    except Unavailable as exc:
-        raise RuntimeError(str(exc)) from None
+    except Unavailable:  # a FireflyerError: the CLI exits 1, try again later
+        raise
     except ApiError as exc:
         raise UserError(str(exc)) from None
 

@@ -32,7 +32,7 @@ from fireflyer.storage.backends import Backend, open_backend
 from fireflyer.storage.errors import StorageError
 from fireflyer.fsutil import atomic_write
 from fireflyer.storage.policy import FrequencyAdmission, Prefetcher
-from fireflyer.errors import UserError
+from fireflyer.errors import TimedOut, UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,7 +326,7 @@ class ShardCache:
                     break
             waited = True  # someone else is loading it: wait for them, then look again
             if not ev.wait(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"shard {key!r} was not loaded within the timeout")
+                raise TimedOut(f"shard {key!r} was not loaded within the timeout")
         try:
             data, found = self._load_and_promote(key, demand)
         finally:
@@ -382,7 +382,7 @@ class ShardCache:
             if not busy:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"prefetches still running after {timeout:.0f}s")
+                raise TimedOut(f"prefetches still running after {timeout:.0f}s")
             time.sleep(0.002)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -402,7 +402,7 @@ class ShardCache:
             for t in self._workers:
                 t.join(max(0.0, deadline - time.monotonic()))
                 if t.is_alive():
-                    raise TimeoutError(f"the prefetch threads did not stop within {timeout:.0f}s")
+                    raise TimedOut(f"the prefetch threads did not stop within {timeout:.0f}s")
         for t in self.tiers:
             if isinstance(t, _SSDTier):
                 shutil.rmtree(t.dir, ignore_errors=True)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer.errors import UserError
 from fireflyer.launch import this_rank, threads_per_rank
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.env import injected_failure
@@ -34,7 +35,7 @@ def place(cfg: TrainConfig) -> Placement:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
-            raise RuntimeError("device = 'cuda' but this node has no CUDA device; use device = 'auto' or 'cpu'")
+            raise UserError("device = 'cuda' but this node has no CUDA device; use device = 'auto' or 'cpu'")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:

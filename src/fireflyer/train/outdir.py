@@ -23,6 +23,9 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> t
     ``resume`` and no CONFIG, the saved run's own config is the base (its ``stop_at`` dropped).
     """
     base = read_toml(config) if config else None
+    out_flag = overrides.get("out") or (base or {}).get("out")
+    if out_flag and Path(out_flag).exists() and not Path(out_flag).is_dir():
+        raise UserError(f"out {out_flag} is a file; give a folder for the run's results")
     if not resume:
         cfg = TrainConfig.from_dict({**(base or read_toml(builtin_config("demo"))), **overrides},
                                     source=config or "demo.toml")

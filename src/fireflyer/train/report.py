@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fireflyer.errors import UserError
+from fireflyer.errors import JobFailed, UserError
 from fireflyer.fsutil import atomic_write
 
 
@@ -20,7 +20,7 @@ def load_run(out: str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise RuntimeError(f"the job ended without writing {path}; see the logs in {Path(out) / 'logs'}") from None
+        raise JobFailed(f"the job ended without writing {path}; see the logs in {Path(out) / 'logs'}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc})") from None
 
