@@ -178,14 +178,19 @@ FAKE_SUPERVISOR = textwrap.dedent("""\
     # Stands in for the supervisor: slow to start (USR1 as it inherited it meanwhile), then counts USR1s.
     import os, signal, sys, time
     adir = sys.argv[3]
-    def mark(name, text=""):
+    def mark(name, text=""):  # the test reads a marker as soon as it exists: publish it whole (rename)
+        tmp = os.path.join(adir, "." + name)
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(adir, name))
+    def count(name, text):  # appended once per signal; read only after the process has exited
         with open(os.path.join(adir, name), "a") as f:
             f.write(text)
     mark("child-started", str(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN))
     deadline = time.monotonic() + 20
     while not os.path.exists(os.path.join(adir, "go-on")) and time.monotonic() < deadline:
         time.sleep(0.01)
-    signal.signal(signal.SIGUSR1, lambda *_: mark("child-got", "USR1 "))
+    signal.signal(signal.SIGUSR1, lambda *_: count("child-got", "USR1 "))
     mark("child-ready")
     while not os.path.exists(os.path.join(adir, "release")) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -98,6 +98,25 @@ def test_prefetch_runs_ahead_in_the_background():
         assert c.stats.hits["top"] == 3 and c.stats.prefetch_loaded >= 3
 
 
+def test_wait_idle_waits_for_a_prefetch_taken_off_the_queue_but_not_yet_started():
+    """A loader that has dequeued a prefetch, and not yet marked it in flight, is still busy: wait_idle()
+    returning then let the next demand race the prefetch (an LRU order, so a hit, decided by thread timing)."""
+    b, keys = _backend(4)
+    with ShardCache(b, keys, config=CacheConfig(dram_bytes=4 * SIZE),
+                    prefetcher=LocalityPrefetch(distance=1, num_shards=4)) as c:
+        fetch = c._fetch
+
+        def late(key, deadline, *, demand):
+            if not demand:
+                time.sleep(0.2)  # the loader is descheduled between the queue and the fetch
+            return fetch(key, deadline, demand=demand)
+
+        c._fetch = late
+        c.get(keys[0])
+        c.wait_idle()
+        assert c.resident()["dram"] == keys[0:2] and c.stats.prefetch_loaded == 1
+
+
 def test_demand_waits_for_the_prefetch_in_flight_instead_of_reading_twice():
     b = GatedBackend()
     keys = ["a", "b"]

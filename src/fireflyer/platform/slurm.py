@@ -133,10 +133,14 @@ class SlurmExecutor:
         ``scancel --signal=USR1 --batch``), possibly the instant the job starts. The shell
         writes ``control/suspend`` itself, so a signal that comes before the supervisor's
         handler is in place is not lost, and passes the signal on; the supervisor starts
-        with USR1 and TERM ignored, so such an early signal cannot kill it either.
+        with USR1 and TERM ignored, so such an early signal cannot kill it either. The signal
+        is passed on first and the flag written last, beside itself and renamed into place (as
+        :func:`fireflyer.fsutil.atomic_write` does): whoever sees the flag sees its whole reason,
+        never an empty file, and knows the supervisor has been sent the signal.
         """
         supervisor = shlex.join([self.python, "-m", "fireflyer.platform.supervisor", str(adir.root), "--slurm"])
         flag = shlex.quote(str(adir.flag("suspend")))
+        tmp = shlex.quote(str(adir.control / ".suspend")) + ".$$"  # hidden: only the exact flag name counts
         about = (f"fireflyer task {launch.task_id} ({launch.name!r}, chain {launch.chain_id}, "
                  f"attempt {launch.attempt}) on {len(launch.nodes)} node(s)")
         return textwrap.dedent(f"""\
@@ -145,9 +149,12 @@ class SlurmExecutor:
             trap '' USR1 TERM
             {supervisor} &
             child=$!
+            flag={flag}
+            tmp={tmp}
             suspend() {{
-                [ -e {flag} ] || echo "signal SIG$1 (Slurm, to the batch script)" > {flag}
                 kill -"$1" "$child" 2>/dev/null
+                [ -e "$flag" ] || {{ echo "signal SIG$1 (Slurm, to the batch script)" > "$tmp" &&
+                    mv -f "$tmp" "$flag" || rm -f "$tmp"; }}
             }}
             trap 'suspend USR1' USR1
             trap 'suspend TERM' TERM

@@ -238,6 +238,8 @@ class ShardCache:
         self._steps = 0
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._queued: set[str] = set()
+        self._loading = 0
+        """Prefetches taken off the queue and not yet finished (not yet in ``_inflight`` at first)."""
         self._closed = False
         self._workers: list[threading.Thread] = []
         if prefetcher is not None:
@@ -294,8 +296,9 @@ class ShardCache:
             key = self._queue.get()
             if key is None:
                 return
-            with self._lock:
+            with self._lock:  # still counted busy until it has landed, so that wait_idle() waits for it
                 self._queued.discard(key)
+                self._loading += 1
             try:
                 # A resident shard is only refreshed (LRU touch), as in the model; in queue order, so
                 # that an earlier prefetch's eviction is seen by a later one.
@@ -306,6 +309,9 @@ class ShardCache:
             except Exception:  # noqa: BLE001 - a failed prefetch is retried by the demand that needs it
                 with self._lock:
                     self.stats.prefetch_errors += 1
+            finally:
+                with self._lock:
+                    self._loading -= 1
 
     def _fetch(self, key: str, deadline: float, *, demand: bool) -> tuple[Any, str, bool]:
         """Load ``key`` into the top tier. Returns (data, where it was found: 'top', a lower
@@ -374,11 +380,17 @@ class ShardCache:
             return {t.name: list(t.sizes) for t in self.tiers}
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        """Block until queued prefetches are done."""
+        """Block until queued prefetches are done: loaded, or (when resident) touched.
+
+        A prefetch counts as pending from the moment it is queued until its loader is done
+        with it, including the moment between leaving the queue and marking the key in
+        flight; so once this returns, every prefetch queued before the call has landed (or
+        failed) and the next demand cannot race it.
+        """
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                busy = bool(self._queued) or bool(self._inflight) or not self._queue.empty()
+                busy = bool(self._queued) or self._loading > 0 or bool(self._inflight) or not self._queue.empty()
             if not busy:
                 return
             if time.monotonic() > deadline:
