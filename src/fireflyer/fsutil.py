@@ -68,13 +68,18 @@ def _replace_with(path: str, fill: Callable[[str], object], tmp_name: str | None
         os.replace(tmp, path)
         fsync_dir(d)
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, CannotWrite):
             raise CannotWrite(path, exc) from exc
         raise
+
+
+def unlink_quietly(path: str | os.PathLike) -> None:
+    """Remove ``path``; nothing to remove is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def durable_replace(src: str, dst: str) -> None:
