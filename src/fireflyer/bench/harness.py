@@ -13,13 +13,13 @@ import datetime as _dt
 import json
 import os
 import platform as _platform
-import re
 import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from fireflyer import fsutil
+from fireflyer.cliutil import parse_size  # noqa: F401 - the benchmarks' size flags read through it
 from fireflyer.errors import UserError
 
 MiB = 1 << 20
@@ -157,20 +157,7 @@ def make_console(stderr: bool = False, width: int = 132) -> Any:
     return Console(width=max(width, Console().width), highlight=False, stderr=stderr)
 
 
-# -- sizes ------------------------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"1048576"``, ``"512K"``, ``"64M"``, ``"64MiB"``, ``"1G"`` (binary units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise UserError(f"cannot read size {text!r}; write bytes or a number with K, M or G (e.g. 64M)")
-    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
-    if value != int(value):
-        raise UserError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
+# -- sizes (parse_size: fireflyer.cliutil's) -------------------------------------------
 
 
 def format_size(nbytes: int) -> str:
