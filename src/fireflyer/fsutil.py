@@ -86,7 +86,8 @@ def durable_replace(src: str, dst: str) -> None:
     """Rename a finished file ``src`` over ``dst`` and fsync the directory that now holds it.
 
     ``src``'s content must already be on disk (its writer fsynced it): then ``dst`` is the
-    old file or the whole new one, also after a crash."""
+    old file or the whole new one, also after a crash. A folder moves the same way (to a
+    ``dst`` that does not exist, or is an empty folder), and stays moved after a crash."""
     os.replace(src, dst)
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
 

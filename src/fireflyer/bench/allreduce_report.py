@@ -12,11 +12,11 @@ from fireflyer.bench.harness import (  # noqa: F401 - re-exported: the allreduce
     format_size,
     make_console,
     median,
-    parse_size,
     plot_loglog,
     slowest_per_op,
     write_json,
 )
+from fireflyer.cliutil import parse_size  # noqa: F401 - re-exported: the allreduce bench reads its sizes with it
 from fireflyer.errors import UserError
 from fireflyer.fabric import traffic
 from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes

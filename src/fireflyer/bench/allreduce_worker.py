@@ -20,10 +20,8 @@ the same protocol.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -32,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
+from fireflyer.bench.allreduce_peers import DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
 from fireflyer.bench.harness import read_spec
 from fireflyer.hfreduce.config import node_key
 from fireflyer.launch import this_rank

@@ -33,6 +33,7 @@ from fireflyer.checkpoint.manager import CheckpointManager
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.bench.harness import bench_command, document, pyplot, save_figure, write_results
 from fireflyer.errors import UserError
+from fireflyer.fsutil import durable_replace
 
 BLOCK = 64 << 20
 
@@ -122,7 +123,7 @@ def disk_write_bw(directory: str, nbytes: int, tries: int = 3) -> float:
         best = max(best, nbytes / (time.perf_counter() - t0))
         if i < tries - 1:
             os.remove(path)
-    os.replace(path, os.path.join(directory, "dd.bin"))
+    durable_replace(path, os.path.join(directory, "dd.bin"))
     return best
 
 

@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, parse_size
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
 from fireflyer.bench.allreduce import _check_candidate, run_layout
@@ -42,7 +42,6 @@ from fireflyer.bench.harness import (
     invoked_command,
     make_console,
     median,
-    parse_size,
     plot_loglog,
     slowest_per_op,
     write_json,

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from fireflyer import fsutil
-from fireflyer.cliutil import parse_size  # noqa: F401 - the benchmarks' size flags read through it
 from fireflyer.errors import UserError
 
 MiB = 1 << 20

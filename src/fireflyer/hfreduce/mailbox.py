@@ -384,7 +384,7 @@ class Ring:
     def _take(self, raw: memoryview | None, tensor: torch.Tensor | None, check, deadline: float, what: str) -> None:
         n = len(raw) if raw is not None else tensor.numel()
         done = 0
-        words, size = self._words, self._size
+        words = self._words
         while done < n:
             head = words[self._head_i]
             avail = (head - self._tail) & _MASK
