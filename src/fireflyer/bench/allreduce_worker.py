@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.bench.allreduce_peers import DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
-from fireflyer.bench.harness import read_spec
+from fireflyer.bench.harness import run_worker
 from fireflyer.hfreduce.config import node_key
 from fireflyer.launch import this_rank
 from fireflyer.errors import JobFailed, UserError
@@ -379,11 +379,7 @@ def buf_itemsize(dtype: torch.dtype) -> int:
 
 
 def main(argv: list[str]) -> int:
-    spec = read_spec(argv, "python -m fireflyer.bench.allreduce_worker")
-    if spec is None:
-        return 2
-    run(spec)
-    return 0
+    return run_worker(argv, "python -m fireflyer.bench.allreduce_worker", run)
 
 
 if __name__ == "__main__":

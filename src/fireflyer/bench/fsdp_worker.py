@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.bench.harness import read_spec, write_rank_json
+from fireflyer.bench.harness import run_worker, write_rank_json
 from fireflyer.hfreduce.config import node_key
 from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
 from fireflyer.errors import UserError
@@ -141,11 +141,7 @@ def run(spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec = read_spec(argv, "python -m fireflyer.bench.fsdp_worker")
-    if spec is None:
-        return 2
-    run(spec)
-    return 0
+    return run_worker(argv, "python -m fireflyer.bench.fsdp_worker", run)
 
 
 if __name__ == "__main__":

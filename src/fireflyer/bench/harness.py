@@ -139,6 +139,15 @@ def read_spec(argv: list[str], command: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
+def run_worker(argv: list[str], command: str, run: Callable[[dict[str, Any]], object]) -> int:
+    """A worker rank's ``main``: ``run`` the spec of :func:`read_spec`; exit code 0, or 2 for a bad command line."""
+    spec = read_spec(argv, command)
+    if spec is None:
+        return 2
+    run(spec)
+    return 0
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib
