@@ -68,20 +68,26 @@ def _replace_with(path: str, fill: Callable[[str], object], tmp_name: str | None
         os.replace(tmp, path)
         fsync_dir(d)
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, CannotWrite):
             raise CannotWrite(path, exc) from exc
         raise
+
+
+def unlink_quietly(path: str | os.PathLike) -> None:
+    """Remove ``path``; nothing to remove is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def durable_replace(src: str, dst: str) -> None:
     """Rename a finished file ``src`` over ``dst`` and fsync the directory that now holds it.
 
     ``src``'s content must already be on disk (its writer fsynced it): then ``dst`` is the
-    old file or the whole new one, also after a crash."""
+    old file or the whole new one, also after a crash. A folder moves the same way (to a
+    ``dst`` that does not exist, or is an empty folder), and stays moved after a crash."""
     os.replace(src, dst)
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
 

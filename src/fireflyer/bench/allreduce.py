@@ -46,6 +46,7 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
     algbw_gbps,
     build_row,
     busbw_factor,
+    check_run_flags,
     default_iters,
     default_ops,
     default_warmup,
@@ -57,7 +58,9 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
     memory_floor_bytes,
     median,
     memory_floor_seconds,
+    op_schedule,
     parse_layout,
+    parse_layouts,
     parse_size,
     path_traffic,
     pct_of_link,
@@ -192,21 +195,10 @@ def build_config(argv: list[str]) -> BenchConfig:
             raise UserError(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_ITEMSIZE)}")
     if not dtypes:
         raise UserError("--dtypes is empty; choose from " + ", ".join(DTYPE_ITEMSIZE))
-    if a.iters is not None and a.iters < 1 or a.warmup is not None and a.warmup < 0:
-        raise UserError("--iters must be >= 1 and --warmup >= 0")
-    if a.rounds is not None and a.rounds < 1 or a.floor_ops < 1:
-        raise UserError("--rounds and --floor-ops must be >= 1")
-    if not a.link_mbit > 0 or not a.timeout > 0:
-        raise UserError("--link-mbit and --timeout must be positive")
-    layouts = tuple(parse_layout(t) for t in a.layouts.split(",") if t.strip())
-    if not layouts:
-        raise UserError("--layouts is empty")
-    schedule = []
-    for s in _sizes(a):
-        ops = a.iters or (5 if a.quick else default_ops(s))
-        warmup = a.warmup if a.warmup is not None else (1 if a.quick else default_warmup(s))
-        schedule.append((s, ops, warmup))
-    return BenchConfig(layouts=layouts, dtypes=dtypes, schedule=tuple(schedule),
+    check_run_flags(a, also=("--floor-ops",))
+    layouts = parse_layouts(a.layouts)
+    schedule = op_schedule(_sizes(a), a.iters, a.warmup, a.quick)
+    return BenchConfig(layouts=layouts, dtypes=dtypes, schedule=schedule,
                        systems=parse_systems(a.systems, a.candidate), rounds=a.rounds or (1 if a.quick else 2),
                        candidate=a.candidate, link_mbit=a.link_mbit, timeout_s=a.timeout, floor_ops=a.floor_ops,
                        json_path=a.json, png_path=a.png, engine=engine_config())

@@ -310,6 +310,16 @@ class ProcessSet:
         notes = [h["dtypes"][system].get(dtype) for h in self.hello if h]
         return next((n for n in notes if n), None)
 
+    def check_reply(self, rank: int, msg: dict[str, Any] | None, closed: str, failed: str) -> None:
+        """Raise :class:`SetFailed` for a rank's reply that is none (its channel closed: the message says
+        ``closed`` and the rank's last log line) or an error (prefixed with ``failed``)."""
+        if msg is None:
+            self.check_alive()
+            raise SetFailed(self.name, f"{self.name} rank {rank} {closed}: "
+                                       f"{_last_line(self.log(min(rank, len(self.procs) - 1)))}")
+        if "error" in msg:
+            raise SetFailed(self.name, f"{self.name} {failed}{msg['error']}")
+
     def check_alive(self) -> None:
         for i, p in enumerate(self.procs):
             rc = p.poll()
@@ -333,12 +343,7 @@ class ProcessSet:
                     if time.monotonic() > deadline:
                         raise SetFailed(self.name, f"{self.name} rank {rank}: no answer to {cmd['cmd']} "
                                                    f"in {timeout_s:.0f} s") from None
-            if msg is None:
-                self.check_alive()
-                raise SetFailed(self.name, f"{self.name} rank {rank} closed its channel: "
-                                           f"{_last_line(self.log(min(rank, len(self.procs) - 1)))}")
-            if "error" in msg:
-                raise SetFailed(self.name, f"{self.name} {msg['error']}")
+            self.check_reply(rank, msg, "closed its channel", "")
             replies.append(msg)
         return replies
 
@@ -488,12 +493,7 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
                     msg = ch.recv(0.01)
                 except TimeoutError:
                     continue
-                if msg is None:
-                    st.check_alive()
-                    raise SetFailed(st.name, f"{st.name} rank {rank} exited while setting up: "
-                                             f"{_last_line(st.log(min(rank, len(st.procs) - 1)))}")
-                if "error" in msg:
-                    raise SetFailed(st.name, f"{st.name} rank {rank} failed to start: {msg['error']}")
+                st.check_reply(rank, msg, "exited while setting up", f"rank {rank} failed to start: ")
                 st.hello[rank] = msg
             if not st.ready:
                 st.check_alive()

@@ -12,11 +12,11 @@ from fireflyer.bench.harness import (  # noqa: F401 - re-exported: the allreduce
     format_size,
     make_console,
     median,
-    parse_size,
     plot_loglog,
     slowest_per_op,
     write_json,
 )
+from fireflyer.cliutil import parse_size  # noqa: F401 - re-exported: the allreduce bench reads its sizes with it
 from fireflyer.errors import UserError
 from fireflyer.fabric import traffic
 from fireflyer.hfreduce.config import HFReduceConfig, default_chunk_bytes
@@ -218,6 +218,32 @@ def default_ops(nbytes: int) -> int:
 def default_warmup(nbytes: int) -> int:
     """Untimed ops per round, the first of them checked: 2, or 1 from 64 MiB."""
     return 1 if nbytes >= 64 * MiB else 2
+
+
+def check_run_flags(a: Any, also: tuple[str, ...] = ()) -> None:
+    """The flags ``bench allreduce`` and ``bench alltoall`` share: ``--iters`` >= 1, ``--warmup`` >= 0,
+    ``--rounds`` (and the counts ``also`` names, as ``--floor-ops``) >= 1, ``--link-mbit`` and ``--timeout`` > 0."""
+    if a.iters is not None and a.iters < 1 or a.warmup is not None and a.warmup < 0:
+        raise UserError("--iters must be >= 1 and --warmup >= 0")
+    if a.rounds is not None and a.rounds < 1 or any(getattr(a, f[2:].replace("-", "_")) < 1 for f in also):
+        raise UserError(" and ".join(("--rounds", *also)) + " must be >= 1")
+    if not a.link_mbit > 0 or not a.timeout > 0:
+        raise UserError("--link-mbit and --timeout must be positive")
+
+
+def parse_layouts(text: str) -> tuple[Layout, ...]:
+    """``--layouts``: a comma list of :func:`parse_layout`'s names, at least one."""
+    layouts = tuple(parse_layout(t) for t in text.split(",") if t.strip())
+    if not layouts:
+        raise UserError("--layouts is empty")
+    return layouts
+
+
+def op_schedule(sizes: list[int], iters: int | None, warmup: int | None, quick: bool) -> tuple[tuple[int, int, int], ...]:
+    """(bytes, timed ops per round, untimed ops per round) per size: ``--iters`` and ``--warmup`` where given,
+    else 5 and 1 for ``--quick``, else :func:`default_ops` and :func:`default_warmup`."""
+    return tuple((s, iters or (5 if quick else default_ops(s)),
+                  warmup if warmup is not None else (1 if quick else default_warmup(s))) for s in sizes)
 
 
 def memory_floor_bytes(nbytes: int, local: int, nodes: int = 1) -> int:

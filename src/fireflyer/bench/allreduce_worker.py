@@ -20,10 +20,8 @@ the same protocol.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -32,8 +30,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fireflyer.bench.allreduce_peers import CONNECT_TIMEOUT_S, DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
+from fireflyer.bench.allreduce_peers import DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
+from fireflyer.bench.harness import run_worker
 from fireflyer.hfreduce.config import node_key
+from fireflyer.launch import this_rank
 from fireflyer.errors import JobFailed, UserError
 
 PERIOD = 65521
@@ -352,7 +352,8 @@ def _deepspeed_set(spec: dict[str, Any], rank: int) -> Setup:
 
 
 def run(spec: dict[str, Any]) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    place = this_rank()
+    rank, world = place.rank, place.world_size
     setups = {"torch": _torch_set, "deepspeed": _deepspeed_set}
     run_rank(spec, rank, world, lambda: setups[spec["set"]](spec, rank))
     if dist.is_initialized():
@@ -378,13 +379,7 @@ def buf_itemsize(dtype: torch.dtype) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m fireflyer.bench.allreduce_worker SPEC.json", file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
-    run(spec)
-    return 0
+    return run_worker(argv, "python -m fireflyer.bench.allreduce_worker", run)
 
 
 if __name__ == "__main__":

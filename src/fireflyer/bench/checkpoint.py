@@ -31,8 +31,9 @@ import torch
 
 from fireflyer.checkpoint.manager import CheckpointManager
 from fireflyer.cliutil import ArgumentParser
-from fireflyer.bench.harness import bench_command, document, pyplot, save_png, write_json
+from fireflyer.bench.harness import bench_command, document, pyplot, save_figure, write_results
 from fireflyer.errors import UserError
+from fireflyer.fsutil import durable_replace
 
 BLOCK = 64 << 20
 
@@ -122,7 +123,7 @@ def disk_write_bw(directory: str, nbytes: int, tries: int = 3) -> float:
         best = max(best, nbytes / (time.perf_counter() - t0))
         if i < tries - 1:
             os.remove(path)
-    os.replace(path, os.path.join(directory, "dd.bin"))
+    durable_replace(path, os.path.join(directory, "dd.bin"))
     return best
 
 
@@ -247,9 +248,7 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
           color=["#999999", "#1f77b4", "#999999", "#2ca02c"])
     b.set_ylabel("GB/s")
     b.set_title("Throughput against the disk (dd-style)")
-    fig.tight_layout()
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)
 
 
 def main(argv: list[str]) -> int:
@@ -262,10 +261,7 @@ def main(argv: list[str]) -> int:
            "targets": {"stall_fraction_of_sync_at_most": 0.05, "persist_fraction_of_disk_at_least": 0.8},
            "config": {"gb": cfg.gb, "threads": cfg.threads, "chunk_mb": cfg.chunk_mb, "rounds": cfg.rounds},
            **r}
-    json_path, png_path = os.path.join(cfg.out_dir, "checkpoint.json"), os.path.join(cfg.out_dir, "checkpoint.png")
-    write_json(json_path, doc)
-    _write_png(png_path, r)
-    print(f"wrote {json_path} and {png_path}")
+    write_results(cfg.out_dir, "checkpoint", doc, lambda path: _write_png(path, r))
     return 0
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
-from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_png, write_json
+from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_figure, write_results
 from fireflyer.errors import UserError
 from fireflyer.launch import LocalJob, run_local
 
@@ -173,9 +173,7 @@ def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]
         ax2.set_ylim(0, 110)
         ax2.legend(fontsize=8)
         ax2.set_title("Weak scaling")
-    fig.tight_layout()
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)
 
 
 def main(argv: list[str]) -> int:
@@ -202,10 +200,8 @@ def main(argv: list[str]) -> int:
         "layouts": rows,
         "weak_scaling": weak,
     }
-    json_path, png_path = os.path.join(cfg.out_dir, "ddp.json"), os.path.join(cfg.out_dir, "ddp.png")
-    write_json(json_path, doc)
-    _write_png(png_path, rows, weak)
-    console.print(f"wrote {json_path} and {png_path}", highlight=False)
+    write_results(cfg.out_dir, "ddp", doc, lambda path: _write_png(path, rows, weak),
+                  lambda line: console.print(line, highlight=False))
     return 0
 
 

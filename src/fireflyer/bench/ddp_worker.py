@@ -11,7 +11,6 @@ which gives the fraction of communication hidden behind backward.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer.bench.harness import write_rank_json
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce.reduce import Op
@@ -114,10 +114,7 @@ def main() -> None:
             "buckets": len(models["haiscale"].bucket_sizes) if "haiscale" in models else None,
             "ranks": everyone,
         }
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, args.out)
+        write_rank_json(args.out, report)
     if "haiscale" in models:
         models["haiscale"].close()
     dist.barrier(group=gloo)

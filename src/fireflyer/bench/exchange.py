@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, parse_size
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
 from fireflyer.bench.allreduce import _check_candidate, run_layout
@@ -28,12 +28,12 @@ from fireflyer.bench.allreduce_report import (
     Layout,
     LayoutResult,
     _fmt,
-    default_ops,
-    default_warmup,
+    check_run_flags,
     format_ms,
     format_size,
     layout_title,
-    parse_layout,
+    op_schedule,
+    parse_layouts,
     speedup,
     summarize,
 )
@@ -42,7 +42,6 @@ from fireflyer.bench.harness import (
     invoked_command,
     make_console,
     median,
-    parse_size,
     plot_loglog,
     slowest_per_op,
     write_json,
@@ -109,15 +108,8 @@ def build_config(argv: list[str]) -> ExchangeConfig:
     p.add_argument("--png", default=ExchangeConfig.png_path, metavar="PATH")
     p.add_argument("--quick", action="store_true", help="64K,4M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
-    if a.iters is not None and a.iters < 1 or a.warmup is not None and a.warmup < 0:
-        raise UserError("--iters must be >= 1 and --warmup >= 0")
-    if a.rounds is not None and a.rounds < 1:
-        raise UserError("--rounds must be >= 1")
-    if not a.link_mbit > 0 or not a.timeout > 0:
-        raise UserError("--link-mbit and --timeout must be positive")
-    layouts = tuple(parse_layout(t) for t in a.layouts.split(",") if t.strip())
-    if not layouts:
-        raise UserError("--layouts is empty")
+    check_run_flags(a)
+    layouts = parse_layouts(a.layouts)
     if a.sizes is not None:
         sizes = sorted({parse_size(t) for t in a.sizes.split(",") if t.strip()})
         if not sizes:
@@ -129,8 +121,7 @@ def build_config(argv: list[str]) -> ExchangeConfig:
             if nbytes < ITEMSIZE * lay.world or nbytes % (ITEMSIZE * lay.world):
                 raise UserError(f"size {format_size(nbytes)} does not split evenly into fp32 chunks for the "
                                 f"{lay.world} ranks of {lay.name}; give a multiple of {ITEMSIZE * lay.world} bytes")
-    schedule = tuple((s, a.iters or (5 if a.quick else default_ops(s)),
-                      a.warmup if a.warmup is not None else (1 if a.quick else default_warmup(s))) for s in sizes)
+    schedule = op_schedule(sizes, a.iters, a.warmup, a.quick)
     return ExchangeConfig(layouts=layouts, schedule=schedule, rounds=a.rounds or (1 if a.quick else 2),
                           link_mbit=a.link_mbit, timeout_s=a.timeout, json_path=a.json, png_path=a.png)
 

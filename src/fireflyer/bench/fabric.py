@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fireflyer.bench.harness import pyplot, save_png, timestamp, write_json
+from fireflyer.bench.harness import pyplot, save_figure, timestamp, write_json
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.fabric import catalog as catalog_mod
@@ -126,7 +126,5 @@ def plot_bench(rows: Iterable[dict], path: str) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("fireflyer bench fabric")
-    fig.tight_layout()
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)
     return path

@@ -17,7 +17,6 @@ The table goes to the terminal, JSON and a PNG to ``--out`` (``fsdp.json``, ``fs
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import statistics
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
-from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
+from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_results
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench.fsdp_worker import VARIANTS
 from fireflyer.train.model import ModelShape
@@ -216,10 +215,7 @@ def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) ->
     ax_m.set_title(f"tensors held per rank, {res['layout']}")
     ax_m.legend(fontsize=8)
     fig.suptitle(f"FSDP: GPT {cfg.model.num_params / 1e6:.1f}M params, {cfg.model.layers} blocks")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)
 
 
 def main(argv: list[str]) -> int:
@@ -242,8 +238,6 @@ def main(argv: list[str]) -> int:
                    "steps": cfg.steps, "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr},
         "layouts": results,
     }
-    json_path, png_path = os.path.join(cfg.out_dir, "fsdp.json"), os.path.join(cfg.out_dir, "fsdp.png")
-    write_json(json_path, doc)
-    write_png(png_path, cfg, results)
-    console.print(f"wrote {json_path} and {png_path}", highlight=False)
+    write_results(cfg.out_dir, "fsdp", doc, lambda path: write_png(path, cfg, results),
+                  lambda line: console.print(line, highlight=False))
     return 0

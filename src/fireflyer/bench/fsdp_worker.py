@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fireflyer.bench.harness import run_worker, write_rank_json
 from fireflyer.hfreduce.config import node_key
 from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
 from fireflyer.errors import UserError
@@ -135,20 +135,13 @@ def run(spec: dict[str, Any]) -> None:
     for name in spec["variants"]:
         result["variants"][name] = run_variant(name, spec, gloo)
     path = os.path.join(spec["out_dir"], f"rank{rank}.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    write_rank_json(path, result)
     dist.barrier(group=gloo)
     dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m fireflyer.bench.fsdp_worker SPEC.json", file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as f:
-        run(json.load(f))
-    return 0
+    return run_worker(argv, "python -m fireflyer.bench.fsdp_worker", run)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import datetime as _dt
 import json
 import os
 import platform as _platform
-import re
 import socket
 import sys
 from pathlib import Path
@@ -101,9 +100,52 @@ def write_json(path: str, doc: dict[str, Any], indent: int = 1) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(clean_json(doc), indent=indent).encode() + b"\n"))
 
 
+def write_rank_json(path: str, doc: dict[str, Any]) -> None:
+    """What one worker rank reports to its benchmark's parent: ``doc`` as one line of JSON, atomically."""
+    atomic_write(path, lambda f: f.write(json.dumps(doc).encode()))
+
+
 def save_png(path: str, fig: Any, dpi: int = 110) -> None:
     """A matplotlib figure as PNG at ``path``, atomically."""
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+
+
+def save_figure(path: str, fig: Any, dpi: int = 110) -> None:
+    """Lay ``fig`` out tightly, write it as PNG at ``path`` (atomically) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    save_png(path, fig, dpi=dpi)
+    plt.close(fig)
+
+
+def write_results(out_dir: str, name: str, doc: dict[str, Any], write_png: Callable[[str], object],
+                  say: Callable[[str], object] = print) -> None:
+    """A benchmark's two outputs: ``doc`` as ``out_dir/NAME.json``, the chart ``write_png(path)`` draws as
+    ``out_dir/NAME.png``, then one line through ``say`` that names both."""
+    json_path, png_path = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, f"{name}.png")
+    write_json(json_path, doc)
+    write_png(png_path)
+    say(f"wrote {json_path} and {png_path}")
+
+
+def read_spec(argv: list[str], command: str) -> dict[str, Any] | None:
+    """The ``SPEC.json`` a worker rank is started with, its one argument; None, after printing the usage
+    (``command SPEC.json``) on stderr, when ``argv`` is not one path."""
+    if len(argv) != 1:
+        print(f"usage: {command} SPEC.json", file=sys.stderr)
+        return None
+    with open(argv[0], encoding="utf-8") as f:
+        return json.load(f)
+
+
+def run_worker(argv: list[str], command: str, run: Callable[[dict[str, Any]], object]) -> int:
+    """A worker rank's ``main``: ``run`` the spec of :func:`read_spec`; exit code 0, or 2 for a bad command line."""
+    spec = read_spec(argv, command)
+    if spec is None:
+        return 2
+    run(spec)
+    return 0
 
 
 def pyplot() -> Any:
@@ -123,20 +165,7 @@ def make_console(stderr: bool = False, width: int = 132) -> Any:
     return Console(width=max(width, Console().width), highlight=False, stderr=stderr)
 
 
-# -- sizes ------------------------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"1048576"``, ``"512K"``, ``"64M"``, ``"64MiB"``, ``"1G"`` (binary units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise UserError(f"cannot read size {text!r}; write bytes or a number with K, M or G (e.g. 64M)")
-    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
-    if value != int(value):
-        raise UserError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
+# -- sizes (parse_size: fireflyer.cliutil's) -------------------------------------------
 
 
 def format_size(nbytes: int) -> str:
@@ -204,6 +233,4 @@ def plot_loglog(path: str, panels: list[dict[str, Any]], title: str, ylabel: str
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)

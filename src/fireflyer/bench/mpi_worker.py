@@ -9,13 +9,13 @@ of the torch tensor that holds them, so inputs and the exact check are the torch
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
 from fireflyer.bench import allreduce_worker
 from fireflyer.bench.allreduce_peers import OPENMPI, dtype_note
+from fireflyer.bench.harness import read_spec
 
 
 def _setup() -> allreduce_worker.Setup:
@@ -34,11 +34,9 @@ def _setup() -> allreduce_worker.Setup:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: mpirun ... python -m fireflyer.bench.mpi_worker SPEC.json", file=sys.stderr)
+    spec = read_spec(argv, "mpirun ... python -m fireflyer.bench.mpi_worker")
+    if spec is None:
         return 2
-    with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
     allreduce_worker.run_rank(spec, rank, world, _setup)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
-from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_png, write_json
+from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_json
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.haiscale.pipeline import Schedule
 
@@ -337,9 +337,7 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
     ax2.legend(fontsize=7)
     fig.suptitle(f"pipeline schedules, {p} ranks on {os.cpu_count()} cores (measured: shared cores; "
                  f"replay: a device per rank)")
-    fig.tight_layout()
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)
 
 
 def main(argv: list[str]) -> int:

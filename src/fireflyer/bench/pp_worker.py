@@ -12,7 +12,6 @@ fractions.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from fireflyer.bench.harness import read_spec, write_rank_json
 
 
 class _Saved:
@@ -147,11 +148,9 @@ def run_case(spec: dict[str, Any], pp_group: Any, schedule: str, n_mb: int) -> d
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m fireflyer.bench.pp_worker SPEC.json", file=sys.stderr)
+    spec = read_spec(argv, "python -m fireflyer.bench.pp_worker")
+    if spec is None:
         return 2
-    with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
     torch.set_num_threads(1)
     if spec["backend"] == "hfreduce":
         import fireflyer.hfreduce  # noqa: F401  registers the backend
@@ -165,11 +164,7 @@ def main(argv: list[str]) -> int:
     cases = [run_case(spec, pp_group, s, m) for s in spec["schedules"] for m in spec["microbatches"]]
     rank = dist.get_rank()
     path = os.path.join(spec["out_dir"], f"rank{rank}.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"rank": rank, "pp_rank": dist.get_rank(pp_group), "cases": cases}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    write_rank_json(path, {"rank": rank, "pp_rank": dist.get_rank(pp_group), "cases": cases})
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fireflyer.cliutil import ArgumentParser
-from fireflyer.bench.harness import pyplot, save_png, timestamp, write_json
+from fireflyer.bench.harness import pyplot, save_figure, timestamp, write_results
 from fireflyer.errors import UserError
 from fireflyer.storage.backends import LocalBackend
 from fireflyer.storage.cache import CacheConfig, ShardCache
@@ -300,9 +300,7 @@ def write_png(path: str, doc: dict[str, Any]) -> None:
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
-    fig.tight_layout()
-    save_png(path, fig)
-    plt.close(fig)
+    save_figure(path, fig)
 
 
 def run(cfg: StorageBenchConfig) -> dict[str, Any]:
@@ -328,10 +326,5 @@ def run(cfg: StorageBenchConfig) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     cfg = build_config(argv)
     doc = run(cfg)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    json_path = os.path.join(cfg.out_dir, "storage.json")
-    png_path = os.path.join(cfg.out_dir, "storage.png")
-    write_json(json_path, doc)
-    write_png(png_path, doc)
-    print(f"wrote {json_path} and {png_path}")
+    write_results(cfg.out_dir, "storage", doc, lambda path: write_png(path, doc))
     return 0

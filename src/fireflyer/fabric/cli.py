@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from collections.abc import Sequence
 
+from fireflyer import cliutil
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.fabric import catalog as catalog_mod
@@ -17,18 +17,9 @@ from fireflyer.fabric.plan import PlanConfig, build_design, plan, render
 from fireflyer.fabric.routing import PLACEMENTS, Network
 
 DEFAULT_GPUS = "16,32,64,128,256,512,1024,1440"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
 def parse_size(text: str) -> int:
     """Bytes from ``"1048576"``, ``"64K"``, ``"186MiB"``, ``"1G"`` (binary units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise UserError(f"cannot read size {text!r}; write bytes or a number with K, M or G (e.g. 186MiB)")
-    value = float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower())
-    if value != int(value) or value < 1:
-        raise UserError(f"size {text!r} is not a whole, positive number of bytes")
-    return int(value)
+    return cliutil.parse_size(text, example="186MiB", positive=True)
 
 
 def parse_counts(text: str, what: str = "--gpus") -> list[int]:

@@ -325,24 +325,10 @@ class FullyShardedDataParallel(nn.Module):
     model is ``.module`` (state-dict keys gain the ``module.`` prefix).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        group: dist.ProcessGroup | None = None,
-        shard_types: type | tuple[type, ...] | None = None,
-        auto_wrap: Callable[[nn.Module], bool] | None = None,
-        reshard_after_forward: bool = True,
-        prefetch: int = 1,
-        overlap_reduce_scatter: bool = True,
-        mp_policy: MixedPrecisionPolicy | None = None,
-        optimizer: OptimizerSpec | None = None,
-    ) -> None:
+    def __init__(self, module: nn.Module, **options: Any) -> None:
+        """``options``: :func:`fully_shard`'s keyword arguments, which it checks."""
         super().__init__()
-        self.module = fully_shard(module, group=group, shard_types=shard_types, auto_wrap=auto_wrap,
-                                  reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                                  overlap_reduce_scatter=overlap_reduce_scatter, mp_policy=mp_policy,
-                                  optimizer=optimizer)
+        self.module = fully_shard(module, **options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -70,18 +70,19 @@ class PipelinePlacement:
 
     def pipeline_of(self, rank: int) -> int:
         """Index of the pipeline (data-parallel replica) that ``rank`` belongs to."""
-        for i, pipeline in enumerate(self.pipelines):
-            if rank in pipeline:
-                return i
-        raise UserError(f"rank {rank} is not in this placement of {self.world_size} ranks")
+        return self._holder(self.pipelines, rank)
 
     def stage_of(self, rank: int) -> int:
         """The stage ``rank`` holds (its rank in its pipeline's process group)."""
         return self.pipelines[self.pipeline_of(rank)].index(rank)
 
     def node_of(self, rank: int) -> int:
-        for i, node in enumerate(self.nodes):
-            if rank in node:
+        return self._holder(self.nodes, rank)
+
+    def _holder(self, groups: Sequence[Sequence[int]], rank: int) -> int:
+        """Index of the one of ``groups`` (pipelines or nodes) that holds ``rank``."""
+        for i, group in enumerate(groups):
+            if rank in group:
                 return i
         raise UserError(f"rank {rank} is not in this placement of {self.world_size} ranks")
 

@@ -37,6 +37,7 @@ import torch
 from fireflyer.hfreduce import futex
 from fireflyer.hfreduce.errors import HFReduceError
 from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.fsutil import unlink_quietly
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "fireflyer-hfr-"
@@ -169,7 +170,7 @@ class Arena:
                 os.ftruncate(fd, shape.total_bytes)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(path)
+            unlink_quietly(path)
             raise
         arena = cls(name, shape, fd)
         arena._mm[:_HEADER.size] = _HEADER.pack(MAGIC, shape.local_size, shape.depth, 0, shape.chunk_bytes)
@@ -249,7 +250,7 @@ class Arena:
 
     def unlink(self) -> None:
         if not self.private:
-            _unlink_quietly(arena_path(self.name))
+            unlink_quietly(arena_path(self.name))
 
     def close(self) -> None:
         self.unpin()
@@ -403,13 +404,6 @@ def check_unless(check: Callable[[], None], done: Callable[[], bool]) -> bool:
     return False
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove arenas whose creating process no longer exists (left by a whole node being SIGKILLed at start-up)."""
     removed = []
@@ -421,6 +415,6 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
         except (IndexError, ValueError):
             continue
         if not pid_alive(pid):
-            _unlink_quietly(os.path.join(shm_dir, name))
+            unlink_quietly(os.path.join(shm_dir, name))
             removed.append(name)
     return removed

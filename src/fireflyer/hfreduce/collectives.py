@@ -78,15 +78,21 @@ def reduce(tensor: torch.Tensor, op: Op, root: int, rank: int, world_size: int) 
     return Plan(desc, sources=[(0, flat)], sinks=sinks, world_size=world_size, on_done=done)
 
 
+def _check_whole(what: str, whole: tuple[str, torch.Tensor], part: tuple[str, torch.Tensor], world_size: int) -> None:
+    """The ``whole`` tensor holds one ``part`` per rank."""
+    (wname, w), (pname, p) = whole, part
+    if w.numel() != p.numel() * world_size:
+        raise UserError(
+            f"{what} needs {wname}.numel() == {pname}.numel() * world_size ({p.numel()} * {world_size}), "
+            f"got {w.numel()}"
+        )
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int, world_size: int) -> Plan:
     dtype = _same_dtype(output, input)
     check_dtype(dtype)
     check_op(op, dtype)
-    if input.numel() != output.numel() * world_size:
-        raise UserError(
-            f"reduce_scatter needs input.numel() == output.numel() * world_size ({output.numel()} * {world_size}), "
-            f"got {input.numel()}"
-        )
+    _check_whole("reduce_scatter", ("input", input), ("output", output), world_size)
     done: list = []
     src = _flat(input, done, write_back=False)
     dst = _flat(output, done, write_back=True)
@@ -96,11 +102,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op, rank: int,
 
 def allgather(output: torch.Tensor, input: torch.Tensor, rank: int, world_size: int) -> Plan:
     _same_dtype(output, input)
-    if output.numel() != input.numel() * world_size:
-        raise UserError(
-            f"allgather needs output.numel() == input.numel() * world_size ({input.numel()} * {world_size}), "
-            f"got {output.numel()}"
-        )
+    _check_whole("allgather", ("output", output), ("input", input), world_size)
     done: list = []
     src = _flat(input, done, write_back=False, as_bytes=True)
     dst = _flat(output, done, write_back=True, as_bytes=True)

@@ -9,7 +9,6 @@ they share. Elsewhere it falls back to a short sleep loop.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import sys
 import time

@@ -48,6 +48,7 @@ from fireflyer.hfreduce.config import read_int
 from fireflyer.hfreduce import fdshare, futex
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
 from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.fsutil import unlink_quietly
 from fireflyer.errors import UserError
 
 MAGIC = 0x48465842  # "HFXB"
@@ -168,7 +169,7 @@ class Mailboxes:
                 raise HFReduceError(f"the node's mailboxes have another shape ({size} ranks, rings of {ring} bytes) "
                                     f"than this rank expects; do all local ranks set the same {RING_ENV}?")
         if not private and store.add(f"{key}/attached", 1) == local_size:
-            _unlink_quietly(os.path.join("/dev/shm", info["name"] if local_rank else name))
+            unlink_quietly(os.path.join("/dev/shm", info["name"] if local_rank else name))
         return box
 
     _server: fdshare.FdServer | None = None
@@ -207,19 +208,12 @@ def _create_file(name: str, shape: MailboxShape) -> int:
         os.ftruncate(fd, shape.total_bytes)
     except OSError as exc:
         os.close(fd)
-        _unlink_quietly(path)
+        unlink_quietly(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
             raise HFReduceError(f"/dev/shm has no room for {shape.total_bytes >> 20} MiB of mailboxes; lower "
                                 f"{RING_ENV}") from None
         raise
     return fd
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class Ring:
@@ -297,14 +291,7 @@ class Ring:
         free = self.free()
         if free <= 0 or done >= n:
             return 0
-        off = self._head % self._size
-        k = min(n - done, free, self._size - off, PIECE)
-        if raw is not None:
-            start = self._offset + off
-            self._mm[start : start + k] = raw[done : done + k]
-        else:
-            self.data[off : off + k].copy_(tensor[done : done + k])
-        self._head += k
+        k = self._copy_in(raw, tensor, done, n, free)
         if publish:
             self._publish_head()
         return k
@@ -339,9 +326,7 @@ class Ring:
         n = tensor.numel()
         if not avail or done >= n:
             return 0
-        off = self._tail % self._size
-        k = min(n - done, avail, self._size - off, PIECE)
-        tensor[done : done + k].copy_(self.data[off : off + k])
+        k = self._copy_out(None, tensor, done, n, avail)
         self.skip(k)
         return k
 
@@ -374,14 +359,7 @@ class Ring:
                 self._publish_head()  # what is written must be seen before this side sleeps
                 self._sleep(self._tail_i, self._tail_addr, tail, check, deadline, what)
                 continue
-            off = self._head % size
-            k = min(n - done, free, size - off, PIECE)
-            if raw is not None:
-                start = self._offset + off
-                self._mm[start : start + k] = raw[done : done + k]
-            else:
-                self.data[off : off + k].copy_(tensor[done : done + k])
-            self._head += k
+            k = self._copy_in(raw, tensor, done, n, free)
             done += k
             if k >= PIECE // 4:  # announce big pieces at once; small ones with the frame's end
                 self._publish_head()
@@ -406,24 +384,42 @@ class Ring:
     def _take(self, raw: memoryview | None, tensor: torch.Tensor | None, check, deadline: float, what: str) -> None:
         n = len(raw) if raw is not None else tensor.numel()
         done = 0
-        words, size = self._words, self._size
+        words = self._words
         while done < n:
             head = words[self._head_i]
             avail = (head - self._tail) & _MASK
             if avail == 0:
                 self._sleep(self._head_i, self._head_addr, head, check, deadline, what)
                 continue
-            off = self._tail % size
-            k = min(n - done, avail, size - off, PIECE)
-            if raw is not None:
-                start = self._offset + off
-                raw[done : done + k] = self._mm[start : start + k]
-            else:
-                tensor[done : done + k].copy_(self.data[off : off + k])
-            self._tail += k
+            k = self._copy_out(raw, tensor, done, n, avail)
+            self.skip(k)
             done += k
-            self._words[self._tail_i] = _i32(self._tail)
-            futex.wake(self._tail_addr)
+
+    # -- the copies both sides' loops share ---------------------------------------------
+    def _copy_in(self, raw, tensor: torch.Tensor | None, done: int, n: int, free: int) -> int:
+        """Copy what fits (at most ``free`` bytes, up to the ring's end, a piece) of ``raw`` or ``tensor``
+        from byte ``done`` on into the ring at the head, and move the head on (unannounced); the bytes copied."""
+        off = self._head % self._size
+        k = min(n - done, free, self._size - off, PIECE)
+        if raw is not None:
+            start = self._offset + off
+            self._mm[start : start + k] = raw[done : done + k]
+        else:
+            self.data[off : off + k].copy_(tensor[done : done + k])
+        self._head += k
+        return k
+
+    def _copy_out(self, raw, tensor: torch.Tensor | None, done: int, n: int, avail: int) -> int:
+        """Copy what is there (at most ``avail`` bytes, up to the ring's end, a piece) from the tail into
+        ``raw`` or ``tensor`` from byte ``done`` on, without consuming it (:meth:`skip` does); the bytes copied."""
+        off = self._tail % self._size
+        k = min(n - done, avail, self._size - off, PIECE)
+        if raw is not None:
+            start = self._offset + off
+            raw[done : done + k] = self._mm[start : start + k]
+        else:
+            tensor[done : done + k].copy_(self.data[off : off + k])
+        return k
 
 
 # -- cross-memory attach: one copy from a peer's memory into ours ------------------------------

@@ -69,6 +69,14 @@ def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     return tensors[0]
 
 
+def _check_alike(tensors: list, like: torch.Tensor, what: str, side: str, other: str) -> None:
+    """Every one of ``tensors`` (the call's ``side`` list) has ``like``'s (the ``other``'s) size and dtype."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.numel() != like.numel() or t.dtype != like.dtype:
+            raise UserError(f"hfreduce {what} needs every {side} tensor to match the {other}'s size and dtype "
+                             f"({like.numel()} x {like.dtype})")
+
+
 def _unsupported(name: str) -> NotImplementedError:
     return NotImplementedError(
         f"hfreduce does not implement {name} yet; it supports: {', '.join(SUPPORTED)}. "
@@ -132,6 +140,14 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         futures = [self.comm.submit(p, inline=inline) for p in plans]
         return HFReduceWork(self.comm, futures, result, seqs=[p.seq for p in plans], what=what)
 
+    def _spread_or_work(self, plans: list[Plan], result: list[torch.Tensor], opts, what: str,
+                        inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
+        """Across several nodes, ``spread``'s work for ``plans`` where it has one; else :meth:`_work`'s."""
+        across = spread.work(self.comm, plans, result, opts, what)
+        if across is not None:
+            return across
+        return self._work(plans, result, opts, what, inputs, outputs)
+
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = _op(opts)
@@ -158,10 +174,8 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         root = getattr(opts, "rootRank", 0)
         t = _one(tensors, "broadcast")
         plan = collectives.broadcast(t, root, self.rank(), self.size())
-        across = spread.work(self.comm, [plan], [t], opts, "broadcast")  # several nodes: the root's bytes once each
-        if across is not None:
-            return across
-        return self._work([plan], [t], opts, "broadcast", [t], [t])
+        # several nodes: the root's bytes once each
+        return self._spread_or_work([plan], [t], opts, "broadcast", [t], [t])
 
     def reduce(self, tensors, opts=None):
         t = _one(tensors, "reduce")
@@ -173,10 +187,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         """An allgather into a flat buffer, copied out into ``outs`` (one tensor per rank) when done."""
         if len(outs) != self.size():
             raise UserError(f"hfreduce {what} needs an output list of {self.size()} tensors, got {len(outs)}")
-        for o in outs:
-            if not isinstance(o, torch.Tensor) or o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise UserError(f"hfreduce {what} needs every output tensor to match the input's size and dtype "
-                                 f"({inp.numel()} x {inp.dtype})")
+        _check_alike(outs, inp, what, "output", "input")
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
         plan = collectives.allgather(flat, inp, self.rank(), self.size())
 
@@ -193,10 +204,8 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
             raise UserError(f"hfreduce allgather needs one output list, got {len(output_tensors)}")
         outs = output_tensors[0]
         plan = self._gather_into_list(outs, inp, "allgather")
-        across = spread.work(self.comm, [plan], output_tensors, opts, "all_gather")  # several nodes: along the rails
-        if across is not None:
-            return across
-        return self._work([plan], output_tensors, opts, "all_gather", [inp], list(outs))
+        # several nodes: along the rails
+        return self._spread_or_work([plan], output_tensors, opts, "all_gather", [inp], list(outs))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """torch's layout: ``output_lists[r][i]`` receives input ``i`` of rank ``r``."""
@@ -206,17 +215,11 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         plans = [self._gather_into_list([outs[i] for outs in output_lists], inp, "all_gather_coalesced")
                  for i, inp in enumerate(input_tensors)]
         flat_outs = [o for outs in output_lists for o in outs]
-        across = spread.work(self.comm, plans, flat_outs, opts, "all_gather_coalesced")
-        if across is not None:
-            return across
-        return self._work(plans, flat_outs, opts, "all_gather_coalesced", list(input_tensors), flat_outs)
+        return self._spread_or_work(plans, flat_outs, opts, "all_gather_coalesced", list(input_tensors), flat_outs)
 
     def all_gather_single(self, output, input, opts=None):
         plan = collectives.allgather(output, input, self.rank(), self.size())
-        across = spread.work(self.comm, [plan], [output], opts, "all_gather_into_tensor")
-        if across is not None:
-            return across
-        return self._work([plan], [output], opts, "all_gather_into_tensor", [input], [output])
+        return self._spread_or_work([plan], [output], opts, "all_gather_into_tensor", [input], [output])
 
     _allgather_base = all_gather_single
 
@@ -224,10 +227,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise UserError(f"hfreduce coalesced all_gather needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         plans = [collectives.allgather(o, i, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
-        across = spread.work(self.comm, plans, outputs, opts, "all_gather_into_tensor_coalesced")
-        if across is not None:
-            return across
-        return self._work(plans, outputs, opts, "all_gather_into_tensor_coalesced", inputs, outputs)
+        return self._spread_or_work(plans, outputs, opts, "all_gather_into_tensor_coalesced", inputs, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -236,23 +236,15 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
             raise UserError(f"hfreduce reduce_scatter needs one input list of {self.size()} tensors")
         ins = input_tensors[0]
-        for t in ins:
-            if not isinstance(t, torch.Tensor) or t.numel() != out.numel() or t.dtype != out.dtype:
-                raise UserError(f"hfreduce reduce_scatter needs every input tensor to match the output's size and "
-                                 f"dtype ({out.numel()} x {out.dtype})")
+        _check_alike(ins, out, "reduce_scatter", "input", "output")
         flat = torch.cat([t.reshape(-1) for t in ins])
         plan = collectives.reduce_scatter(out, flat, _op(opts), self.rank(), self.size())
-        across = spread.work(self.comm, [plan], output_tensors, opts, "reduce_scatter")  # several nodes: partials
-        if across is not None:
-            return across
-        return self._work([plan], output_tensors, opts, "reduce_scatter", list(ins), [out])
+        # several nodes: partials
+        return self._spread_or_work([plan], output_tensors, opts, "reduce_scatter", list(ins), [out])
 
     def reduce_scatter_single(self, output, input, opts=None):
         plan = collectives.reduce_scatter(output, input, _op(opts), self.rank(), self.size())
-        across = spread.work(self.comm, [plan], [output], opts, "reduce_scatter_tensor")
-        if across is not None:
-            return across
-        return self._work([plan], [output], opts, "reduce_scatter_tensor", [input], [output])
+        return self._spread_or_work([plan], [output], opts, "reduce_scatter_tensor", [input], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -261,10 +253,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
             raise UserError(f"hfreduce coalesced reduce_scatter needs as many outputs as inputs, got {len(outputs)} and {len(inputs)}")
         op = _op(opts)
         plans = [collectives.reduce_scatter(o, i, op, self.rank(), self.size()) for o, i in zip(outputs, inputs)]
-        across = spread.work(self.comm, plans, outputs, opts, "reduce_scatter_tensor_coalesced")
-        if across is not None:
-            return across
-        return self._work(plans, outputs, opts, "reduce_scatter_tensor_coalesced", inputs, outputs)
+        return self._spread_or_work(plans, outputs, opts, "reduce_scatter_tensor_coalesced", inputs, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 

@@ -50,6 +50,20 @@ class ExchangeCollectives:
             raise HFReduceError("hfreduce communicator is closed; create a new process group")
         return exchange
 
+    def _root_list(self, lists, like: torch.Tensor, root: int, what: str, side: str) -> list[torch.Tensor] | None:
+        """The ``WHAT_list`` (``lists`` is ``[WHAT_list]``, the call's ``side`` argument) on the root, checked
+        against ``like``; None elsewhere, where no list may be given."""
+        name = f"{what}_list"
+        if self.rank() == root:
+            if len(lists) != 1:
+                raise UserError(f"hfreduce {what} needs one {side} list ({name}) on the root")
+            items = list(lists[0])
+            _check_tensors(items, like, self.size(), what, name)
+            return items
+        if lists and any(len(x) for x in lists):
+            raise UserError(f"hfreduce {what} takes a {name} on the root only")
+        return None
+
     def _exchange_work(self, op, result: list[torch.Tensor], what: str) -> HFReduceWork:
         return HFReduceWork(self._exchange(), [op.future], result, seqs=[op.id], what=what)
 
@@ -99,14 +113,7 @@ class ExchangeCollectives:
         """torch's layout: ``output_tensors`` is ``[gather_list]`` on the root and ``[]`` (or ``[[]]``) elsewhere."""
         t = _single(input_tensors, "gather")
         root = getattr(opts, "rootRank", 0)
-        outs = None
-        if self.rank() == root:
-            if len(output_tensors) != 1:
-                raise UserError("hfreduce gather needs one output list (gather_list) on the root")
-            outs = list(output_tensors[0])
-            _check_tensors(outs, t, self.size(), "gather", "gather_list")
-        elif output_tensors and any(len(o) for o in output_tensors):
-            raise UserError("hfreduce gather takes a gather_list on the root only")
+        outs = self._root_list(output_tensors, t, root, "gather", "output")
         op = self._exchange().gather(outs, t, root, timeout=_timeout(opts), sync=_sync(opts))
         return self._exchange_work(op, outs if outs is not None else [t], "gather")
 
@@ -114,14 +121,7 @@ class ExchangeCollectives:
         """torch's layout: ``input_tensors`` is ``[scatter_list]`` on the root and ``[]`` elsewhere."""
         t = _single(output_tensors, "scatter")
         root = getattr(opts, "rootRank", 0)
-        ins = None
-        if self.rank() == root:
-            if len(input_tensors) != 1:
-                raise UserError("hfreduce scatter needs one input list (scatter_list) on the root")
-            ins = list(input_tensors[0])
-            _check_tensors(ins, t, self.size(), "scatter", "scatter_list")
-        elif input_tensors and any(len(i) for i in input_tensors):
-            raise UserError("hfreduce scatter takes a scatter_list on the root only")
+        ins = self._root_list(input_tensors, t, root, "scatter", "input")
         op = self._exchange().scatter(t, ins, root, timeout=_timeout(opts), sync=_sync(opts))
         return self._exchange_work(op, [t], "scatter")
 

@@ -15,7 +15,6 @@ failure state, as the threads' waits do.
 
 from __future__ import annotations
 
-import os
 import select
 import time
 from typing import TYPE_CHECKING

@@ -40,7 +40,6 @@ and the flow's future carries the error, so a dead peer raises from ``wait()``.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Callable

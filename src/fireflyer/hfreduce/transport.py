@@ -21,7 +21,6 @@ import time
 from typing import Callable
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, ConnectionLost, HFReduceError, PeerFailure, error_from_text
-from fireflyer.ports import free_port  # noqa: F401 - re-exported for hfreduce's callers
 
 log = logging.getLogger("fireflyer.hfreduce")
 

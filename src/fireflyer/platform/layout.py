@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.errors import NotPermitted
-from fireflyer.fsutil import open_beneath, read_owned, write_json_atomic  # noqa: F401 - writers import it here
+from fireflyer.fsutil import durable_replace, open_beneath, read_owned, write_json_atomic  # noqa: F401 - writers import it here
 from fireflyer.platform import env
 
 
@@ -151,7 +151,7 @@ class AttemptDir:
             write_json_atomic(self.spec, spec)
             return
         if os.path.lexists(self.root):
-            os.rename(self.root, self.root.with_name(f"{self.root.name}.stale.{time.time():.0f}"))
+            durable_replace(str(self.root), str(self.root.with_name(f"{self.root.name}.stale.{time.time():.0f}")))
         os.mkdir(self.root, 0o700)
         self.create()
         write_json_atomic(self.spec, spec)

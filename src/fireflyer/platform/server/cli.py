@@ -14,7 +14,6 @@ import re
 import socket
 import sqlite3
 import sys
-from typing import Any
 
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
