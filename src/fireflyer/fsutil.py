@@ -23,8 +23,6 @@ def make_dirs(path: str | os.PathLike) -> None:
     """``os.makedirs(path, exist_ok=True)``, with a refusal raised as :class:`CannotWrite` (which names the path)."""
     try:
         os.makedirs(path, exist_ok=True)
-    except CannotWrite:
-        raise
     except OSError as exc:
         raise CannotWrite(path, exc) from exc
 
