@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiproc
 
 TIMEOUT = 3.0  # the group's timeout in plain cells
 WRAPPED_TIMEOUT = 6.0  # model steps on 4 ranks sharing 2 cores take longer
-SLACK = 3.0  # the engine's tree margin plus scheduling on a loaded machine
+SLACK = 10.0  # proves "raised by the timeout, did not hang"; generous, since 4 ranks share 2 loaded cores
 ENV = {"FIREFLYER_TEST_COMM": "0", "FIREFLYER_HFREDUCE_CHUNK_BYTES": "262144", "OMP_NUM_THREADS": "1"}
 LAYOUTS = {"1x4": [4], "2x2": [2, 2], "3+1": [3, 1]}
 EXPECTED = {"between": "PeerFailure", "during": "PeerFailure", "absent": "CollectiveTimeout", "aborts": "PeerFailure",

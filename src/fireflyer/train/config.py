@@ -100,6 +100,9 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name, cap in LIMITS.items():
+            if getattr(self, name) > cap:
+                raise UserError(f"{name} must be at most {cap:,}, got {getattr(self, name):,}")
         non_negative = ("warmup_steps", "eval_interval", "save_every", "sample_tokens", "seed", "weight_decay",
                         "grad_clip", "min_lr")
         for name in non_negative:
@@ -180,6 +183,10 @@ class TrainConfig:
 
 
 OPTIONAL = frozenset({"stop_at"})
+LIMITS = {"nodes": 64, "ranks_per_node": 64, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
+          "steps": 10**9, "batch_per_rank": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
+          "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9}
+"""Upper bounds: beyond them a value is a typo, not a plan, and is refused before any rank starts."""
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
