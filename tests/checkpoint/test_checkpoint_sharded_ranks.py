@@ -102,3 +102,15 @@ def test_a_sharded_expert_checkpoint_resumes_bitwise_and_falls_back_when_damaged
     with pytest.raises(CorruptCheckpoint, match="fails its checksum"):
         mgr.load(4)
     assert os.path.exists(step / "COMMIT")  # loading never deletes: the damaged step is left for a person
+
+
+def test_ranks_skip_together_and_fail_together(cluster, tmp_path):
+    results = cluster.run(cases.skip_and_fail_together, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert (r["first"], r["while_busy"], r["after"]) == (True, False, True), (rank, r)
+        assert r["latest"] == 3, (rank, r)  # step 4 never committed, step 5 never started
+    assert "no space left on device" in results[2]["next"]  # its own failure
+    assert "did not finish its part of step 4" in results[0]["next"]  # rank 0 could not commit
+    for rank in (1, 3):
+        assert "rank 0's previous checkpoint save failed" in results[rank]["next"], results[rank]
+        assert "no rank started this one" in results[rank]["next"]

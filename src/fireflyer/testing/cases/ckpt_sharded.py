@@ -155,3 +155,43 @@ def resume_matches(ctx, root: str) -> dict:
     return {"step": saved["step"], "global_names": sorted(saved["model"]), "at_save": at_save,
             "bitwise": all(torch.equal(straight[k], resumed[k]) for k in straight),
             "moved": any(not torch.equal(at_save[k], straight[k]) for k in straight)}
+
+
+def skip_and_fail_together(ctx, root: str) -> dict:
+    """A save still persisting on one rank makes every rank skip (policy="skip"); one rank's failed save makes
+    every rank's next save raise, so no rank is left waiting in the exchange."""
+    import time
+
+    from fireflyer.checkpoint import CheckpointError, shard
+
+    _pg(ctx)
+    out: dict = {}
+    real_write = shard.write
+    mgr = CheckpointManager(root, kind="sharded", policy="skip", commit_timeout=3)
+    if ctx.rank == 1:  # rank 1's disk is slow
+        shard.write = lambda *a, **kw: (time.sleep(1.5), real_write(*a, **kw))[1]
+    out["first"] = mgr.save(1, held_state(ctx.rank))
+    out["while_busy"] = mgr.save(2, held_state(ctx.rank))  # rank 1 is still writing step 1
+    mgr.wait()
+    shard.write = real_write
+    dist.barrier()
+    out["after"] = mgr.save(3, held_state(ctx.rank), blocking=True)
+    dist.barrier()
+
+    def broken(*a, **kw):
+        raise OSError("no space left on device")
+
+    if ctx.rank == 2:
+        shard.write = broken
+    mgr.save(4, held_state(ctx.rank))  # fails on rank 2, so rank 0 cannot commit it either
+    try:
+        mgr._thread.join(10)
+    finally:
+        shard.write = real_write
+    try:
+        mgr.save(5, held_state(ctx.rank), blocking=True)
+        out["next"] = "no error"
+    except CheckpointError as exc:
+        out["next"] = str(exc)
+    out["latest"] = mgr.latest()
+    return out
