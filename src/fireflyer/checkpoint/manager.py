@@ -24,10 +24,13 @@ and the only pickle read is an allowlisted object's (``allowed_classes``, or
 class. Checkpoints of manifest format 1 (older fireflyer) hold a pickled skeleton and
 are refused unless ``allow_pickle=True``.
 
-Two kinds of state: ``replicated`` (data parallel: every rank holds the same state, so
-the ranks write disjoint shares of it, and any world size can load it) and
-``per_rank`` (FSDP shards, or anything that differs by rank: each rank writes and
-loads its own, and the world size must match).
+Three kinds of state: ``replicated`` (data parallel: every rank holds the same state, so
+the ranks write disjoint shares of it, and any world size can load it), ``sharded``
+(expert parallel: each rank holds part of one global state under global names, some
+names on several ranks; each name is written once, and ``load()`` returns the whole
+global state on any world size; see checkpoint/sharding.py) and ``per_rank`` (FSDP
+shards, or anything that differs by rank: each rank writes and loads its own, and the
+world size must match).
 """
 
 from __future__ import annotations
@@ -48,19 +51,19 @@ from typing import Any
 
 import torch
 
-from fireflyer.checkpoint import allowlist, remote, shard
+from fireflyer.checkpoint import allowlist, remote, shard, sharding
 from fireflyer.checkpoint.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, UnsafeCheckpoint
 from fireflyer.checkpoint.names import plain_name
 from fireflyer.checkpoint.state import dumps_skeleton, flatten, loads_skeleton, unflatten
 from fireflyer.fsutil import atomic_write_bytes
-from fireflyer.errors import TimedOut, UserError
+from fireflyer.errors import TimedOut, UsageError, UserError
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 COMMIT = "COMMIT"
 MANIFEST = "manifest.json"
 FORMAT = 2
 """Manifest format: 2 has a JSON skeleton (``rankNNNNN.skeleton.json``); 1 (no ``format`` key) a pickled one."""
-KINDS = ("replicated", "per_rank")
+KINDS = ("replicated", "sharded", "per_rank")
 POLICIES = ("wait", "skip")
 SNAPSHOTS = ("overlap", "sync")
 _SMALL = 1 << 20  # tensors below this are always copied inside save()
@@ -75,7 +78,9 @@ class CheckpointConfig:
     keep_last: int = 2
     """Committed checkpoints kept; older ones are deleted only after a newer one commits."""
     kind: str = "replicated"
-    """``replicated`` (DDP: ranks write disjoint shares) or ``per_rank`` (FSDP shards: each rank its own)."""
+    """``replicated`` (DDP: ranks write disjoint shares), ``sharded`` (expert parallel: each rank holds part
+    of one global state under global names; every name written once, loaded whole) or ``per_rank``
+    (FSDP shards: each rank its own)."""
     policy: str = "wait"
     """What a save does while the previous one is still persisting: ``wait`` for it or ``skip`` this one."""
     threads: int = 4
@@ -205,20 +210,33 @@ class CheckpointManager:
         """Snapshot ``state`` now and persist it in the background; returns False if skipped by policy."""
         if not isinstance(step, int) or step < 0:
             raise UserError(f"step must be a non-negative int, got {step!r}")
-        self._raise_failure()
-        if self._thread is not None and self._thread.is_alive():
-            if self.config.policy == "skip":
+        if self.config.kind == "sharded":
+            t_agree = time.perf_counter()
+            agreed = self._agree_sharded(state)  # a collective: the ranks go on, skip or fail together
+            self.stats["exchange_seconds"] = self.stats.get("exchange_seconds", 0.0) + time.perf_counter() - t_agree
+            if agreed is None:
                 self.stats["skipped"] += 1
                 return False
+        else:
+            self._raise_failure()
+            if self._thread is not None and self._thread.is_alive() and self.config.policy == "skip":
+                self.stats["skipped"] += 1
+                return False
+        if self._thread is not None and self._thread.is_alive():
             self.wait()
         t0 = time.perf_counter()
-        skeleton, tensors = flatten(state)
-        if self.config.kind == "replicated":
-            names = _share(tensors, self.rank, self.world_size)
+        if self.config.kind == "sharded":
+            skeleton, tensors, names, all_names = agreed
             write_skeleton = self.rank == 0
         else:
-            names = list(tensors)
-            write_skeleton = True
+            skeleton, tensors = flatten(state)
+            all_names = sorted(tensors)
+            if self.config.kind == "replicated":
+                names = _share(tensors, self.rank, self.world_size)
+                write_skeleton = self.rank == 0
+            else:
+                names = list(tensors)
+                write_skeleton = True
         snapshot, deferred, events = self._snapshot({n: tensors[n] for n in names})
         blob = dumps_skeleton(skeleton, allowlist.allowed(self.allowed_classes)) if write_skeleton else None
         if deferred or events:
@@ -226,13 +244,61 @@ class CheckpointManager:
             self._guard_optimizers()
         self.stats["snapshot_seconds"] += time.perf_counter() - t0
         self._last_save_time = time.monotonic()
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, deferred, events, blob, sorted(tensors)),
+        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, deferred, events, blob, all_names),
                                         name=f"ckpt-persist-{step}", daemon=False)
         self._thread.start()
         self.stats["saves"] += 1
         if blocking:
             self.wait()
         return True
+
+    def _agree_sharded(self, state: Any) -> tuple[Any, dict[str, torch.Tensor], list[str], list[str]] | None:
+        """(merged skeleton, this rank's tensors, the names it writes, every name), agreed with all ranks.
+
+        One exchange (an allgather over the default group) tells every rank what every rank
+        holds, its skeleton, whether its previous save is still persisting and whether it
+        failed. The rest is computed alike everywhere, so the ranks skip together (None, with
+        ``policy="skip"``), fail together, and a conflict fails the save on every rank with
+        the same message.
+        """
+        skeleton, tensors = flatten(state)
+        allowed = allowlist.allowed(self.allowed_classes)
+        held = {n: (shard.st_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
+        error = self._error
+        mine = {"held": held, "skeleton": dumps_skeleton(skeleton, allowed),
+                "busy": self._thread is not None and self._thread.is_alive(),
+                "failed": None if error is None else f"step {self._failed_step}: {type(error).__name__}: {error}"}
+        everyone = self._exchange(mine)
+        if error is not None:
+            self._raise_failure()
+        failed = [(r, e["failed"]) for r, e in enumerate(everyone) if e["failed"]]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]}'s previous checkpoint save failed ({failed[0][1]}); "
+                                  "no rank started this one")
+        if self.config.policy == "skip" and any(e["busy"] for e in everyone):
+            return None
+        owner = sharding.plan_owners([e["held"] for e in everyone])
+        # Every rank merges the same decoded documents (its own too), so all reach the same result or error.
+        merged = sharding.merge_skeletons([loads_skeleton(e["skeleton"], allowed, what=f"rank {r}'s skeleton")
+                                           for r, e in enumerate(everyone)])
+        return merged, tensors, [n for n in tensors if owner[n] == self.rank], sorted(owner)
+
+    def _exchange(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine``, in rank order (a collective on torch.distributed's default group)."""
+        if self.world_size == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError(f'kind="sharded" with {self.world_size} ranks needs torch.distributed: the ranks agree '
+                             "on who writes each tensor in save(); call dist.init_process_group first")
+        if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+            raise UsageError(f'kind="sharded": this manager is rank {self.rank} of {self.world_size} but '
+                             f"torch.distributed is rank {dist.get_rank()} of {dist.get_world_size()}; "
+                             "leave rank and world_size unset")
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def _snapshot(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple], list]:
         """Host buffers for ``tensors`` (pinned for CUDA, reused across saves) and the copies left to do.
@@ -336,11 +402,11 @@ class CheckpointManager:
                 time.sleep(0.02)
             with open(path) as f:
                 parts.append(json.load(f))
-        if self.config.kind == "replicated":
+        if self.config.kind in ("replicated", "sharded"):
             have = sorted(n for p in parts for n in p["entries"])
             if have != all_names:
                 raise CheckpointError(f"step {step}: the ranks' shares do not add up to the state "
-                                      "(do all ranks save the same replicated state?)")
+                                      f"(do all ranks save the same {self.config.kind} state?)")
         manifest = json.dumps({"format": FORMAT, "step": step, "world_size": self.world_size,
                                "kind": self.config.kind, "parts": parts}).encode()
         atomic_write_bytes(os.path.join(d, MANIFEST), manifest)

@@ -70,6 +70,11 @@ def st_dtype(dtype: torch.dtype) -> str:
         raise UserTypeError(f"checkpoints cannot hold {dtype} tensors; supported: {sorted(map(str, _ST_DTYPES))}") from None
 
 
+def st_itemsize(name: str) -> int:
+    """Bytes per element of the safetensors dtype ``name`` (e.g. 4 for ``"F32"``)."""
+    return _FROM_ST[name].itemsize
+
+
 def plan(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[Entry]]:
     """The file's header bytes (length prefix included) and every tensor's absolute place."""
     ranges, entries_rel = {}, []

@@ -24,6 +24,14 @@ How it works:
 
 On another backend (gloo, nccl) the same wrapper uses plain ``dist.all_reduce`` with
 ``async_op=True``; on hfreduce it talks to the engine directly.
+
+Expert parallel (MoE): expert weights are sharded over the EP group and replicated over
+data parallel, so their gradients are averaged only over the ranks holding the same
+experts (``expert_process_group``), the rest over ``process_group``. Each group's
+parameters get buckets of their own, and every rank launches all buckets in one list
+order planned from the same parameter order (rank 0's of ``process_group``, which
+contains every expert group), so each group's ranks issue its collectives in the same
+sequence: no rank waits in one group for a peer that is waiting in another.
 """
 
 from __future__ import annotations
@@ -33,13 +41,14 @@ import hashlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fireflyer.haiscale.buckets import plan_buckets
+from fireflyer.haiscale.expert import ep_size_of, is_expert_param
 from fireflyer.hfreduce.reduce import Op
 from fireflyer.errors import UsageError, UserError, UserTypeError
 
@@ -74,12 +83,27 @@ class DDPConfig:
             raise UserError(f"timeout must be positive seconds, got {self.timeout}")
 
 
+@dataclass(frozen=True)
+class _Group:
+    """A process group some gradients are averaged over, and how to reach it."""
+
+    pg: dist.ProcessGroup
+    engine: Any  # the hfreduce Communicator, or None on another backend
+    world: int
+    root: int  # the global rank of the group's rank 0
+
+
+def _group(pg: dist.ProcessGroup) -> _Group:
+    return _Group(pg, getattr(pg, "comm", None), dist.get_world_size(pg), dist.get_global_rank(pg, 0))
+
+
 class _Bucket:
-    __slots__ = ("params", "grads", "comm", "flags", "handle", "launched_at", "done_at")
+    __slots__ = ("params", "grads", "comm", "flags", "group", "handle", "launched_at", "done_at")
 
     def __init__(self, params: tuple[int, ...], grads: torch.Tensor, comm: torch.Tensor,
-                 flags: torch.Tensor | None) -> None:
+                 flags: torch.Tensor | None, group: int = 0) -> None:
         self.params, self.grads, self.comm, self.flags = params, grads, comm, flags
+        self.group = group  # index into DistributedDataParallel._groups
         self.handle: Any = None
         self.launched_at = 0.0
         self.done_at = 0.0
@@ -106,6 +130,14 @@ class DistributedDataParallel(nn.Module):
     across the ranks of ``process_group`` (default: the whole job) when backward
     returns. ``with ddp.no_sync():`` accumulates gradients locally. Call
     :meth:`close` to remove the hooks.
+
+    For an MoE model pass ``expert_process_group`` (a layout's ``expert_group``): the
+    parameters marked with :func:`fireflyer.haiscale.expert.mark_expert` are averaged
+    over it, and at wrap time they get the values of its rank 0, so expert weights may
+    differ between the ranks of ``process_group`` (only names, shapes and dtypes must
+    agree). ``group_of(name, param)`` is the general form: it returns the group of each
+    parameter (None: ``process_group``). Every such group must contain this rank and
+    lie inside ``process_group``.
     """
 
     def __init__(
@@ -113,6 +145,8 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        expert_process_group: dist.ProcessGroup | None = None,
+        group_of: Callable[[str, nn.Parameter], dist.ProcessGroup | None] | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         reduce_dtype: torch.dtype | None = None,
@@ -133,10 +167,16 @@ class DistributedDataParallel(nn.Module):
             timeout=timeout,
         )
         self.module = module
+        if process_group is not None:
+            _check_group(process_group, "process_group")
         self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.expert_process_group = expert_process_group
         self._comm = getattr(self.process_group, "comm", None)  # the hfreduce engine, when that is the backend
         self._world = dist.get_world_size(self.process_group)
         self._root = dist.get_global_rank(self.process_group, 0)
+        self._groups: list[_Group] = [_group(self.process_group)]
+        self._group_tags = [""]  # how the model check names each group (the default group: nothing)
+        self._label = self._labeller(expert_process_group, group_of)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise UserError("the module has no parameters that require grad, so there is nothing to synchronise")
@@ -150,10 +190,15 @@ class DistributedDataParallel(nn.Module):
         for n, p in named:
             if p.layout != torch.strided:
                 raise UserError(f"parameter {n!r} has layout {p.layout}; only dense parameters are supported")
+        self._labels = [self._label(n, p) for n, p in named]  # the group each gradient is averaged over
+        self._members = [[i for i, g in enumerate(self._labels) if g == label] for label in range(len(self._groups))]
         self._buffers_list = [b for b in module.buffers()]
+        self._buffer_labels = [self._buffer_label(b) for b in self._buffers_list]
         if self.config.check_model:
             self._check_same_model()
-        self._sync_tensors([p.detach() for p in module.parameters()] + self._buffers_list)
+        all_params = list(module.named_parameters())
+        self._sync_tensors([p.detach() for _, p in all_params] + self._buffers_list,
+                           [self._label(n, p) for n, p in all_params] + self._buffer_labels)
 
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         self._buckets: list[_Bucket] = []
@@ -171,8 +216,8 @@ class DistributedDataParallel(nn.Module):
         if self._closed:
             raise UsageError("this DistributedDataParallel was closed; wrap the module again to keep training")
         self._sync_backward = self._require_sync
-        if self.config.broadcast_buffers and self._buffers_list and self._world > 1:
-            self._sync_tensors(self._buffers_list)
+        if self.config.broadcast_buffers and self._buffers_list and any(g.world > 1 for g in self._groups):
+            self._sync_tensors(self._buffers_list, self._buffer_labels)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -221,11 +266,74 @@ class DistributedDataParallel(nn.Module):
         self._hooks = []
         self._release_buffers()
 
+    # ------------------------------------------------------------------ groups
+    def _labeller(self, expert_group: dist.ProcessGroup | None,
+                  group_of: Callable[[str, nn.Parameter], dist.ProcessGroup | None] | None
+                  ) -> Callable[[str, nn.Parameter], int]:
+        """A function from a parameter to the index in ``self._groups`` of the group its gradient is averaged over."""
+        if expert_group is not None and group_of is not None:
+            raise UserError("give expert_process_group or group_of, not both (group_of is the general form)")
+        if group_of is not None and not callable(group_of):
+            raise UserTypeError(f"group_of must be a function (name, parameter) -> ProcessGroup or None, "
+                                f"got {type(group_of).__name__}")
+        if expert_group is not None:
+            expert = self._add_group(expert_group, "expert_process_group", " expert")
+            return lambda name, p: expert if is_expert_param(p) else 0
+        if group_of is not None:
+            labels: dict[str, int] = {}
+
+            def label(name: str, p: nn.Parameter) -> int:
+                if name not in labels:
+                    pg = group_of(name, p)
+                    labels[name] = 0 if pg is None else self._add_group(pg, f"group_of({name!r})", None)
+                return labels[name]
+
+            return label
+
+        def dense(name: str, p: nn.Parameter) -> int:
+            if ep_size_of(p) > 1:
+                raise UserError(
+                    f"parameter {name!r} is an expert weight sharded over {ep_size_of(p)} EP ranks, but no "
+                    "expert_process_group was given, so it would be averaged with other ranks' experts; pass "
+                    "expert_process_group= (the layout's expert_group: the ranks holding the same experts)")
+            return 0
+
+        return dense
+
+    def _add_group(self, pg: Any, what: str, tag: str | None) -> int:
+        """The index of ``pg`` in ``self._groups``, checked and added on first sight."""
+        if pg is self.process_group:
+            return 0
+        for i, g in enumerate(self._groups):
+            if g.pg is pg:
+                return i
+        _check_group(pg, what)
+        outside = sorted(set(dist.get_process_group_ranks(pg)) - set(dist.get_process_group_ranks(self.process_group)))
+        if outside:
+            raise UserError(f"{what} has ranks {outside} that are not in process_group; each gradient group must be "
+                             "a subgroup of process_group (for MoE: the expert group, the ranks with the same experts, "
+                             "inside the dense group), so that every rank plans the same buckets")
+        self._groups.append(_group(pg))
+        self._group_tags.append(tag if tag is not None else f" group {len(self._groups) - 1}")
+        return len(self._groups) - 1
+
+    def _buffer_label(self, b: torch.Tensor) -> int:
+        """Buffers marked as expert tensors are broadcast within the expert group, the rest within process_group."""
+        if self.expert_process_group is not None and is_expert_param(b):
+            return self._add_group(self.expert_process_group, "expert_process_group", " expert")
+        return 0
+
     # ------------------------------------------------------------------ wrap-time checks
     def _check_same_model(self) -> None:
-        """Every rank must build the same model; otherwise gradients would be summed across unrelated tensors."""
-        mine = [f"param {n} {tuple(p.shape)} {p.dtype}" for n, p in zip(self._names, self._params)]
-        mine += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in self.module.named_buffers()]
+        """Every rank must build the same model; otherwise gradients would be summed across unrelated tensors.
+
+        Values are not compared (wrapping broadcasts them), so expert weights may differ between
+        EP ranks; which group each parameter is averaged over must agree.
+        """
+        tags = self._group_tags
+        mine = [f"param {n} {tuple(p.shape)} {p.dtype}{tags[g]}" for n, p, g in zip(self._names, self._params, self._labels)]
+        mine += [f"buffer {n} {tuple(b.shape)} {b.dtype}{tags[self._buffer_label(b)]}"
+                 for n, b in self.module.named_buffers()]
         digest = hashlib.sha256("\n".join(mine).encode()).hexdigest()
         everyone: list[Any] = [None] * self._world
         dist.all_gather_object(everyone, (digest, mine), group=self.process_group)
@@ -242,20 +350,23 @@ class DistributedDataParallel(nn.Module):
         raise UserError(f"the model differs across ranks (ranks {differing} differ from rank 0): {detail}; "
                          "every rank must construct the same model before wrapping it")
 
-    def _sync_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """Copy rank 0's values of ``tensors`` to every rank, one broadcast per (device, dtype)."""
-        if self._world == 1 or not tensors:
-            return
+    def _sync_tensors(self, tensors: list[torch.Tensor], labels: list[int]) -> None:
+        """Copy each group's rank 0's values of ``tensors`` to its ranks, one broadcast per (group, device, dtype).
+
+        Groups go in index order, so every rank issues the same broadcasts in the same order.
+        """
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.device, t.dtype), []).append(t)
+        for t, label in zip(tensors, labels):
+            if self._groups[label].world > 1:
+                groups.setdefault((label, t.device, t.dtype), []).append(t)
         with torch.no_grad():
-            for group in groups.values():
+            for (label, _, _), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
+                g = self._groups[label]
                 flat = torch.cat([t.reshape(-1) for t in group])
-                if self._comm is not None:
-                    self._comm.broadcast(flat, root=0).wait()
+                if g.engine is not None:
+                    g.engine.broadcast(flat, root=0).wait()
                 else:
-                    dist.broadcast(flat, src=self._root, group=self.process_group)
+                    dist.broadcast(flat, src=g.root, group=g.pg)
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -271,18 +382,20 @@ class DistributedDataParallel(nn.Module):
             [p.dtype for p in self._params],
             cap_bytes=int(self.config.bucket_cap_mb * (1 << 20)),
             first_cap_bytes=int(self.config.first_bucket_mb * (1 << 20)),
+            groups=self._labels if len(self._groups) > 1 else None,
         )
         self._release_buffers()
         buckets = []
-        last = len(plan.buckets) - 1
+        last = {self._labels[params[0]]: b for b, params in enumerate(plan.buckets)}  # each group's last bucket
         with torch.no_grad():
             for b, (params, offsets, numel) in enumerate(zip(plan.buckets, plan.offsets, plan.numels)):
                 dtype = self._params[params[0]].dtype
-                # The last bucket also carries one "used" flag per parameter: a parameter no rank used
-                # keeps grad None, as with torch DDP, at no cost of an extra collective.
-                extra = len(self._params) if b == last else 0
+                label = self._labels[params[0]]
+                # A group's last bucket also carries one "used" flag per parameter of the group: a parameter
+                # no rank of its group used keeps grad None, as with torch DDP, at no cost of an extra collective.
+                extra = len(self._members[label]) if b == last[label] else 0
                 same = reduce_dtype is None or reduce_dtype == dtype
-                comm = self._alloc(numel + extra, dtype if same else reduce_dtype)
+                comm = self._alloc(numel + extra, dtype if same else reduce_dtype, label)
                 grads = comm[:numel] if same else torch.zeros(numel, dtype=dtype, device=self.device)
                 flags = comm[numel:] if extra else None
                 for i, off in zip(params, offsets):
@@ -292,20 +405,22 @@ class DistributedDataParallel(nn.Module):
                         view.copy_(p.grad)
                         p.grad = view
                     self._views[i] = view
-                buckets.append(_Bucket(params, grads, comm, flags))
+                buckets.append(_Bucket(params, grads, comm, flags, label))
         self._buckets = buckets
         self._bucket_of = plan.bucket_of()
 
-    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _alloc(self, numel: int, dtype: torch.dtype, label: int = 0) -> torch.Tensor:
         """A zeroed bucket buffer; on hfreduce and CPU, registered shared memory so the engine skips its copies."""
-        if self._comm is not None and self.device.type == "cpu" and self._world > 1:
-            return self._comm.shared_empty(numel, dtype)
+        g = self._groups[label]
+        if g.engine is not None and self.device.type == "cpu" and g.world > 1:
+            return g.engine.shared_empty(numel, dtype)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
     def _release_buffers(self) -> None:
-        if self._comm is not None:
-            for bucket in getattr(self, "_buckets", []):
-                self._comm.shared_release(bucket.comm)
+        for bucket in getattr(self, "_buckets", []):
+            engine = self._groups[bucket.group].engine
+            if engine is not None:
+                engine.shared_release(bucket.comm)
 
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -349,20 +464,21 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket: _Bucket, step: _Step) -> None:
         if bucket.comm.data_ptr() != bucket.grads.data_ptr():
             bucket.comm[: bucket.grads.numel()].copy_(bucket.grads)
-        if bucket.flags is not None:  # the last bucket: every parameter's fate is known by now
+        if bucket.flags is not None:  # the group's last bucket: every parameter's fate is known by now
+            members = self._members[bucket.group]
             if len(step.used) == len(self._params):
                 bucket.flags.fill_(1)
             else:
-                used = torch.zeros(len(self._params), dtype=torch.bool)
-                used[list(step.used)] = True
+                used = torch.tensor([i in step.used for i in members], dtype=torch.bool)
                 bucket.flags.copy_(used)
         bucket.launched_at = time.perf_counter()
         bucket.done_at = 0.0
-        if self._world == 1:  # the average over one rank is the gradient itself
+        g = self._groups[bucket.group]
+        if g.world == 1:  # the average over one rank is the gradient itself
             bucket.handle = None
             bucket.done_at = bucket.launched_at
-        elif self._comm is not None:
-            fut = self._comm.allreduce(bucket.comm, Op.AVG)
+        elif g.engine is not None:
+            fut = g.engine.allreduce(bucket.comm, Op.AVG)
 
             def done(_: torch.futures.Future, bucket: _Bucket = bucket) -> None:
                 bucket.done_at = time.perf_counter()
@@ -370,7 +486,7 @@ class DistributedDataParallel(nn.Module):
             fut.add_done_callback(done)
             bucket.handle = fut
         else:
-            bucket.handle = dist.all_reduce(bucket.comm, group=self.process_group, async_op=True)
+            bucket.handle = dist.all_reduce(bucket.comm, group=g.pg, async_op=True)
 
     def _finish(self) -> None:
         """End of a synchronising backward: launch what is left, wait for every bucket, publish averaged grads."""
@@ -392,19 +508,24 @@ class DistributedDataParallel(nn.Module):
                 step.pending[self._bucket_of[i][0]] -= 1
             self._launch_ready(step)
             for bucket in self._buckets:
+                g = self._groups[bucket.group]
                 if bucket.handle is None:
                     pass
-                elif self._comm is not None:
+                elif g.engine is not None:
                     bucket.handle.wait()  # the engine raises CollectiveTimeout/PeerFailure on its own deadline
                 else:
                     bucket.handle.wait(timeout=timedelta(seconds=self.config.timeout))
                     bucket.done_at = time.perf_counter()
-                    bucket.comm.div_(self._world)
+                    bucket.comm.div_(g.world)
                 bucket.handle = None
                 if bucket.comm.data_ptr() != bucket.grads.data_ptr():
                     bucket.grads.copy_(bucket.comm[: bucket.grads.numel()])
-            flags = self._buckets[-1].flags
-            unused = [] if len(step.used) == len(self._params) else (flags <= 0).nonzero().flatten().tolist()
+            unused = []
+            if len(step.used) != len(self._params):
+                for bucket in self._buckets:
+                    if bucket.flags is not None:
+                        members = self._members[bucket.group]
+                        unused += [members[k] for k in (bucket.flags <= 0).nonzero().flatten().tolist()]
             for i in unused:  # no rank used it: leave it as it was (None), so optimizers skip it
                 self._params[i].grad = None
             for i, p in enumerate(self._params):
@@ -437,3 +558,13 @@ class DistributedDataParallel(nn.Module):
         current = [i for bucket in self._buckets for i in bucket.params]
         if agreed_order != current:
             self._build(agreed_order)
+
+
+def _check_group(pg: Any, what: str) -> None:
+    """``pg`` must be a process group this rank belongs to (new_group hands other ranks a placeholder)."""
+    if not isinstance(pg, dist.ProcessGroup):
+        raise UserTypeError(f"{what} must be a torch.distributed ProcessGroup that this rank belongs to, got "
+                            f"{type(pg).__name__} {pg!r} (dist.new_group returns a placeholder on ranks outside "
+                            "the group: pass each rank the group it is in)")
+    if dist.get_rank(pg) < 0:
+        raise UserError(f"{what} does not contain this rank ({dist.get_rank()}); pass each rank the group it is in")
