@@ -5,6 +5,8 @@ The expert-parallel runs (2 emulated nodes x 2 ranks) are in test_moe_ep.py.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,8 @@ def test_dropless_processes_every_token_even_when_the_gate_is_skewed():
     moe(tokens(4, 8))
     assert moe.stats.tokens[:2] == [32, 32] and sum(moe.stats.tokens) == 64
     assert moe.stats.dropped == 0 and moe.stats.imbalance == 4.0
+    record = json.loads(json.dumps(moe.stats.as_dict()))
+    assert record["tokens"][:2] == [32, 32] and record["imbalance"] == 4.0 and record["all_to_all"]["calls"] == 0
 
 
 def test_capacity_drops_the_lowest_affinities_and_counts_them():

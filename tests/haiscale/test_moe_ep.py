@@ -43,7 +43,9 @@ def test_ep_training_equals_one_process_on_the_whole_batch(cluster, reference, b
             if name.startswith("experts."):
                 ref = ref[experts[0]:experts[-1] + 1]  # this rank's slice of the unsharded layer
             torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
-        assert got["a2a_bytes"] > 0
+        assert got["a2a"]["calls"] == 5 and got["a2a"]["bytes_sent"] > 0 and got["a2a"]["seconds"] > 0
+    # what the ranks sent is what they received
+    assert sum(r["a2a"]["bytes_sent"] for r in results) == sum(r["a2a"]["bytes_received"] for r in results)
     # each step's loss on the whole batch is the mean of the ranks' losses (equal batches)
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in results) / len(results)

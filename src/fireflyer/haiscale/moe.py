@@ -130,6 +130,13 @@ class MoEStats:
         total = sum(self.tokens)
         return max(self.tokens) * len(self.tokens) / total if total else 1.0
 
+    def as_dict(self) -> dict:
+        """Plain numbers for a progress line or ``run.json``: tokens, imbalance, dropped, all_to_all."""
+        a = self.all_to_all
+        return {"tokens": list(self.tokens), "imbalance": self.imbalance, "dropped": self.dropped,
+                "all_to_all": {"bytes_sent": a.bytes_sent, "bytes_received": a.bytes_received,
+                               "seconds": a.seconds, "calls": a.calls}}
+
 
 def is_expert_param(p: torch.Tensor) -> bool:
     """Whether ``p`` is a routed expert's weight: sharded over EP, its gradient averaged over the
@@ -367,7 +374,8 @@ class MoE(nn.Module):
 
         Call it once per step, after ``optimizer.step()``, on every rank of ``group`` (it is a
         collective there), so the next step's routing sees it; the bias is a buffer (in
-        ``state_dict``), never a parameter, and the optimizer never touches it.
+        ``state_dict``), never a parameter, and the optimizer never touches it. A forward run
+        again by activation checkpointing counts twice.
         """
         load = self._step_load.to(self.expert_bias.device, torch.float64)
         if group is not None and dist.get_world_size(group) > 1:

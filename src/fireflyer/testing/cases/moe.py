@@ -7,6 +7,7 @@ the concatenated batch, which the test runs itself.
 
 from __future__ import annotations
 
+import importlib
 from datetime import timedelta
 
 import torch
@@ -27,8 +28,7 @@ _GROUPS: dict = {}
 def init(ctx, backend: str) -> dict:
     """The hfreduce default group, and the EP and expert groups on ``backend`` (made once per backend)."""
     if not dist.is_initialized():
-        import fireflyer.hfreduce  # noqa: F401 - registers the backend
-
+        importlib.import_module("fireflyer.hfreduce")  # registers the backend
         dist.init_process_group("hfreduce", store=dist.PrefixStore("moe", ctx.store), rank=ctx.rank,
                                 world_size=ctx.world_size, timeout=timedelta(seconds=60))
     if backend not in _GROUPS:
@@ -80,7 +80,7 @@ def train_ep(ctx, steps: int, backend: str) -> dict:
         out["outputs"].append(yhat.detach().clone())
         out["input_grads"].append(x.grad.clone())
         out["tokens"].append(moe.stats.tokens)
-        out["a2a_bytes"] = moe.stats.all_to_all.bytes_sent
+        out["a2a"] = moe.stats.as_dict()["all_to_all"]  # forward's three exchanges and backward's two
         for p in moe.parameters():  # dense grads over all 4 ranks, expert grads over the ranks with the same experts
             group, n = (groups["expert"], replicas) if is_expert_param(p) else (groups["world"], world)
             dist.all_reduce(p.grad, group=group)
