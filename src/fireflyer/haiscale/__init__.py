@@ -6,6 +6,8 @@
   optionally with the optimizer step run inside backward.
 * :func:`make_subgroups` places pipeline stages so a node's ranks go to different
   data-parallel groups, and :func:`forward_backward` runs a pipeline schedule.
+* :class:`MoE` is a DeepSeekMoE layer whose routed experts are sharded over an expert-parallel
+  group, tokens dispatched and combined with uneven ``all_to_all_single``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ _EXPORTS = {
     "PipelineConfig": "fireflyer.haiscale.pipeline",
     "Schedule": "fireflyer.haiscale.pipeline",
     "partition": "fireflyer.haiscale.pipeline",
+    "MoE": "fireflyer.haiscale.moe",
+    "MoEConfig": "fireflyer.haiscale.moe",
+    "is_expert_param": "fireflyer.haiscale.moe",
 }
 
 __all__ = sorted(_EXPORTS)
