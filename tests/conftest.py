@@ -1,4 +1,5 @@
-"""Suite-wide settings: flight recorder dumps from failing test collectives go to the session's tmp, not /tmp."""
+"""Suite-wide settings: flight recorder dumps from failing test collectives go to the session's tmp, not /tmp,
+and the training records ``fireflyer train`` builds go there too, not to the user's ~/.cache."""
 
 from __future__ import annotations
 
@@ -11,4 +12,11 @@ import pytest
 def _flight_dumps_in_tmp(tmp_path_factory):
     if "FIREFLYER_HFREDUCE_TRACE_DIR" not in os.environ:  # ranks (spawned or torchrun) inherit it
         os.environ["FIREFLYER_HFREDUCE_TRACE_DIR"] = str(tmp_path_factory.mktemp("flight-dumps"))
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _data_cache_in_tmp(tmp_path_factory):
+    if "FIREFLYER_DATA_CACHE" not in os.environ:  # ranks, launched jobs and platform tasks inherit it
+        os.environ["FIREFLYER_DATA_CACHE"] = str(tmp_path_factory.mktemp("data-cache"))
     yield

@@ -15,6 +15,7 @@ that names those variables; a rank reads its place back with :func:`this_rank`.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -203,6 +204,11 @@ _PEER_SYMPTOMS = ("PeerFailure", "ConnectionLost", "ChildFailedError", "BrokenPi
 """What a rank's error says when it only lost a peer that failed first."""
 
 
+_FIREFLYER_ERROR = re.compile(r"fireflyer(\.\w+)+: ")
+"""A traceback's last line for one of fireflyer's own errors, whose names need not end in Error
+(``fireflyer.storage.errors.CorruptRecord: ...``, ``fireflyer.errors.TimedOut: ...``)."""
+
+
 def _first_error(log_dir: Path) -> str:
     """The most telling error line any rank wrote: its exception, else the agent's summary."""
     candidates: list[str] = []
@@ -215,7 +221,8 @@ def _first_error(log_dir: Path) -> str:
             continue
         for line in reversed(lines):
             text = line.split("]:", 1)[-1].strip() if line.startswith("[") else line.strip()
-            if (text.endswith(("Error", "Exception")) or ("Error: " in text or "Exception: " in text)) \
+            if (text.endswith(("Error", "Exception")) or ("Error: " in text or "Exception: " in text)
+                    or _FIREFLYER_ERROR.match(text)) \
                     and not text.startswith(("torch.distributed.elastic", "raise ")):
                 candidates.append(text)
                 break

@@ -132,7 +132,7 @@ def test_flipped_bit_names_shard_and_offset(tmp_path):
         assert r.read(0) == b"x" * 10
         with pytest.raises(CorruptRecord, match=r"offset 10 of shard shard-00000.rec") as e:
             r.read(1)
-        assert e.value.shard == "shard-00000.rec" and e.value.offset == 10
+        assert e.value.shard == "shard-00000.rec" and e.value.offset == 10 and e.value.record == 1
         with pytest.raises(CorruptRecord, match="offset 10"):
             r.read_many([0, 1, 2])
 

@@ -123,3 +123,83 @@ def test_a_rank_that_fails_stops_the_job_with_its_error_on_one_line(tmp_path):
 def test_a_job_past_its_timeout_is_stopped(tmp_path):
     line = one_error_line(train(str(TINY), "--out", str(tmp_path), "--timeout", "1"))
     assert "did not finish within 1s and was stopped" in line
+
+
+# --- the data path: records built once, read through storage, resumed across an epoch's end ---------------
+
+DATA_STEPS, DATA_SAVE, DATA_STOP = 14, 5, 7
+"""Saved every 5 steps, stopped at 7 (not a save step), resumed to 14: an epoch of the small text
+below is 10 steps, so the resumed run crosses into the next epoch."""
+
+
+@pytest.fixture(scope="module")
+def data_runs(tmp_path_factory):
+    from fireflyer.train.records import load_corpus
+
+    root = tmp_path_factory.mktemp("data-runs")
+    text = root / "plays.txt"
+    text.write_text(load_corpus()[:6000], encoding="utf-8")
+    cache = root / "cache"
+    common = [str(TINY), "--data", str(text), "--data-cache", str(cache), "--steps", str(DATA_STEPS),
+              "--save-every", str(DATA_SAVE)]
+    done_a = ok(train(*common, "--out", str(root / "a")))
+    (dataset,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    stamp = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in (dataset, dataset / "data.json")]
+    done_b = ok(train(*common, "--out", str(root / "b"), "--stop-at", str(DATA_STOP)))
+    done_c = ok(train("--out", str(root / "b"), "--resume"))
+    return {"a": json.loads((root / "a" / "run.json").read_text()), "c": json.loads((root / "b" / "run.json").read_text()),
+            "outs": [done_a.stdout, done_b.stdout, done_c.stdout], "text": text, "cache": cache, "dataset": dataset,
+            "stamp": stamp}
+
+
+def test_a_run_resumed_off_the_save_interval_and_across_an_epoch_equals_an_uninterrupted_one(data_runs):
+    straight, resumed = data_runs["a"], data_runs["c"]
+    steps_per_epoch = straight["data"]["records"]["train"] // (CFG.world_size * CFG.batch_per_rank)
+    assert DATA_STOP < steps_per_epoch < DATA_STEPS and DATA_STOP % DATA_SAVE
+    assert resumed["resumed_from"] == DATA_STOP and resumed["finished"] and len(straight["history"]["loss"]) == DATA_STEPS
+    assert resumed["history"]["loss"] == straight["history"]["loss"]
+    # The stopped run also measured val loss where it stopped; every other evaluation is the same, bit for bit.
+    assert [v for v in resumed["history"]["val"] if v[0] != DATA_STOP] == straight["history"]["val"]
+    assert resumed["sample"] == straight["sample"]
+
+
+def test_the_records_are_built_by_the_first_run_and_reused_by_the_others(data_runs):
+    first, *later = data_runs["outs"]
+    assert "built in" in first and all("reused" in out and "built in" not in out for out in later)
+    dataset = data_runs["dataset"]
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in (dataset, dataset / "data.json")] == data_runs["stamp"]
+    assert [p for p in data_runs["cache"].iterdir() if not p.name.startswith(".")] == [dataset]
+
+
+def test_run_json_and_the_summary_show_the_data_and_its_reader(data_runs):
+    data = data_runs["c"]["data"]
+    assert data["source"] == str(data_runs["text"].resolve()) and data["hash"] == data_runs["dataset"].name
+    assert data["records"]["train"] > 0 and data["shards"]["train"] >= 1 and data["window"] == CFG.context + 1
+    assert 0 < data["cache_hit_rate"] <= 1 and data["stall_s"] >= 0 and data["record_reads"] > 0
+    summary = data_runs["outs"][2]
+    assert "shard cache hit rate" in summary and "reader stall" in summary and data["hash"][:12] in summary
+
+
+def test_a_damaged_record_stops_the_job_with_one_line_that_names_it(tmp_path):
+    from fireflyer.storage.records import RecordReader
+    from fireflyer.storage.sampler import ResumableSampler
+    from fireflyer.train.records import load_corpus, prepare_data
+
+    text = tmp_path / "plays.txt"
+    text.write_text(load_corpus()[:6000], encoding="utf-8")
+    cfg = CFG.replace(data=str(text), data_cache=str(tmp_path / "cache"))
+    prepared = prepare_data(cfg)
+    sampler = ResumableSampler(prepared.records("train"), batch_size=CFG.batch_per_rank, rank=0,
+                               world_size=CFG.world_size, seed=CFG.seed)
+    victim = sampler.batch(1)[0]  # rank 0 reads it at step 2
+    with RecordReader(prepared.dir / "train") as r:
+        shard, offset, _, _ = r.locate(victim)
+    path = prepared.dir / "train" / f"shard-{shard:05d}.rec"
+    raw = bytearray(path.read_bytes())
+    raw[offset + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    done = train(str(TINY), "--data", str(text), "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "o"))
+    line = one_error_line(done)
+    assert "CorruptRecord: the records of the train split of" in line, line
+    assert f"record {victim} " in line and f"shard-{shard:05d}.rec" in line and "CRC-32" in line
+    assert f"delete {prepared.dir}" in line

@@ -5,13 +5,15 @@ from __future__ import annotations
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fireflyer.errors import UserError
 from fireflyer.train import report, state
 from fireflyer.train.config import TrainConfig
-from fireflyer.train.data import SAMPLE_PROMPT, Batches, CharTokenizer, load_corpus, split
+from fireflyer.train.data import SAMPLE_PROMPT, CharTokenizer, RecordBatches, load_corpus
+from fireflyer.train.records import prepare, read_corpus, split, tokenize
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.train.optim import build_optimizer, lr_at
 from fireflyer.train.progress import PlainLines, StepStats, Throughput
@@ -41,7 +43,7 @@ def test_tokenizer_round_trip(corpus):
 
 
 def test_split_holds_out_spread_blocks():
-    tokens = torch.arange(100_000)
+    tokens = np.arange(100_000)
     train, val = split(tokens, 0.1, block=1000)
     assert len(train) + len(val) == len(tokens)
     assert len(val) == 10_000
@@ -49,18 +51,33 @@ def test_split_holds_out_spread_blocks():
     assert not set(train.tolist()) & set(val.tolist())
 
 
-def test_batches_depend_on_seed_rank_and_step_only():
-    tokens = torch.arange(10_000)
-    b = Batches(tokens, context=16, batch=4, seed=1, device=torch.device("cpu"))
-    x, y = b.train(rank=0, step=5)
-    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y, x + 1)
-    again = Batches(tokens, context=16, batch=4, seed=1, device=torch.device("cpu"))
-    assert torch.equal(again.train(rank=0, step=5)[0], x)
-    assert not torch.equal(b.train(rank=1, step=5)[0], x)
-    assert not torch.equal(b.train(rank=0, step=6)[0], x)
-    assert torch.equal(b.eval(rank=0, index=0)[0], b.eval(rank=0, index=0)[0])
-    with pytest.raises(ValueError, match="too short for a context"):
-        Batches(tokens[:10], context=16, batch=1, seed=0, device=torch.device("cpu"))
+def test_the_records_tokenizer_agrees_with_the_model_side_one(corpus):
+    vocab, ids = tokenize(corpus)
+    tok = CharTokenizer.from_text(corpus)
+    assert vocab == tok.chars and ids.dtype == np.uint8
+    assert np.array_equal(ids[:3000], tok.encode(corpus[:3000]).numpy())
+
+
+def test_batches_depend_on_seed_rank_and_step_only(tmp_path, text_file):
+    prepared = prepare(read_corpus(text_file), tmp_path, context=16, val_fraction=0.1)
+    cpu = torch.device("cpu")
+
+    def batches(seed=1, rank=0):
+        return RecordBatches(prepared.dir / "train", name="train", batch=4, rank=rank, world_size=2, seed=seed,
+                             device=cpu)
+
+    b = batches()
+    x, y = b.batch(5)
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    text = read_corpus(text_file).text
+    for row_x, row_y in zip(x, y, strict=True):  # each window is a stretch of the text, and its next characters
+        window = prepared.vocab[row_x[0]] + CharTokenizer(prepared.vocab).decode(row_y)
+        assert window in text
+    assert torch.equal(batches().batch(5)[0], x)
+    assert not torch.equal(batches(rank=1).batch(5)[0], x)
+    assert not torch.equal(b.batch(6)[0], x)
+    assert not torch.equal(batches(seed=2).batch(5)[0], x)
+    b.close()
 
 
 def test_model_shapes_tied_embedding_and_causality():
@@ -136,7 +153,10 @@ def test_report_plot_and_summary(tmp_path):
         "config": cfg.to_dict(), "finished": True, "step": 3, "resumed_from": None,
         "world": {"nodes": 2, "ranks_per_node": 2, "world_size": 4, "device": "cpu", "threads_per_rank": 1},
         "model": {"parameters": 400_000, "vocab_size": 63},
-        "data": {"corpus_chars": 1000, "train_tokens": 900, "val_tokens": 100, "tokens_per_step": 4096},
+        "data": {"corpus_chars": 1000, "train_tokens": 900, "val_tokens": 100, "tokens_per_step": 4096,
+                 "source": "shakespeare.txt (shipped)", "hash": "ab" * 32, "window": 65,
+                 "records": {"train": 13, "val": 1}, "shards": {"train": 1, "val": 1},
+                 "cache_hit_rate": 0.9876, "stall_s": 0.0125},
         "history": {"loss": [4.2, 3.5, 3.0], "lr": [1e-3, 1e-3, 1e-3], "val": [[0, 4.2], [3, 3.1]]},
         "timing": {"train_s": 1.0, "eval_s": 0.1, "save_s": 0.0, "steps_this_run": 3, "tokens_per_s": 12288.0,
                    "sample_s": 0.1},
@@ -148,7 +168,9 @@ def test_report_plot_and_summary(tmp_path):
     text = report.summary(run, wall_s=5.0, out=tmp_path, png=png)
     assert len(text.splitlines()) <= 24, "one screen"
     for needle in ("finished", "0.40 M parameters", "2 nodes x 2 ranks", "12.3 k tokens/s", "0.05 GB/s",
-                   "train 4.200 (step 1)", "val 4.200 (step 0) -> 3.100 (step 3)", "loss.png", "| ROMEO:"):
+                   "train 4.200 (step 1)", "val 4.200 (step 0) -> 3.100 (step 3)", "loss.png", "| ROMEO:",
+                   "13 + 1 windows of 65 tokens in 2 shards (abababababab)", "hit rate 98.8%",
+                   "reader stall 0.013 s", "characters of shakespeare.txt (shipped)"):
         assert needle in text
 
 

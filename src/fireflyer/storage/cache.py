@@ -15,6 +15,11 @@ starting another; the time demands spend waiting on I/O is the *reader stall*.
 
 Every blocking call takes a timeout. The cache is thread-safe: one lock guards the tier
 maps, and I/O runs outside it.
+
+:class:`CachedBackend` puts a cache under a :class:`~fireflyer.storage.records.RecordReader`
+(or a :class:`~fireflyer.storage.dataset.RecordDataset`): the reader's ranged reads of a
+shard are served from the cached shard, everything else (manifest, indexes) from the
+backend below, so records keep their per-record CRC check while their shards are read once.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from fireflyer.storage.backends import Backend, open_backend
 from fireflyer.storage.errors import StorageError
 from fireflyer.fsutil import atomic_write
 from fireflyer.storage.policy import FrequencyAdmission, Prefetcher
-from fireflyer.errors import TimedOut, UserError
+from fireflyer.errors import TimedOut, UsageError, UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -424,6 +429,59 @@ class ShardCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class CachedBackend(Backend):
+    """A read-only view of ``cache.backend`` whose reads of the cache's keys go through the cache.
+
+    ``read_range(key, offset, length)`` of a shard the cache knows takes the slice out of
+    :meth:`ShardCache.get` (loading, promoting and prefetching as a demand does); any other
+    key (a manifest, an index) is read from the backend below directly. Errors pass through
+    as the cache or the backend raised them: both already name the key and retry what is
+    worth retrying, so this layer neither retries nor wraps. Writes are refused.
+    """
+
+    name = "cached"
+
+    def __init__(self, cache: ShardCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.base = cache.backend
+        self._keys = frozenset(cache.keys)
+
+    def __repr__(self) -> str:
+        return f"{self.base!r} (through a ShardCache)"
+
+    def _call(self, op: str, key: str, fn: Any) -> Any:
+        return fn()
+
+    def _read(self, key: str) -> bytes:
+        if key in self._keys:
+            return _as_bytes(self.cache.get(key))
+        return self.base.read(key)
+
+    def _read_range(self, key: str, offset: int, length: int) -> bytes:
+        if key in self._keys:
+            return _as_bytes(self.cache.get(key)[offset:offset + length])
+        return self.base.read_range(key, offset, length)
+
+    def _size(self, key: str) -> int:
+        return self.base.size(key)
+
+    def _list(self, prefix: str) -> list[str]:
+        return self.base.list(prefix)
+
+    def _refuse(self, *args: object) -> None:
+        raise UsageError(f"{self!r} is read-only; write to the backend below it")
+
+    _write = _upload = _delete = _refuse
+
+
+def _as_bytes(data: Any) -> bytes:
+    """Bytes of what a tier holds: bytes already, or a uint8 tensor of the GPU tier."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    return data.cpu().numpy().tobytes()
 
 
 def _cuda_available() -> bool:

@@ -22,11 +22,11 @@ class NotFound(BackendError, FileNotFoundError):
 
 
 class CorruptRecord(StorageError):
-    """A record's bytes fail their checksum; ``shard`` and ``offset`` say where."""
+    """A record's bytes fail their checksum; ``shard`` and ``offset`` say where, ``record`` is its sample id."""
 
-    def __init__(self, message: str, *, shard: str, offset: int) -> None:
+    def __init__(self, message: str, *, shard: str, offset: int, record: int | None = None) -> None:
         super().__init__(message)
-        self.shard, self.offset = shard, offset
+        self.shard, self.offset, self.record = shard, offset, record
 
 
 class DatasetError(StorageError):

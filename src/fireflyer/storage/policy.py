@@ -12,6 +12,9 @@ so the same instance type drives the model and the real data path.
   confidence, the running share of its guesses that were demanded within the next
   ``window`` accesses; only offsets at or above ``threshold`` are issued. The simulator
   charges a penalty for every speculative load that the next ``window`` accesses miss.
+* :class:`SamplerPrefetch`: the shards a :class:`~fireflyer.storage.sampler.ResumableSampler`'s
+  next ``lookahead`` batches will read, named once per step (the oracle for a training
+  loop, since the sampler's order is known in advance).
 * :class:`FrequencyAdmission`: scan-resistant admission in the TinyLFU manner. Demands
   are counted (halved every ``window`` demands so old popularity fades); a shard enters
   a full tier only if it was asked for at least as often as the victim, so a one-off
@@ -22,8 +25,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence
 from fireflyer.errors import UserError
+
+if TYPE_CHECKING:
+    from fireflyer.storage.sampler import ResumableSampler
 
 
 class Prefetcher(Protocol):
@@ -70,6 +76,45 @@ class OraclePrefetch:
 
     def candidates(self, i: int, shard: int) -> list[int]:
         return list(self.trace[i + 1:i + 1 + self.distance])
+
+
+class SamplerPrefetch:
+    """Prefetch the shards of the sampler's next ``lookahead`` batches (sample ``i`` is in shard
+    ``i // records_per_shard``, as in a record dataset).
+
+    The training loop moves the sampler (``set_step``) before it reads a batch; the first
+    demand at a new position names the shards of the ``lookahead`` batches after it,
+    nearest first. Later demands at the same position name nothing, so a batch of many
+    records queues its lookahead once, not once per record.
+    """
+
+    def __init__(self, sampler: ResumableSampler, *, records_per_shard: int, lookahead: int = 2) -> None:
+        if records_per_shard < 1:
+            raise UserError(f"records_per_shard must be >= 1, got {records_per_shard}")
+        if lookahead < 0:
+            raise UserError(f"lookahead must be >= 0, got {lookahead}")
+        self.sampler = sampler
+        self.records_per_shard = records_per_shard
+        self.lookahead = lookahead
+        self._named_at: int | None = None
+
+    def upcoming(self, step: int) -> list[int]:
+        """Distinct shards of the batches after ``step``, in the order they will be demanded."""
+        out: dict[int, None] = {}
+        for k in range(1, self.lookahead + 1):
+            for i in self.sampler.batch(step + k):
+                out.setdefault(i // self.records_per_shard)
+        return list(out)
+
+    def observe(self, i: int, shard: int) -> None:
+        pass
+
+    def candidates(self, i: int, shard: int) -> list[int]:
+        step = self.sampler.step
+        if step == self._named_at:
+            return []
+        self._named_at = step
+        return self.upcoming(step)
 
 
 @dataclass(kw_only=True)

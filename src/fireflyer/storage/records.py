@@ -316,14 +316,16 @@ class RecordReader:
                     self._fds[s] = fd
         return fd
 
-    def _check(self, s: int, offset: int, data: bytes | bytearray | memoryview, crc: int, length: int) -> None:
+    def _check(self, s: int, offset: int, data: bytes | bytearray | memoryview, crc: int, length: int,
+               sample: int) -> None:
+        name = self.shards[s]["data"]
+        where = f"record {sample} (at offset {offset} of shard {name} in {self.backend!r})"
         if len(data) != length:
-            raise CorruptRecord(f"record at offset {offset} of shard {self.shards[s]['data']} is truncated "
-                                f"({len(data)} of {length} bytes)", shard=self.shards[s]["data"], offset=offset)
+            raise CorruptRecord(f"{where} is truncated ({len(data)} of {length} bytes)", shard=name, offset=offset,
+                                record=sample)
         if zlib.crc32(data) != crc:
-            raise CorruptRecord(f"record at offset {offset} of shard {self.shards[s]['data']} fails its CRC-32 "
-                                f"checksum (the bytes on storage are damaged)", shard=self.shards[s]["data"],
-                                offset=offset)
+            raise CorruptRecord(f"{where} fails its CRC-32 checksum (the bytes on storage are damaged)", shard=name,
+                                offset=offset, record=sample)
 
     def read(self, i: int) -> bytes:
         """Sample ``i``'s bytes, checksum verified."""
@@ -332,7 +334,7 @@ class RecordReader:
             data = os.pread(self._fd(s), length, offset)
         else:
             data = self.backend.read_range(self.shards[s]["data"], offset, length)
-        self._check(s, offset, data, crc, length)
+        self._check(s, offset, data, crc, length, int(i))
         return data
 
     def read_many(self, ids: Sequence[int]) -> list[bytes]:
@@ -375,7 +377,7 @@ class RecordReader:
                 pieces = [blob[locs[k][1] - start:locs[k][1] - start + locs[k][2]] for k in uniq]
             by_id = {}
             for k, piece in zip(uniq, pieces, strict=True):
-                self._check(s, locs[k][1], piece, locs[k][3], locs[k][2])
+                self._check(s, locs[k][1], piece, locs[k][3], locs[k][2], int(ids[k]))
                 by_id[int(ids[k])] = bytes(piece)
             for k in run:
                 out[k] = by_id[int(ids[k])]

@@ -51,6 +51,9 @@ class ResumableSampler:
         self.steps_per_epoch = per_rank // c.batch_size if c.drop_last else -(-per_rank // c.batch_size)
         self.samples_per_epoch = self.steps_per_epoch * c.batch_size if c.drop_last else per_rank
         self.step = 0
+        self._epochs: dict[int, np.ndarray] = {}
+        """The last two epochs' ids: a training loop asks for one batch at a time (and a prefetcher
+        for the next few), and a permutation of millions of ids is worth drawing once."""
 
     def set_step(self, step: int) -> None:
         """Continue from global step ``step`` (batches this rank has already consumed)."""
@@ -63,7 +66,17 @@ class ResumableSampler:
         return self.step // self.steps_per_epoch
 
     def epoch_ids(self, epoch: int) -> np.ndarray:
-        """This rank's ids for a whole epoch."""
+        """This rank's ids for a whole epoch (a read-only array)."""
+        ids = self._epochs.get(epoch)
+        if ids is None:
+            ids = self._draw_epoch(epoch)
+            ids.flags.writeable = False
+            if len(self._epochs) >= 2:
+                self._epochs.pop(min(self._epochs))
+            self._epochs[epoch] = ids
+        return ids
+
+    def _draw_epoch(self, epoch: int) -> np.ndarray:
         c = self.config
         ids = np.random.default_rng([c.seed, epoch]).permutation(c.num_samples) if c.shuffle \
             else np.arange(c.num_samples)

@@ -10,7 +10,9 @@ The parts, in the order a run meets them:
 * :mod:`~fireflyer.train.job` is one rank: it joins the hfreduce process group and runs
   the :class:`~fireflyer.train.trainer.Trainer`; as a platform task (no launcher) its rank 0
   resolves the out directory itself.
-* :mod:`~fireflyer.train.data` (corpus, character tokenizer, seeded batches),
+* :mod:`~fireflyer.train.records` turns the text into record shards once, cached by content
+  hash; :mod:`~fireflyer.train.data` (corpus, character tokenizer, batches read through
+  the storage part: sampler, record dataset, shard cache),
   :mod:`~fireflyer.train.model` (the GPT), :mod:`~fireflyer.train.optim` (AdamW,
   warm-up and cosine), :mod:`~fireflyer.train.state` (save and ``--resume``),
   :mod:`~fireflyer.train.progress` (rank 0's progress bar).

@@ -3,7 +3,8 @@
 This process resolves the config (the TOML file, default ``configs/demo.toml``, then
 flags), prepares the out directory, and starts the job with
 :func:`fireflyer.launch.run_local`: one real torchrun agent per emulated node, each rank
-running :mod:`fireflyer.train.job`. When the job ends it draws ``loss.png`` and prints
+running :mod:`fireflyer.train.job`. Before that it finds or builds the training records
+(:func:`fireflyer.train.records.prepare_data`), so the ranks only read them. When the job ends it draws ``loss.png`` and prints
 the summary from the ``run.json`` rank 0 wrote.
 """
 
@@ -29,6 +30,7 @@ examples:
   fireflyer train                                  # the demo: configs/demo.toml, 2 nodes x 2 ranks
   fireflyer train my.toml --steps 600 --out runs/long
   fireflyer train --out runs/long --resume         # continue from the latest saved state there
+  fireflyer train --data my-texts/ --out runs/mine # train on a folder of .txt files (UTF-8)
 """
 
 
@@ -66,6 +68,9 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
 
         if not torch.cuda.is_available():
             raise UserError("device = 'cuda' but no CUDA device is visible here; use 'auto' or 'cpu'")
+    from fireflyer.train.records import prepare_data
+
+    data = prepare_data(cfg)  # before any rank starts: a bad --data is one line here, and the ranks find the records
     from fireflyer.launch import LocalJob, run_local  # imports torch: only once the config is known to be good
 
     out = cfg.out_dir
@@ -75,6 +80,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
         target += ["--resume", str(resume_from)]
     print(f"fireflyer train: {cfg.nodes} node(s) x {cfg.ranks_per_node} rank(s), steps "
           f"{_step_range(cfg, resume_from)}, out {out}/ (logs in {out / 'logs'}/)", flush=True)
+    print(f"fireflyer train: {data.summary()}", flush=True)
     t0 = time.monotonic()
     run_local(LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,
                        timeout=cfg.timeout, log_dir=str(out / "logs")))

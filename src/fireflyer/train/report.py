@@ -1,7 +1,7 @@
 """After the job: the loss-curve PNG and the one-screen summary, both made from ``run.json``.
 
-Rank 0 writes ``run.json`` (config, per-step losses, validation losses, timings,
-allreduce counters, a text sample); this module runs in the launching process, so the
+Rank 0 writes ``run.json`` (config, the data read and its reader's counters, per-step
+losses, validation losses, timings, allreduce counters, a text sample); this module runs in the launching process, so the
 ranks never import matplotlib.
 """
 
@@ -69,8 +69,11 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
          f"{run['model']['vocab_size']} characters"),
         (f"  world      {w['nodes']} nodes x {w['ranks_per_node']} ranks = {w['world_size']} ranks on {w['device']}, "
          f"{w['threads_per_rank']} thread(s) per rank, haiscale DDP over hfreduce"),
-        (f"  data       {data['train_tokens']:,} train / {data['val_tokens']:,} val characters, "
-         f"{data['tokens_per_step']:,} tokens per step"),
+        (f"  data       {data['train_tokens']:,} train / {data['val_tokens']:,} val characters of "
+         f"{data['source']}, {data['tokens_per_step']:,} tokens per step"),
+        (f"  records    {data['records']['train']:,} + {data['records']['val']:,} windows of {data['window']} tokens "
+         f"in {data['shards']['train'] + data['shards']['val']} shards ({data['hash'][:12]}); shard cache hit rate "
+         f"{data['cache_hit_rate']:.1%}, reader stall {data['stall_s']:.3f} s per rank"),
         (f"  speed      {_si(t['tokens_per_s'])} tokens/s over {t['steps_this_run']} steps; "
          f"allreduce {ar['gbps']:.2f} GB/s, {_bytes(ar['bytes_per_rank'])} per rank, "
          f"{ar['exposed_wait_s']:.1f} s exposed wait"),

@@ -6,8 +6,9 @@ only for the snapshot to host memory, the ranks write disjoint shares of it in t
 background (the state is the same on every rank under DDP), and rank 0 commits it.
 A state holds all that the next step depends on: model and optimizer, the scheduler's
 position, the step, the RNG states, the config it ran under, and the loss history so
-far. Batches are a pure function of (seed, rank, step) (see :mod:`fireflyer.train.data`),
-so a run resumed from step k produces bit for bit the losses of a run that never stopped.
+far, and the hash of the training records. Batches are a pure function of (records, seed,
+rank, step) (see :mod:`fireflyer.train.data`), so a run resumed from step k produces bit
+for bit the losses of a run that never stopped.
 
 Only committed checkpoints count, every byte is verified on load, and a damaged newest
 checkpoint falls back to the one before it with a warning. The two newest are kept.

@@ -1,6 +1,7 @@
 """The training loop of one rank: data-parallel steps with haiscale DDP, evaluation, saving.
 
-Every rank holds a full replica of the model. A step draws the rank's own batch, runs
+Every rank holds a full replica of the model. A step reads the rank's own batch (record
+shards through the storage part, :mod:`fireflyer.train.data`), runs
 forward and backward through :class:`fireflyer.haiscale.DistributedDataParallel` (whose
 gradient allreduce over hfreduce overlaps backward), clips, and steps AdamW. The
 reported loss is the mean over ranks. Rank 0 saves the state, writes ``run.json`` and
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from fireflyer.haiscale import DistributedDataParallel
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
-from fireflyer.train.data import SAMPLE_PROMPT, Batches, CharTokenizer, load_corpus, split
+from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
 from fireflyer.train.files import write_json
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.train.optim import build_optimizer
@@ -78,15 +79,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
-        text = load_corpus()
-        self.tokenizer = CharTokenizer.from_text(text)
-        tokens = self.tokenizer.encode(text)
-        train, val = split(tokens, self.cfg.val_fraction)
-        common = dict(context=self.cfg.context, batch=self.cfg.batch_per_rank, seed=self.cfg.seed,
-                      device=self.where.device)
-        self.train_data = Batches(train, **common)
-        self.val_data = Batches(val, **common)
-        self.corpus_chars = len(text)
+        w = self.where
+        self.data = TrainingData.open(self.cfg, rank=w.rank, world_size=w.world_size, device=w.device)
+        self.tokenizer = self.data.tokenizer
+        self._notes: list[str] = []
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -108,6 +104,9 @@ class Trainer:
         torch.set_rng_state(state["rng"]["cpu"])
         if self.where.device.type == "cuda" and "cuda" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.where.device)
+        if state.get("data_hash") not in (None, self.data.prepared.key):
+            self._notes.append(f"note: the training records differ from those step {step} was trained on "
+                               f"({state['data_hash'][:12]} -> {self.data.prepared.key[:12]}); the data order changes")
         h = state["history"]
         self.history = History(loss=list(h["loss"]), lr=list(h["lr"]), val=[list(v) for v in h["val"]])
         return int(state["step"])
@@ -121,6 +120,8 @@ class Trainer:
         bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)
         if self.resumed_from is not None:
             bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.out)}")
+        for text in self._notes:
+            bar.note(text)
         rate = Throughput()
         try:
             for step in range(self.start_step + 1, self.end_step + 1):
@@ -144,14 +145,15 @@ class Trainer:
             self._evaluate(self.end_step)
         self._save(self.end_step)
         self.ckpt.wait()  # persisted, and on rank 0 committed, before the run reports itself done
-        record = self._record() if rank == 0 else {}
+        reader = self._reader_stats()
+        record = self._record(reader) if rank == 0 else {}
         if rank == 0:
             write_json(Path(cfg.out) / "run.json", record)
         dist.barrier()
         return record
 
     def _train_step(self, step: int) -> tuple[float, float]:
-        x, y = self.train_data.train(rank=self.where.rank, step=step)
+        x, y = self.data.train(step=step)
         self.optimizer.zero_grad(set_to_none=False)  # keep .grad as DDP's bucket views
         logits = self.ddp(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -174,7 +176,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(1, device=self.where.device)
         for i in range(self.cfg.eval_batches):
-            x, y = self.val_data.eval(rank=self.where.rank, index=i)
+            x, y = self.data.eval(index=i)
             total += F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         self.model.train()
         mean = (total / self.cfg.eval_batches).float()
@@ -206,6 +208,7 @@ class Trainer:
             step,
             config=self.cfg.to_dict(),
             vocab=self.tokenizer.chars,
+            data_hash=self.data.prepared.key,
             model=self.model.state_dict(),
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict(),
@@ -229,7 +232,20 @@ class Trainer:
         self.model.train()
         return self.tokenizer.decode(out.cpu())
 
-    def _record(self) -> dict[str, Any]:
+    def _reader_stats(self) -> dict[str, float]:
+        """The shard caches' counters over all ranks (a collective: every rank calls it)."""
+        mine = self.data.reader_stats()
+        total = torch.tensor([mine["demands"], mine["hits"], mine["stall_s"], mine["prefetched"]],
+                             dtype=torch.float64, device=self.where.device)
+        worst = torch.tensor([mine["stall_s"]], dtype=torch.float64, device=self.where.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        demands, hits, stall, prefetched = total.tolist()
+        n = self.where.world_size
+        return {"cache_hit_rate": hits / demands if demands else 0.0, "record_reads": int(demands),
+                "stall_s": stall / n, "stall_s_max": worst.item(), "prefetched_shards": int(prefetched)}
+
+    def _record(self, reader: dict[str, float]) -> dict[str, Any]:
         cfg, w = self.cfg, self.where
         done = self.end_step - self.start_step
         ddp = self.ddp.stats()
@@ -244,8 +260,7 @@ class Trainer:
                       "device": str(w.device) if w.device.type == "cpu" else f"cuda x {w.world_size}",
                       "threads_per_rank": w.threads},
             "model": {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size},
-            "data": {"corpus_chars": self.corpus_chars, "train_tokens": len(self.train_data.tokens),
-                     "val_tokens": len(self.val_data.tokens), "tokens_per_step": cfg.tokens_per_step},
+            "data": {**self.data.describe(), "tokens_per_step": cfg.tokens_per_step, **reader},
             "history": self.history.to_dict(),
             "timing": {**self.timing, "steps_this_run": done,
                        "tokens_per_s": done * cfg.tokens_per_step / self.timing["train_s"] if done else 0.0,
@@ -258,4 +273,5 @@ class Trainer:
 
     def close(self) -> None:
         self.ddp.close()
+        self.data.close()
 
