@@ -29,7 +29,8 @@ _EXPORTS = {
     "partition": "fireflyer.haiscale.pipeline",
     "MoE": "fireflyer.haiscale.moe",
     "MoEConfig": "fireflyer.haiscale.moe",
-    "is_expert_param": "fireflyer.haiscale.moe",
+    "is_expert_param": "fireflyer.haiscale.expert",
+    "mark_expert": "fireflyer.haiscale.expert",
 }
 
 __all__ = sorted(_EXPORTS)

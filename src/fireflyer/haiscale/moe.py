@@ -48,10 +48,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fireflyer.errors import UserError, UserTypeError
+from fireflyer.haiscale.expert import is_expert_param, mark_expert
 from fireflyer.haiscale.moe_dispatch import ExchangeTally, exchange_counts, exchange_rows
 
 SCORES = ("sigmoid", "softmax")
-_EXPERT_ATTR = "_fireflyer_expert"
 _STREAM_GATE, _STREAM_SHARED, _STREAM_EXPERT = 0, 1, 2
 
 
@@ -138,12 +138,6 @@ class MoEStats:
                                "seconds": a.seconds, "calls": a.calls}}
 
 
-def is_expert_param(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a routed expert's weight: sharded over EP, its gradient averaged over the
-    ranks that hold the same experts (the expert group) rather than over all data-parallel ranks."""
-    return bool(getattr(p, _EXPERT_ATTR, False))
-
-
 def _generator(seed: int, stream: int) -> torch.Generator:
     """A generator for one ``(seed, stream)`` pair, independent of every other pair."""
     digest = hashlib.blake2b(f"fireflyer.moe/{seed}/{stream}".encode(), digest_size=8).digest()
@@ -183,7 +177,8 @@ class RoutedExperts(nn.Module):
     """This rank's routed experts, ``count`` SwiGLU MLPs stacked: ``w1``/``w3`` ``(count, hidden, d)``,
     ``w2`` ``(count, d, hidden)``; local expert ``e`` is global expert ``first + e``."""
 
-    def __init__(self, d_model: int, hidden: int, count: int, first: int, seed: int, std: float) -> None:
+    def __init__(self, d_model: int, hidden: int, count: int, first: int, seed: int, std: float,
+                 ep_size: int = 1) -> None:
         super().__init__()
         self.first = first
         self.w1 = nn.Parameter(torch.empty(count, hidden, d_model))
@@ -195,7 +190,7 @@ class RoutedExperts(nn.Module):
                 for w in (self.w1, self.w3, self.w2):
                     w[e].normal_(0.0, std, generator=g)
         for p in (self.w1, self.w3, self.w2):
-            setattr(p, _EXPERT_ATTR, True)
+            mark_expert(p, ep_size=ep_size)
 
     def forward(self, x: torch.Tensor, rows: list[int], grad_scale: float = 1.0) -> torch.Tensor:
         """``x`` holds ``rows[e]`` rows for local expert ``e``, in expert order; each expert runs once."""
@@ -247,7 +242,8 @@ class MoE(nn.Module):
             self.gate.weight.normal_(0.0, std, generator=_generator(seed, _STREAM_GATE))
         self.register_buffer("expert_bias", torch.zeros(E))
         self.shared = SwiGLU(d, config.n_shared * h, _generator(seed, _STREAM_SHARED), std) if config.n_shared else None
-        self.experts = RoutedExperts(d, h, self.local_experts, self.ep_rank * self.local_experts, seed, std)
+        self.experts = RoutedExperts(d, h, self.local_experts, self.ep_rank * self.local_experts, seed, std,
+                                     ep_size=self.ep_size)
         if out_std is not None:
             _real("out_std", out_std, positive=True)
             with torch.no_grad():  # rescaled, not redrawn, so the generators' streams stay as they are
