@@ -225,7 +225,8 @@ def bad(tmp_path):
     (["--data", "{d}/no-text"], "holds no .txt files"),
     (["--data", "{d}/short.txt"], "too few for one window of context 64 + 1"),
     (["--data", "{d}/few.txt"], "fewer than one step reads (4 ranks x batch_per_rank 16)"),
-    (["--context", "999999999"], "too few for one window of context 999999999 + 1"),
+    (["--data", "{d}/few.txt", "--context", "4096"], "too few for one window of context 4096 + 1"),
+    (["--context", "999999999"], "context must be at most 65,536, got 999,999,999"),
 ])
 def test_bad_data_through_the_cli_is_one_line(args, needle, bad, capsys):
     out = bad / "run"
