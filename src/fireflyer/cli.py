@@ -15,6 +15,7 @@ BENCHES = {
     "ddp": "fireflyer.bench.ddp",
     "fsdp": "fireflyer.bench.fsdp",
     "pp": "fireflyer.bench.pp",
+    "moe": "fireflyer.bench.moe",
     "checkpoint": "fireflyer.bench.checkpoint",
     "platform": "fireflyer.bench.platform",
     "fabric": "fireflyer.bench.fabric",
