@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fireflyer.bench.harness import (bench_command, document, loadavg, machine_info, make_console, median, pyplot,
                                      save_figure, write_results)
@@ -36,10 +36,10 @@ from fireflyer.errors import JobFailed, UserError
 from fireflyer.train.moe_model import MoEShape
 
 CONFIGS = ("ep", "replicated")  # the worker's names (fireflyer.bench.moe_worker.CONFIGS), without importing torch
+DATA = ("corpus", "random")
 PHASES = ("forward", "backward", "optimizer", "bias")
 TARGET_STEP_RATIO = 1.2
 """(a)'s step over (b)'s may be at most this."""
-LABEL = {"ep": "(a) EP x DP", "replicated": "(b) replicated, DP"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +50,8 @@ class MoEBenchConfig:
                                                              n_routed=8, n_shared=1, expert_hidden=128, top_k=2))
     batch: int = 16
     """Sequences per rank per step."""
+    data: str = "corpus"
+    """``corpus``: windows of the shipped text; ``random``: uniform token ids (see :func:`moe_worker.batches`)."""
     warmup: int = 3
     steps: int = 8
     """Timed steps per round and configuration."""
@@ -69,6 +71,8 @@ class MoEBenchConfig:
         if self.batch < 1 or self.steps < 1 or self.rounds < 1 or self.warmup < 0:
             raise UserError(f"need --batch, --steps and --rounds >= 1 and --warmup >= 0, got {self.batch}, "
                             f"{self.steps}, {self.rounds}, {self.warmup}")
+        if self.data not in DATA:
+            raise UserError(f"--data {self.data!r}: choose one of {', '.join(DATA)}")
         if not self.timeout_s > 0 or not self.lr > 0:
             raise UserError("--timeout and --lr must be positive")
 
@@ -85,6 +89,13 @@ def _layout(text: str) -> tuple[int, int]:
     return nodes, per
 
 
+def corpus_vocab() -> int:
+    """The shipped corpus's vocabulary size, one token per character."""
+    from fireflyer.train.records import load_corpus
+
+    return len(set(load_corpus()))
+
+
 def build_config(argv: list[str]) -> MoEBenchConfig:
     p = ArgumentParser(prog="fireflyer bench moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", default="2x2", help="NODESxRANKS; EP = RANKS (default 2x2)")
@@ -95,7 +106,10 @@ def build_config(argv: list[str]) -> MoEBenchConfig:
     p.add_argument("--shared", type=int, default=1, help="shared experts per MoE layer (default 1)")
     p.add_argument("--expert-hidden", type=int, default=128)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=65, help="token ids (default 65, the char corpus's size)")
+    p.add_argument("--data", default="corpus", choices=DATA,
+                   help="corpus: windows of the shipped text (default); random: uniform token ids")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="token ids (default: the corpus's characters, 63; 65 with --data random)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration first (default 3)")
@@ -109,6 +123,8 @@ def build_config(argv: list[str]) -> MoEBenchConfig:
     if a.quick:
         a.layers, a.d_model, a.heads, a.experts, a.expert_hidden = 1, 32, 2, 4, 16
         a.context, a.batch, a.warmup, a.steps, a.rounds = 16, 2, 1, 2, 1
+    if a.vocab is None:
+        a.vocab = corpus_vocab() if a.data == "corpus" else 65
     if a.d_model % max(1, a.heads):
         raise UserError(f"--d-model {a.d_model} must be a multiple of --heads {a.heads}")
     try:
@@ -116,8 +132,8 @@ def build_config(argv: list[str]) -> MoEBenchConfig:
                          n_routed=a.experts, n_shared=a.shared, expert_hidden=a.expert_hidden, top_k=a.top_k)
     except (UserError, ValueError) as exc:
         raise UserError(f"model flags: {exc}") from exc
-    return MoEBenchConfig(layout=_layout(a.layout), shape=shape, batch=a.batch, warmup=a.warmup, steps=a.steps,
-                          rounds=a.rounds, timeout_s=a.timeout, out_dir=a.out)
+    return MoEBenchConfig(layout=_layout(a.layout), shape=shape, batch=a.batch, data=a.data, warmup=a.warmup,
+                          steps=a.steps, rounds=a.rounds, timeout_s=a.timeout, out_dir=a.out)
 
 
 # -- running and collecting ----------------------------------------------------------
@@ -129,8 +145,8 @@ def run_layout(cfg: MoEBenchConfig) -> list[dict[str, Any]]:
 
     nodes, per = cfg.layout
     tmp = Path(tempfile.mkdtemp(prefix=f"ffr-bench-moe-{nodes}x{per}-"))
-    spec = {"out_dir": str(tmp), "shape": asdict(cfg.shape), "batch": cfg.batch, "warmup": cfg.warmup,
-            "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr, "configs": list(CONFIGS),
+    spec = {"out_dir": str(tmp), "shape": asdict(cfg.shape), "batch": cfg.batch, "data": cfg.data,
+            "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr, "configs": list(CONFIGS),
             "timeout_s": min(300.0, cfg.timeout_s)}
     (tmp / "spec.json").write_text(json.dumps(spec))
     run_local(LocalJob(target=["-m", "fireflyer.bench.moe_worker", str(tmp / "spec.json")],
@@ -144,16 +160,18 @@ def run_layout(cfg: MoEBenchConfig) -> list[dict[str, Any]]:
     return ranks
 
 
-def _slowest(ranks: list[dict[str, Any]], config: str, key: str) -> list[list[float]]:
-    """Per round, per step: the largest ``key`` over the ranks (the slowest rank decides a step)."""
+def _slowest(ranks: list[dict[str, Any]], config: str, key: str, over: Callable[[list[float]], float] = max
+             ) -> list[list[float]]:
+    """Per round, per step: ``over`` the ranks of ``key`` (default the largest: the slowest rank decides a step)."""
     per_rank = [r["configs"][config]["rounds"] for r in ranks]
     rounds = len(per_rank[0])
-    return [[max(pr[k][i][key] for pr in per_rank) for i in range(len(per_rank[0][k]))] for k in range(rounds)]
+    return [[over([pr[k][i][key] for pr in per_rank]) for i in range(len(per_rank[0][k]))] for k in range(rounds)]
 
 
-def _per_step(ranks: list[dict[str, Any]], config: str, key: str) -> float:
-    """The median over rounds of each round's mean per step of the slowest rank's ``key``."""
-    return median(statistics.fmean(steps) for steps in _slowest(ranks, config, key))
+def _per_step(ranks: list[dict[str, Any]], config: str, key: str,
+              over: Callable[[list[float]], float] = max) -> float:
+    """The median over rounds of each round's mean per step of ``key`` (``over`` the ranks: the slowest's)."""
+    return median(statistics.fmean(steps) for steps in _slowest(ranks, config, key, over))
 
 
 def summarise_config(ranks: list[dict[str, Any]], config: str) -> dict[str, Any]:
@@ -166,7 +184,7 @@ def summarise_config(ranks: list[dict[str, Any]], config: str) -> dict[str, Any]
         "experts_held": held[0]["experts_held"],
         "step_s": _per_step(ranks, config, "step"),
         "step_s_rounds": [statistics.fmean(s) for s in _slowest(ranks, config, "step")],
-        "phases_s": {p: _per_step(ranks, config, p) for p in PHASES},
+        "phases_s": {p: _per_step(ranks, config, p, statistics.fmean) for p in PHASES},  # the ranks' mean: they add up
         "a2a_s": _per_step(ranks, config, "a2a_s"),
         "a2a_bytes": _per_step(ranks, config, "a2a_bytes"),
         "a2a_calls": _per_step(ranks, config, "a2a_calls"),
@@ -248,8 +266,8 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
     t = Table(title=f"MoE training step, {res['layout']}: (a) EP={res['ep']} inside a node x DP={res['dp']} across "
                     f"against (b) replicated experts, DP={res['world']} (slowest rank, median of {cfg.rounds} rounds)",
               title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("config", "expert\nparams/rank", "params\n/rank", "step\nms", "fwd\nms", "bwd+DDP\nms", "AdamW\nms",
-                "bias\nms", "a2a\nms/step", "a2a\nshare", "a2a\nKB/step", "a2a\ncalls", "imbal-\nance"):
+    for col in ("config", "expert\nparams/rank", "params\n/rank", "step\nms", "fwd*\nms", "bwd+DDP*\nms",
+                "AdamW*\nms", "bias*\nms", "a2a\nms/step", "a2a\nshare", "a2a\nKB/step", "a2a\ncalls", "imbal-\nance"):
         t.add_column(col, justify="left" if col == "config" else "right")
     for name, r in res["rows"].items():
         ph, a2a = r["phases_s"], r["a2a_calls"] > 0
@@ -258,6 +276,8 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
                   _ms(r["a2a_s"]) if a2a else "-", f"{r['a2a_share'] * 100:.1f}%" if a2a else "-",
                   f"{r['a2a_bytes'] / 1e3:.0f}" if a2a else "-", f"{r['a2a_calls']:.0f}", f"{r['imbalance']:.2f}")
     console.print(t)
+    console.print("  step, a2a: the slowest rank's; * phases: the ranks' mean; a2a = all-to-all inside fwd and bwd; "
+                  "imbalance: the busiest layer's busiest expert over the mean")
     v = res["verdicts"]
     console.print(f"  expert params per rank (a)/(b) = {v['expert_params_ratio_exact']} = {v['expert_params_ratio']:.3f}"
                   f" (target exactly {v['expert_params_target']}): {_met(v['expert_params_met'])}")
@@ -274,7 +294,7 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
     console.print(f"  context: {mach.get('cpu_count')} cores ({mach.get('cpu') or 'cpu'}), {res['world']} ranks of "
                   f"{res['threads_per_rank']} thread(s), load {load[0] if load else '?'}; model {s.layers} layers, "
                   f"d_model {s.d_model}, {s.n_routed} routed experts of {s.expert_hidden} + {s.n_shared} shared, "
-                  f"top-{s.top_k}, {cfg.batch}x{s.context} tokens per rank")
+                  f"top-{s.top_k}, {cfg.batch}x{s.context} tokens per rank ({cfg.data} data)")
     console.print(f"  roofline: ~{res['flops_per_rank_step'] / 1e9:.3g} GFLOP of matmuls per rank per step "
                   f"(6 x active params x tokens + attention), run at {g.get('ep', 0):.3g} GFLOP/s per rank in (a) and "
                   f"{g.get('replicated', 0):.3g} in (b); EP moves tokens, not work (each rank runs about the same "
@@ -298,15 +318,16 @@ def write_png(path: str, cfg: MoEBenchConfig, res: dict[str, Any]) -> None:
     ax_t.bar([x + 0.3 for x in xs], [res["rows"][n]["a2a_s"] * 1e3 for n in names], 0.1, color="black",
              label="all-to-all (inside fwd/bwd)")
     for x, n in zip(xs, names):
-        ax_t.text(x, bottom[x], f"{res['rows'][n]['step_s'] * 1e3:.0f} ms", ha="center", va="bottom", fontsize=8)
-    ax_t.set_xticks(list(xs), [LABEL[n] for n in names], fontsize=8)
-    ax_t.set_ylabel("ms per step, slowest rank")
+        ax_t.text(x, bottom[x], f"step {res['rows'][n]['step_s'] * 1e3:.0f} ms (slowest rank)", ha="center",
+                  va="bottom", fontsize=8)
+    ax_t.set_xticks(list(xs), [_short(n, res) for n in names], fontsize=8)
+    ax_t.set_ylabel("ms per step (phases: mean over ranks)")
     ax_t.set_title(f"step: (a)/(b) = {res['verdicts']['step_ratio']:.2f}x (target <= {TARGET_STEP_RATIO}x)")
     ax_t.legend(fontsize=7)
     ax_p.bar(list(xs), [res["rows"][n]["expert_params"] / 1e3 for n in names], 0.5, color="tab:gray")
     ax_p.axhline(res["rows"]["replicated"]["expert_params"] / 1e3 / res["ep"], color="tab:red", ls="--", lw=1,
                  label=f"replicated / EP ({res['ep']})")
-    ax_p.set_xticks(list(xs), [LABEL[n] for n in names], fontsize=8)
+    ax_p.set_xticks(list(xs), [_short(n, res) for n in names], fontsize=8)
     ax_p.set_ylabel("expert parameters per rank (thousands)")
     ax_p.set_title(f"expert params: (a)/(b) = {res['verdicts']['expert_params_ratio_exact']}")
     ax_p.legend(fontsize=8)
@@ -323,8 +344,8 @@ def main(argv: list[str]) -> int:
     print_report(console, cfg, res)
     doc = {
         **document(bench_command("moe", argv)),
-        "config": {"layout": res["layout"], "shape": asdict(cfg.shape), "batch": cfg.batch, "warmup": cfg.warmup,
-                   "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr},
+        "config": {"layout": res["layout"], "shape": asdict(cfg.shape), "batch": cfg.batch, "data": cfg.data,
+                   "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr},
         "target": {"expert_params_ratio": f"1/{cfg.ep}", "step_ratio_at_most": TARGET_STEP_RATIO},
         "loadavg": loadavg(),
         **res,

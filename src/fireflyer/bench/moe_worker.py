@@ -24,8 +24,9 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,6 +36,7 @@ from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce.config import node_key
 from fireflyer.train.model import synthetic_batch
 from fireflyer.train.moe_model import MoEGPT, MoEShape
+from fireflyer.train.records import load_corpus, tokenize
 
 CONFIGS = ("ep", "replicated")
 """ep: experts sharded over each node's ranks x data parallel across nodes; replicated: every expert on every
@@ -108,6 +110,36 @@ def build(name: str, shape: MoEShape, groups: Groups, lr: float) -> Setup:
     return Setup(model=model, ddp=ddp, optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
 
 
+Batches = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def batches(data: str, shape: MoEShape, size: int) -> Batches:
+    """``(rank, step) -> (inputs, targets)``, seeded by (rank, step) so both configurations see the same tokens.
+
+    ``"corpus"``: windows of the shipped text at seeded random offsets, one token per character. Real
+    text gives the router something to tell tokens apart by; uniform ``"random"`` tokens carry nothing to
+    learn, so training drives every hidden state to the same point and routes every token to the same
+    top-k experts (the worst case for EP).
+    """
+    if data == "random":
+        return lambda rank, step: synthetic_batch(shape.dense_shape(), rank=rank, step=step, size=size)
+    if data != "corpus":
+        raise UserError(f"unknown data {data!r}; choose corpus or random")
+    vocab, ids = tokenize(load_corpus())
+    if len(vocab) > shape.vocab_size:
+        raise UserError(f"the corpus has {len(vocab)} characters but the model's vocabulary is {shape.vocab_size}")
+    tokens = torch.from_numpy(ids.astype(np.int64))
+    span = torch.arange(shape.context + 1)
+
+    def window(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        starts = torch.randint(0, len(tokens) - shape.context - 1, (size, 1), generator=g)
+        w = tokens[starts + span]
+        return w[:, :-1], w[:, 1:]
+
+    return window
+
+
 def train_step(s: Setup, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     """One full step; its phases' seconds, the all-to-all totals over the MoE layers, DDP's wait."""
     wait0 = s.ddp.stats()["wait_seconds"]
@@ -141,9 +173,8 @@ def run(spec: dict[str, Any]) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     groups = expert_parallel_groups(gloo, timeout)
     shape = MoEShape(**spec["shape"])
-    dense = shape.dense_shape()
+    batch_of = batches(spec["data"], shape, spec["batch"])
     setups = {name: build(name, shape, groups, spec["lr"]) for name in spec["configs"]}
-    batch = spec["batch"]
     result: dict[str, Any] = {"rank": rank, "node": node_key(), "threads": torch.get_num_threads(),
                               "ep_size": groups.ep_size, "configs": {}}
     for name, s in setups.items():
@@ -158,14 +189,14 @@ def run(spec: dict[str, Any]) -> None:
     step = 0
     for name, s in setups.items():  # warm-up: allocations, thread pools, bucket rebuild
         for _ in range(spec["warmup"]):
-            train_step(s, *synthetic_batch(dense, rank=rank, step=step, size=batch))
+            train_step(s, *batch_of(rank, step))
             step += 1
     for _ in range(spec["rounds"]):
         for name, s in setups.items():
             dist.barrier(group=gloo)
             steps = []
             for i in range(spec["steps"]):  # the same batches for both configurations
-                steps.append(train_step(s, *synthetic_batch(dense, rank=rank, step=step + i, size=batch)))
+                steps.append(train_step(s, *batch_of(rank, step + i)))
             result["configs"][name]["rounds"].append(steps)
         step += spec["steps"]
     for s in setups.values():
