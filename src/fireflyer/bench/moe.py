@@ -297,8 +297,9 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
                   f"top-{s.top_k}, {cfg.batch}x{s.context} tokens per rank ({cfg.data} data)")
     console.print(f"  roofline: ~{res['flops_per_rank_step'] / 1e9:.3g} GFLOP of matmuls per rank per step "
                   f"(6 x active params x tokens + attention), run at {g.get('ep', 0):.3g} GFLOP/s per rank in (a) and "
-                  f"{g.get('replicated', 0):.3g} in (b); EP moves tokens, not work (each rank runs about the same "
-                  f"expert FLOPs in both), so (a)/(b) above 1 is the exchange, its waits and its bookkeeping")
+                  f"{g.get('replicated', 0):.3g} in (b); EP moves tokens, not work: on balanced routing each rank runs the "
+                  f"same expert FLOPs in both, so (a)/(b) above 1 is the exchange and its bookkeeping, plus the waits "
+                  f"of imbalance (the rank holding the busiest experts runs more than its share)")
 
 
 def write_png(path: str, cfg: MoEBenchConfig, res: dict[str, Any]) -> None:
