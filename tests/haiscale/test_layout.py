@@ -46,9 +46,10 @@ def check_invariants(plan: LayoutPlan, sizes: list[int]) -> None:
         covered = {where[r] for r in block}
         if all(size % unit == 0 for size in sizes):
             assert len(covered) == 1, "an ep × tp block inside one node when it fits"
-        else:
+        elif len(covered) > 1:
             assert sorted(r for n in covered for r in plan.nodes[n]) == block, "else whole nodes (a zone)"
-            assert any("zone" in note for note in plan.notes)
+    spans = any(len({where[r] for r in block}) > 1 for block in blocks)
+    assert spans == any("zone" in note for note in plan.notes), "a zone is noted"
     if len(set(sizes)) == 1 and sizes[0] % unit == 0 and len(sizes) >= plan.pp:
         for pipeline in plan.groups("pp"):
             assert len({where[r] for r in pipeline}) == plan.pp, "even nodes, nodes >= pp: stages on distinct nodes"
