@@ -4,6 +4,7 @@ an all_reduce on every group, through the door users use."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fireflyer.testing.cases import layout as layout_cases
 from fireflyer.testing.cluster import LocalCluster
@@ -60,3 +61,13 @@ def test_every_rank_refuses_a_layout_that_does_not_fit(cluster):
     assert all(e.startswith("UserError: pp×dp×ep×tp = 1×1×1×2 = 2 but the world size is 4") for e in errors)
     errors = cluster.run(layout_cases.bad_degrees, {"tp": 4})  # passes the world check, fails on the nodes
     assert all("tp=4 does not divide the rank count of every node (nodes of [2] ranks)" in e for e in errors)
+
+
+def test_the_groups_drive_moe_and_ddp(cluster):
+    results = cluster.run(layout_cases.moe_ddp_step)
+    assert [r["experts"][0] for r in results] == [0, 4, 0, 4]  # EP inside a node: a node holds all 8 experts
+    for rank, got in enumerate(results):
+        assert got["ddp"].keys() == got["by_hand"].keys()
+        for name, grad in got["ddp"].items():
+            torch.testing.assert_close(grad, got["by_hand"][name], rtol=1e-6, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")

@@ -58,3 +58,32 @@ def bad_degrees(ctx, degrees: dict) -> str:
     except ValueError as e:
         return f"{type(e).__name__}: {e}"
     return ""
+
+
+def moe_ddp_step(ctx) -> dict:
+    """``layout(ep=2)``'s groups in the MoE layer and in DDP: one step's averaged gradients, and the
+    same averages taken by hand (dense over the dense group, experts over the expert group)."""
+    import torch.nn.functional as F
+
+    import fireflyer.haiscale as hs
+    from fireflyer.testing.cases import moe as moe_cases
+
+    init(ctx)
+    lay = hs.layout(ep=2, timeout=60)
+    x, y = moe_cases.batch(ctx.rank, 0)
+
+    def loss_of(module, moe) -> torch.Tensor:
+        return F.mse_loss(module(x), y) + moe.aux_loss
+
+    moe = hs.MoE(moe_cases.CONFIG, ep_group=lay.ep_group, seed=moe_cases.SEED)
+    ddp = hs.DistributedDataParallel(moe, process_group=lay.dense_group, expert_process_group=lay.expert_group)
+    loss_of(ddp, moe).backward()
+    by_hand = hs.MoE(moe_cases.CONFIG, ep_group=lay.ep_group, seed=moe_cases.SEED)
+    loss_of(by_hand, by_hand).backward()
+    for p in by_hand.parameters():
+        group = lay.expert_group if hs.is_expert_param(p) else lay.dense_group
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= dist.get_world_size(group)
+    return {"ddp": {n: p.grad.clone() for n, p in moe.named_parameters()},
+            "by_hand": {n: p.grad.clone() for n, p in by_hand.named_parameters()},
+            "experts": list(moe.global_experts)}
