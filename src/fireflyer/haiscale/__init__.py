@@ -31,6 +31,10 @@ _EXPORTS = {
     "MoEConfig": "fireflyer.haiscale.moe",
     "is_expert_param": "fireflyer.haiscale.expert",
     "mark_expert": "fireflyer.haiscale.expert",
+    "layout": "fireflyer.haiscale.layout_mesh",
+    "Layout": "fireflyer.haiscale.layout_mesh",
+    "LayoutPlan": "fireflyer.haiscale.layout_plan",
+    "plan_layout": "fireflyer.haiscale.layout_plan",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,17 +12,23 @@ The benchmarks and tests use this same model at the size they need:
 :meth:`ModelShape.for_params` picks the width closest to a parameter count,
 :meth:`GPT.seeded` builds the same weights on every rank, ``model(idx, targets)`` gives the
 loss, and :func:`synthetic_batch` the seeded tokens any layout can rebuild.
+:func:`parallelize_gpt` shards the blocks for tensor parallel (haiscale's styles, this model's names).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fireflyer.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 HEAD_DIM = 64
 """The head width :meth:`ModelShape.for_params` keeps."""
@@ -78,12 +84,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # (b, t, d) -> (b, heads, t, d / heads)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # Widths come from qkv's output, not from x: under tensor parallel a rank's qkv gives only
+        # its ``heads`` heads of q, k and v (see parallelize_gpt).
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # (b, t, heads * head_dim) -> (b, heads, t, head_dim)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -178,6 +186,60 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx.view(-1) if squeeze else idx
+
+
+# -- tensor parallel ------------------------------------------------------------------
+
+QKV_CHUNKS = 3
+"""qkv's fused projections; :func:`~fireflyer.haiscale.tensor_parallel.restore_fused` takes it."""
+
+
+def parallelize_gpt(model: GPT, tp: DeviceMesh | ProcessGroup, *, sequence_parallel: bool = False) -> GPT:
+    """Shard ``model``'s blocks over the TP mesh or group ``tp`` (``layout.mesh["tp"]``), in place.
+
+    Each block's fused ``qkv`` is column-parallel per head (haiscale's ``FusedColwiseParallel``:
+    a rank's shard is its heads' q, k and v), ``proj`` row-parallel, the MLP column- then
+    row-parallel, and each attention keeps ``heads / tp`` heads. The embeddings stay
+    replicated: the head shares the token embedding's weight, and a vocab-sharded head would
+    need a vocab-parallel cross-entropy this small model does not earn. With
+    ``sequence_parallel`` the LayerNorms and the residual stream between blocks run on
+    sequence shards. The qkv parameters' full tensors are in haiscale's fused row order:
+    ``restore_fused(t, QKV_CHUNKS, tp)`` gives the unsharded model's.
+
+    Every TP rank must build the same model (``GPT.seeded``) and feed it the same batch. Raises
+    :class:`UserError` when ``tp`` does not divide the heads, ``d_model`` or the MLP width; with
+    ``sequence_parallel``, a forward whose sequence length ``tp`` does not divide fails the same way.
+    """
+    from fireflyer.haiscale.tensor_parallel import (block_plan, check_divides, sequence_parallel_ends,
+                                                    tensor_parallel, tp_mesh)
+
+    if not isinstance(model, GPT):
+        raise UserError(f"parallelize_gpt takes a fireflyer.train.model.GPT, got {type(model).__name__}")
+    mesh = tp_mesh(tp)
+    size = mesh.size()
+    shape = model.shape
+    check_divides("attention heads", shape.heads, size)
+    check_divides("model width d_model", shape.d_model, size)
+    check_divides("MLP width (4 × d_model)", 4 * shape.d_model, size)
+    plan = {}
+    for i in range(shape.layers):
+        plan.update(block_plan(f"blocks.{i}", heads=shape.heads, sequence_parallel=sequence_parallel))
+    if sequence_parallel:
+        plan.update(sequence_parallel_ends(first_block="blocks.0", final_norm="ln_f", head="head"))
+        model.register_forward_pre_hook(_sequence_divides(size))
+    tensor_parallel(model, mesh, plan)
+    for block in model.blocks:
+        block.attn.heads = shape.heads // size  # this rank's heads
+    return model
+
+
+def _sequence_divides(tp: int):
+    def check(module: GPT, args: tuple) -> None:
+        idx = args[0]
+        if isinstance(idx, torch.Tensor) and idx.dim() >= 2 and idx.shape[1] % tp:
+            raise UserError(f"sequence parallel over tp={tp} ranks needs a sequence length that tp divides, got "
+                            f"{idx.shape[1]} tokens: pad or cut the batch, or turn sequence_parallel off")
+    return check
 
 
 def synthetic_batch(shape: ModelShape, *, rank: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
