@@ -140,7 +140,7 @@ def test_eval_forwards_do_not_count_toward_the_bias():
 
 
 def test_expert_parameters_are_marked_and_seeded_per_global_expert():
-    moe = MoE(config(), seed=9)
+    moe = MoE(config(in_std=0.2), seed=9)  # in_std = init_std: no rescaling of w1 and w3
     experts = list(moe.expert_parameters())
     assert experts == [moe.experts.w1, moe.experts.w3, moe.experts.w2]
     assert all(is_expert_param(p) for p in experts)
@@ -189,3 +189,18 @@ def test_bad_types_and_inputs():
         moe(torch.randn(4, 32))
     with pytest.raises(UserError, match=r"\(batch, time, 32\)"):
         moe(torch.randn(2, 4, 16))
+
+
+def test_the_experts_input_projections_start_at_the_fan_in_scale():
+    """w1 and w3 default to std d_model ** -0.5 (a SwiGLU's product of two projections vanishes at 0.02);
+    w2 and the gate keep init_std; an explicit in_std rescales the same draws."""
+    c = config(d_model=64, n_routed=16, expert_hidden=64, init_std=0.02)
+    moe = MoE(c, seed=3)
+    for w in (moe.experts.w1, moe.experts.w3, moe.shared.w1.weight, moe.shared.w3.weight):
+        assert abs(w.std().item() - 64 ** -0.5) < 0.01
+    for w in (moe.experts.w2, moe.gate.weight):
+        assert abs(w.std().item() - 0.02) < 0.003
+    other = MoE(config(d_model=64, n_routed=16, expert_hidden=64, init_std=0.02, in_std=0.5), seed=3)
+    torch.testing.assert_close(other.experts.w1 * (64 ** -0.5 / 0.5), moe.experts.w1)
+    with pytest.raises(ValueError, match="in_std must be a finite number > 0"):
+        config(in_std=0.0)

@@ -1,4 +1,4 @@
-"""HaiScale: data, sharded and pipeline parallel training on the hfreduce backend (paper §V).
+"""HaiScale: data, sharded, pipeline, tensor and expert parallel training on the hfreduce backend (paper §V).
 
 * :class:`DistributedDataParallel` starts each gradient bucket's allreduce as soon as
   backward fills it, on the hfreduce engine, so communication overlaps the rest of backward.
@@ -8,6 +8,9 @@
   data-parallel groups, and :func:`forward_backward` runs a pipeline schedule.
 * :class:`MoE` is a DeepSeekMoE layer whose routed experts are sharded over an expert-parallel
   group, tokens dispatched and combined with uneven ``all_to_all_single``.
+* :func:`layout` places ranks as the paper does (TP innermost in a node, EP inside a node, a
+  pipeline's stages on different nodes, DP the rest) on a named DeviceMesh of hfreduce groups;
+  :mod:`fireflyer.haiscale.tensor_parallel` runs torch's DTensor TP on its TP group.
 """
 
 from __future__ import annotations

@@ -260,7 +260,9 @@ def _stage_class() -> type:
     step ("rebuilt parameter indices size is not same"). Running the shape inference
     inside ``no_sync`` leaves the reducer untouched, so DDP reduces once per step, after
     the last micro-batch's backward, as torch's schedules intend. haiscale DDP gets the
-    same: sync is off for every micro-batch's backward but the last.
+    same: sync is off for every micro-batch's backward but the last. The shape inference's
+    forward is also kept out of any MoE layer's load (:func:`fireflyer.haiscale.moe.uncounted`),
+    so it does not move the balancing bias.
     """
     from contextlib import nullcontext
 
@@ -268,6 +270,7 @@ def _stage_class() -> type:
     from torch.nn.parallel import DistributedDataParallel
 
     from fireflyer.haiscale.ddp import DistributedDataParallel as HaiScaleDDP
+    from fireflyer.haiscale.moe import uncounted
 
     class _Stage(PipelineStage):
         def _no_sync(self) -> Any:
@@ -286,11 +289,11 @@ def _stage_class() -> type:
                 self.submod.set_requires_gradient_sync(True)
 
         def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
-            with self._no_sync():
+            with self._no_sync(), uncounted(self.submod):
                 return super()._prepare_forward_infra(*args, **kwargs)
 
         def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
-            with self._no_sync():
+            with self._no_sync(), uncounted(self.submod):
                 return super()._prepare_backward_infra(*args, **kwargs)
 
     return _Stage

@@ -20,7 +20,7 @@ from functools import lru_cache
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.train import report
-from fireflyer.train.config import DEVICES, FIELD_NAMES, TrainConfig, builtin_config
+from fireflyer.train.config import DEVICES, FIELD_NAMES, MODELS, TrainConfig, builtin_config
 from fireflyer.train.env import in_platform_task
 from fireflyer.train.files import write_json
 from fireflyer.train.outdir import resolve
@@ -31,7 +31,11 @@ examples:
   fireflyer train my.toml --steps 600 --out runs/long
   fireflyer train --out runs/long --resume         # continue from the latest saved state there
   fireflyer train --data my-texts/ --out runs/mine # train on a folder of .txt files (UTF-8)
+  fireflyer train --preset moe                     # a small DeepSeekMoE: EP=2 in each node x DP=2 across
+  fireflyer train --preset moe --pp 2              # ... as 2 pipeline stages, one per node, EP=2 in each
 """
+PRESETS = ("demo", "moe", "tiny")
+"""The configs shipped in ``fireflyer/train/configs``."""
 
 
 def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
@@ -41,6 +45,9 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", metavar="CONFIG",
                    help=f"TOML file of config fields (default: the shipped {builtin_config('demo').name})")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="a shipped config instead of CONFIG: demo (the default), moe (a small DeepSeekMoE with "
+                        "expert parallel), tiny (seconds, for tests)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest state saved in the out directory; without CONFIG, "
                         "the saved run's config is used")
@@ -50,13 +57,17 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
         kind = {"int": int, "float": float, "str": str}[str(f.type).split(" |")[0]]
         fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                             metavar=kind.__name__.upper(), help=docs.get(f.name, ""),
-                            choices=DEVICES if f.name == "device" else None)
+                            choices={"device": DEVICES, "model": MODELS}.get(f.name))
     return p
 
 
 def main(argv: list[str], prog: str = "fireflyer train") -> int:
     """Run ``fireflyer train`` (and ``fireflyer demo``) with ``argv``; return the exit code."""
     args = build_parser(prog).parse_args(argv)
+    if args.preset is not None:
+        if args.config is not None:
+            raise UserError(f"give CONFIG or --preset, not both (got {args.config!r} and --preset {args.preset})")
+        args.config = str(builtin_config(args.preset))
     overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
     if in_platform_task():
         from fireflyer.train.job import run_managed

@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
         tomllib = None  # type: ignore[assignment]
 
 DEVICES = ("auto", "cpu", "cuda")
+MODELS = ("dense", "moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,26 @@ class TrainConfig:
     """Width of the residual stream."""
     heads: int = 4
     """Attention heads; must divide d_model."""
+    model: str = "dense"
+    """dense (a GPT with GELU MLPs) or moe (a DeepSeekMoE: routed plus shared SwiGLU experts in every block)."""
+    experts: int = 8
+    """moe: routed experts per block, over all EP ranks."""
+    shared_experts: int = 1
+    """moe: shared experts every token goes through."""
+    expert_hidden: int = 128
+    """moe: hidden width of one expert."""
+    top_k: int = 2
+    """moe: routed experts per token."""
+    bias_update_speed: float = 0.001
+    """moe: step of the auxiliary-loss-free balancing bias per optimizer step (DeepSeek-V3's gamma); 0: off."""
+
+    # --- parallelism ---
+    ep: int = 1
+    """moe: expert-parallel degree (ranks of one node that split each block's routed experts)."""
+    pp: int = 1
+    """Pipeline stages (one per node, a node's ranks in different pipelines); data parallel takes the rest."""
+    microbatches: int = 4
+    """pp > 1: micro-batches each pipeline step cuts its batch into (1F1B); must divide batch_per_rank."""
 
     # --- optimisation ---
     steps: int = 300
@@ -100,14 +121,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_types()
         positive = ("nodes", "ranks_per_node", "context", "layers", "d_model", "heads", "steps", "batch_per_rank",
-                    "eval_batches")
+                    "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "microbatches")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name, cap in LIMITS.items():
             if getattr(self, name) > cap:
                 raise UserError(f"{name} must be at most {cap:,}, got {getattr(self, name):,}")
-        non_negative = ("warmup_steps", "eval_interval", "save_every", "sample_tokens", "seed", "weight_decay",
+        non_negative = ("shared_experts", "warmup_steps", "eval_interval", "save_every", "sample_tokens", "seed",
+                        "weight_decay", "bias_update_speed",
                         "grad_clip", "min_lr")
         for name in non_negative:
             if getattr(self, name) < 0:
@@ -129,6 +151,37 @@ class TrainConfig:
             raise UserError(f"stop_at must be between 1 and steps ({self.steps}), got {self.stop_at}")
         if not self.out:
             raise UserError("out must name a directory")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """The model kind and the layout: refused here, before any rank starts, with the reason."""
+        if self.model not in MODELS:
+            raise UserError(f"model must be one of {', '.join(MODELS)}; got {self.model!r}")
+        if self.model == "dense" and self.ep != 1:
+            raise UserError(f"ep={self.ep} needs experts: expert parallel is for model = 'moe' (--model moe)")
+        if self.model == "moe":
+            if self.top_k > self.experts:
+                raise UserError(f"top_k ({self.top_k}) must be at most experts ({self.experts})")
+            if self.experts % self.ep:
+                raise UserError(f"ep ({self.ep}) does not divide experts ({self.experts}): every EP rank holds "
+                                f"the same number of routed experts; choose ep from "
+                                f"{', '.join(str(d) for d in range(1, self.experts + 1) if self.experts % d == 0)}")
+            if self.ranks_per_node % self.ep:
+                raise UserError(f"ep ({self.ep}) does not divide ranks_per_node ({self.ranks_per_node}): an "
+                                "expert-parallel group stays inside one node, where its all-to-all goes "
+                                "through shared memory")
+        if self.world_size % (self.pp * self.ep):
+            raise UserError(f"pp x ep = {self.pp} x {self.ep} does not divide the world size {self.world_size} "
+                            f"({self.nodes} nodes x {self.ranks_per_node} ranks); data parallel takes the rest")
+        if self.pp > 1:
+            if self.pp > self.layers:
+                raise UserError(f"pp ({self.pp}) is more than layers ({self.layers}): every stage needs a block")
+            if self.batch_per_rank % self.microbatches:
+                raise UserError(f"microbatches ({self.microbatches}) must divide batch_per_rank "
+                                f"({self.batch_per_rank}): a pipeline cuts each batch into equal micro-batches")
+            if self.microbatches < self.pp:
+                raise UserError(f"microbatches ({self.microbatches}) must be at least pp ({self.pp}) for the 1F1B "
+                                "schedule")
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -151,9 +204,14 @@ class TrainConfig:
         return self.nodes * self.ranks_per_node
 
     @property
+    def replicas(self) -> int:
+        """Ranks that read their own batch: every rank but the later stages of a pipeline (world / pp)."""
+        return self.world_size // self.pp
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step across all ranks."""
-        return self.world_size * self.batch_per_rank * self.context
+        return self.replicas * self.batch_per_rank * self.context
 
     @property
     def out_dir(self) -> Path:
@@ -187,7 +245,8 @@ class TrainConfig:
 
 
 OPTIONAL = frozenset({"stop_at"})
-LIMITS = {"nodes": 64, "ranks_per_node": 64, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
+LIMITS = {"nodes": 64, "ranks_per_node": 64, "experts": 4096, "shared_experts": 64, "expert_hidden": 65536,
+          "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
           "steps": 10**9, "batch_per_rank": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
           "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9}
 """Upper bounds: beyond them a value is a typo, not a plan, and is refused before any rank starts."""
@@ -196,7 +255,10 @@ _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 # Fields that fix the shape of the saved weights and the data each rank reads:
 # a saved state can only be resumed by a config that agrees on all of them.
-SHAPE_FIELDS = ("context", "layers", "d_model", "heads")
+SHAPE_FIELDS = ("context", "layers", "d_model", "heads", "model", "experts", "shared_experts", "expert_hidden",
+                "top_k")
+LAYOUT_FIELDS = ("ep", "pp")
+"""Fields that fix which rank holds which weights and reads which batches: a resume keeps them too."""
 
 
 def _field_kind(f: dataclasses.Field) -> type:
@@ -238,8 +300,9 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     The model shape and the world size must match (the world size fixes which batches
     each rank draws). Returns the other fields that changed, so the caller can say so.
     """
-    clashes = [f"{name} {saved.get(name)} -> {getattr(cfg, name)}" for name in SHAPE_FIELDS
-               if saved.get(name) != getattr(cfg, name)]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    clashes = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}"
+               for name in SHAPE_FIELDS + LAYOUT_FIELDS if saved.get(name, defaults[name]) != getattr(cfg, name)]
     saved_world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
     if saved_world != cfg.world_size:
         clashes.append(f"world size {saved_world} -> {cfg.world_size}")

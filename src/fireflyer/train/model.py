@@ -166,26 +166,33 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, *, temperature: float = 0.8,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """Extend ``idx`` (1-D or ``(batch, time)``) by ``new_tokens`` sampled tokens.
+        """Extend ``idx`` by ``new_tokens`` sampled tokens (see :func:`generate`)."""
+        return generate(self, self.shape.context, idx, new_tokens, temperature=temperature, generator=generator)
 
-        ``temperature`` 0 means greedy decoding; otherwise tokens are drawn from the
-        softmax of ``logits / temperature`` with ``generator``, so a seeded generator
-        gives the same text every time.
-        """
-        squeeze = idx.dim() == 1
-        idx = idx.view(1, -1) if squeeze else idx
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.shape.context:])[:, -1, :]
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                probs = F.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx.view(-1) if squeeze else idx
+
+@torch.no_grad()
+def generate(model: nn.Module, context: int, idx: torch.Tensor, new_tokens: int, *, temperature: float = 0.8,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Extend ``idx`` (1-D or ``(batch, time)``) by ``new_tokens`` tokens that ``model`` (ids in,
+    logits out, at most ``context`` tokens at once) samples.
+
+    ``temperature`` 0 means greedy decoding; otherwise tokens are drawn from the
+    softmax of ``logits / temperature`` with ``generator``, so a seeded generator
+    gives the same text every time.
+    """
+    squeeze = idx.dim() == 1
+    idx = idx.view(1, -1) if squeeze else idx
+    for _ in range(new_tokens):
+        logits = model(idx[:, -context:])[:, -1, :]
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx.view(-1) if squeeze else idx
 
 
 # -- tensor parallel ------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fireflyer.errors import UserError, UserTypeError
 from fireflyer.haiscale.moe import MoE, MoEConfig, MoEStats
-from fireflyer.train.model import Block, CausalSelfAttention, ModelShape
+from fireflyer.train.model import Block, CausalSelfAttention, ModelShape, generate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +155,12 @@ class MoEGPT(nn.Module):
         """The sum of the last forward's balance losses, or None when they are off."""
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
+
+    def generate(self, idx: torch.Tensor, new_tokens: int, *, temperature: float = 0.8,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Extend ``idx`` by ``new_tokens`` sampled tokens (:func:`fireflyer.train.model.generate`); without
+        EP, since every forward of an EP layer is a collective of its group."""
+        return generate(self, self.shape.context, idx, new_tokens, temperature=temperature, generator=generator)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``idx``; with ``targets``, the mean next-token cross-entropy plus the balance losses."""

@@ -25,6 +25,8 @@ class StepStats:
     lr: float
     tokens_per_s: float
     allreduce_gbps: float
+    imbalance: float | None = None
+    """MoE: the busiest expert's tokens over the mean, worst layer (None for a dense model)."""
 
 
 class Progress(Protocol):
@@ -58,7 +60,8 @@ class PlainLines:
     def update(self, s: StepStats) -> None:
         if s.step % self.every == 0 or s.step in (self.first, self.total):
             print(f"step {s.step:>{len(str(self.total))}}/{self.total}  loss {s.loss:.4f}  lr {s.lr:.2e}  "
-                  f"{_rate(s.tokens_per_s)} tok/s  allreduce {s.allreduce_gbps:.2f} GB/s", file=self.stream, flush=True)
+                  f"{_rate(s.tokens_per_s)} tok/s  allreduce {s.allreduce_gbps:.2f} GB/s{_experts(s)}",
+                  file=self.stream, flush=True)
 
     def note(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -80,18 +83,19 @@ class RichBar:
             MofNCompleteColumn(),
             TextColumn("loss [bold cyan]{task.fields[loss]}"),
             TextColumn("{task.fields[rate]} tok/s"),
-            TextColumn("allreduce {task.fields[gbps]} GB/s"),
+            TextColumn("allreduce {task.fields[gbps]} GB/s{task.fields[experts]}"),
             TextColumn("eta"),
             TimeRemainingColumn(),
             console=Console(file=sys.stdout),
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total, completed=first - 1, loss="-", rate="-", gbps="-")
+        self._task = self._progress.add_task("train", total=total, completed=first - 1, loss="-", rate="-", gbps="-",
+                                            experts="")
         self._progress.start()
 
     def update(self, s: StepStats) -> None:
         self._progress.update(self._task, completed=s.step, loss=f"{s.loss:.3f}", rate=_rate(s.tokens_per_s),
-                              gbps=f"{s.allreduce_gbps:.2f}")
+                              gbps=f"{s.allreduce_gbps:.2f}", experts=_experts(s))
 
     def note(self, text: str) -> None:
         self._progress.console.print(text, highlight=False, markup=False)
@@ -122,6 +126,10 @@ def make_progress(*, rank: int, first: int, total: int) -> Progress:
     if sys.stdout.isatty():
         return RichBar(first=first, total=total)
     return PlainLines(first=first, total=total, every=max(1, total // 20))
+
+
+def _experts(s: StepStats) -> str:
+    return "" if s.imbalance is None else f"  experts imbalance {s.imbalance:.2f}"
 
 
 def _rate(tokens_per_s: float) -> str:

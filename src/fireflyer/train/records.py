@@ -335,5 +335,5 @@ def prepare_data(cfg: TrainConfig) -> Prepared:
     """The records a :class:`~fireflyer.train.config.TrainConfig` trains on, found or built, checked to fit."""
     prepared = prepare(read_corpus(cfg.data), data_cache_dir(cfg.data_cache), context=cfg.context,
                        val_fraction=cfg.val_fraction, timeout=cfg.timeout)
-    check_fits(prepared, world_size=cfg.world_size, batch_per_rank=cfg.batch_per_rank)
+    check_fits(prepared, world_size=cfg.replicas, batch_per_rank=cfg.batch_per_rank)
     return prepared

@@ -3,7 +3,9 @@
 Every ``save_every`` steps and at the end, all ranks hand the state to
 :class:`fireflyer.checkpoint.CheckpointManager` under ``OUT/ckpt/``: the step waits
 only for the snapshot to host memory, the ranks write disjoint shares of it in the
-background (the state is the same on every rank under DDP), and rank 0 commits it.
+background (the state is the same on every rank under DDP), and rank 0 commits it. A laid-out run
+(MoE experts, pipeline stages) saves with ``kind="sharded"``: each rank hands in its share
+under global names (:mod:`fireflyer.train.parallel`), and a load returns the whole model.
 A state holds all that the next step depends on: model and optimizer, the scheduler's
 position, the step, the RNG states, the config it ran under, and the loss history so
 far, and the hash of the training records. Batches are a pure function of (records, seed,
@@ -31,9 +33,11 @@ def ckpt_dir(out: str | Path) -> Path:
     return Path(out) / "ckpt"
 
 
-def manager(out: str | Path, *, rank: int, world_size: int, every: int = 1 << 30) -> CheckpointManager:
-    """This rank's checkpoint manager for the run in ``out`` (a replicated, data-parallel state)."""
-    return CheckpointManager(ckpt_dir(out), every=every, keep_last=KEEP, kind="replicated", rank=rank,
+def manager(out: str | Path, *, rank: int, world_size: int, every: int = 1 << 30,
+            kind: str = "replicated") -> CheckpointManager:
+    """This rank's checkpoint manager for the run in ``out``: ``replicated`` (the dense demo, every rank
+    holds the same state) or ``sharded`` (a laid-out run: each rank its share, under global names)."""
+    return CheckpointManager(ckpt_dir(out), every=every, keep_last=KEEP, kind=kind, rank=rank,
                              world_size=world_size)
 
 

@@ -28,6 +28,7 @@ from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
 from fireflyer.train.files import write_json
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.train.optim import build_optimizer
+from fireflyer.train.parallel import LaidOut, describe, replica_of, whole_model
 from fireflyer.train.progress import StepStats, Throughput, make_progress
 from fireflyer.errors import UserError
 
@@ -40,9 +41,15 @@ class History:
     lr: list[float] = field(default_factory=list)
     val: list[list[float]] = field(default_factory=list)
     """``[step, val_loss]`` pairs."""
+    experts: list[dict[str, Any]] = field(default_factory=list)
+    """MoE: per step, each MoE layer's ``{"tokens": [...], "imbalance": x}`` under its block index, and the
+    step's all-to-all bytes (every rank's, summed) and seconds (the mean rank's)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss, "lr": self.lr, "val": self.val}
+        out = {"loss": self.loss, "lr": self.lr, "val": self.val}
+        if self.experts:
+            out["experts"] = self.experts
+        return out
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,17 @@ class Trainer:
         """Run as a platform task: answer suspend commands by saving the state and stopping."""
         """A step at which to raise, as a crashing rank would (fault injection for tests)."""
         self.history = History()
+        self.laid_out: LaidOut | None = None
+        """The layout path (model = moe, or pp > 1): this rank's stage, experts and groups."""
+        self.layout = None
+        if cfg.model == "moe" or cfg.pp > 1:
+            from fireflyer.haiscale.layout_mesh import layout
+
+            self.layout = layout(pp=cfg.pp, ep=cfg.ep)  # collective: before anything else talks
         self._build_data()
         self._build_model()
-        self.ckpt = saved.manager(cfg.out, rank=where.rank, world_size=where.world_size)
+        self.ckpt = saved.manager(cfg.out, rank=where.rank, world_size=where.world_size,
+                                  kind="sharded" if self.laid_out else "replicated")
         self.start_step = self._restore(resume) if resume is not None else 0
         self.resumed_from = self.start_step if resume is not None else None
         self.end_step = cfg.stop_at or cfg.steps
@@ -80,12 +95,20 @@ class Trainer:
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
         w = self.where
-        self.data = TrainingData.open(self.cfg, rank=w.rank, world_size=w.world_size, device=w.device)
+        rank, world = w.rank, w.world_size
+        if self.layout is not None:  # one batch per pipeline (data replica)
+            rank, world = replica_of(self.layout, self.cfg), self.cfg.replicas
+        self.data = TrainingData.open(self.cfg, rank=rank, world_size=world, device=w.device)
         self.tokenizer = self.data.tokenizer
         self._notes: list[str] = []
 
     def _build_model(self) -> None:
         cfg = self.cfg
+        if self.layout is not None:
+            self.laid_out = LaidOut(cfg, self.layout, self.tokenizer.vocab_size, self.where.device)
+            self.model, self.ddp = self.laid_out.module, self.laid_out.ddp
+            self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+            return
         shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.context, layers=cfg.layers,
                            d_model=cfg.d_model, heads=cfg.heads)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -98,17 +121,23 @@ class Trainer:
         if state["vocab"] != self.tokenizer.chars:
             raise UserError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
                              "vocabulary; start afresh with a new --out")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        rng = state["rng"]
+        if self.laid_out is not None:
+            self.laid_out.load(state["model"], state["optimizer"], self.optimizer)
+            rng = rng[f"rank{self.where.rank}"]
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if self.where.device.type == "cuda" and "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.where.device)
+        torch.set_rng_state(rng["cpu"])
+        if self.where.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], self.where.device)
         if state.get("data_hash") not in (None, self.data.prepared.key):
             self._notes.append(f"note: the training records differ from those step {step} was trained on "
                                f"({state['data_hash'][:12]} -> {self.data.prepared.key[:12]}); the data order changes")
         h = state["history"]
-        self.history = History(loss=list(h["loss"]), lr=list(h["lr"]), val=[list(v) for v in h["val"]])
+        self.history = History(loss=list(h["loss"]), lr=list(h["lr"]), val=[list(v) for v in h["val"]],
+                               experts=[dict(e) for e in h.get("experts", [])])
         return int(state["step"])
 
     # ------------------------------------------------------------------ the loop
@@ -131,7 +160,9 @@ class Trainer:
                 loss, lr = self._train_step(step)
                 seconds = time.perf_counter() - t0
                 self.timing["train_s"] += seconds
-                bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), self.allreduce_gbps()))
+                imbalance = self.history.experts[-1]["imbalance"] if self.laid_out and self.history.experts else None
+                bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), self.allreduce_gbps(),
+                                     imbalance))
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and step != self.end_step:
                     bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
                 saved_now = bool(cfg.save_every and step % cfg.save_every == 0 and step != self.end_step)
@@ -146,13 +177,16 @@ class Trainer:
         self._save(self.end_step)
         self.ckpt.wait()  # persisted, and on rank 0 committed, before the run reports itself done
         reader = self._reader_stats()
-        record = self._record(reader) if rank == 0 else {}
+        laid = self._layout_summary()
+        record = self._record(reader, laid) if rank == 0 else {}
         if rank == 0:
             write_json(Path(cfg.out) / "run.json", record)
         dist.barrier()
         return record
 
     def _train_step(self, step: int) -> tuple[float, float]:
+        if self.laid_out is not None:
+            return self._laid_out_step(step)
         x, y = self.data.train(step=step)
         self.optimizer.zero_grad(set_to_none=False)  # keep .grad as DDP's bucket views
         logits = self.ddp(x)
@@ -169,10 +203,60 @@ class Trainer:
         self.history.lr.append(lr)
         return self.history.loss[-1], lr
 
+    def _laid_out_step(self, step: int) -> tuple[float, float]:
+        """A step of the layout path: the pipeline (or one forward), global clipping, the balancing step."""
+        net = self.laid_out
+        assert net is not None
+        x, y = self.data.train(step=step)
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = net.train_loss(x, y)
+        if self.cfg.grad_clip:
+            net.clip(self.cfg.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        layers = net.after_step()
+        self.history.loss.append(self._replica_mean(loss))
+        self.history.lr.append(lr)
+        if layers or self.cfg.model == "moe":
+            self.history.experts.append(self._expert_record(layers))
+        return self.history.loss[-1], lr
+
+    def _replica_mean(self, value: torch.Tensor | None) -> float:
+        """The mean over data replicas of a value the last stage holds (collective over the world)."""
+        buf = torch.zeros(1, dtype=torch.float64, device=self.where.device)
+        if value is not None:
+            buf += value.double()
+        dist.all_reduce(buf)
+        return buf.item() / self.cfg.replicas
+
+    def _expert_record(self, layers: list) -> dict[str, Any]:
+        """The step's MoE record: this stage's layers, the all-to-all totals and the worst imbalance of any
+        stage (collective over the world: every rank adds its bytes and seconds, and its stages' worst)."""
+        sums = torch.tensor([float(sum(l.bytes_sent for l in layers)), sum(l.seconds for l in layers)],
+                            dtype=torch.float64, device=self.where.device)
+        worst = torch.tensor([max((l.imbalance for l in layers), default=1.0)], dtype=torch.float64,
+                             device=self.where.device)
+        dist.all_reduce(sums)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {"layers": {str(l.layer): {"tokens": l.tokens, "imbalance": l.imbalance} for l in layers},
+                "imbalance": worst.item(), "all_to_all_bytes": int(sums[0].item()),
+                "all_to_all_s": sums[1].item() / self.where.world_size}
+
     @torch.no_grad()
     def _evaluate(self, step: int) -> float:
         """Mean validation loss over every rank's fixed validation batches; recorded at ``step``."""
         t0 = time.perf_counter()
+        if self.laid_out is not None:
+            total = torch.zeros((), dtype=torch.float64, device=self.where.device)
+            for i in range(self.cfg.eval_batches):
+                x, y = self.data.eval(index=i)
+                loss = self.laid_out.eval_loss(x, y)
+                if loss is not None:
+                    total += loss.double()
+            self.history.val.append([step, self._replica_mean(total / self.cfg.eval_batches)])
+            self.timing["eval_s"] += time.perf_counter() - t0
+            return self.history.val[-1][1]
         self.model.eval()
         total = torch.zeros(1, device=self.where.device)
         for i in range(self.cfg.eval_batches):
@@ -204,6 +288,12 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if self.where.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
+        if self.laid_out is not None:  # each rank its share, under global names (kind="sharded")
+            return saved.payload(
+                step, config=self.cfg.to_dict(), vocab=self.tokenizer.chars, data_hash=self.data.prepared.key,
+                model=self.laid_out.model_state(), optimizer=self.laid_out.optimizer_state(self.optimizer),
+                scheduler=self.scheduler.state_dict(), rng={f"rank{self.where.rank}": rng},
+                history=self.history.to_dict(), layout=describe(self.layout))
         return saved.payload(
             step,
             config=self.cfg.to_dict(),
@@ -227,9 +317,13 @@ class Trainer:
             return ""
         prompt = self.tokenizer.encode(SAMPLE_PROMPT).to(self.where.device)
         gen = torch.Generator(device=self.where.device).manual_seed(self.cfg.seed)
-        self.model.eval()
-        out = self.model.generate(prompt, self.cfg.sample_tokens, temperature=0.8, generator=gen)
-        self.model.train()
+        model = self.model
+        if self.laid_out is not None:  # the whole model, rebuilt from the saved state's global names
+            state = saved.load_state(self.cfg.out, self.end_step)
+            model = whole_model(self.cfg, self.tokenizer.vocab_size, state["model"]).to(self.where.device)
+        model.eval()
+        out = model.generate(prompt, self.cfg.sample_tokens, temperature=0.8, generator=gen)
+        model.train()
         return self.tokenizer.decode(out.cpu())
 
     def _reader_stats(self) -> dict[str, float]:
@@ -245,7 +339,29 @@ class Trainer:
         return {"cache_hit_rate": hits / demands if demands else 0.0, "record_reads": int(demands),
                 "stall_s": stall / n, "stall_s_max": worst.item(), "prefetched_shards": int(prefetched)}
 
-    def _record(self, reader: dict[str, float]) -> dict[str, Any]:
+    def _layout_summary(self) -> dict[str, Any]:
+        """The layout path's part of run.json, gathered from every rank (a collective; {} on the plain path).
+
+        Each stage knows its own MoE layers' per-step records: they are merged by block index, so
+        rank 0 reports every layer. Parameters: this rank's, and the whole model's (each global name once).
+        """
+        if self.laid_out is None:
+            return {}
+        net = self.laid_out
+        mine = {"experts": [e["layers"] for e in self.history.experts],
+                "names": {k: v.numel() for k, v in net.model_state().items()}, "held": net.num_parameters()}
+        everyone: list[Any] = [None] * self.where.world_size
+        dist.all_gather_object(everyone, mine)
+        for i, step in enumerate(self.history.experts):
+            step["layers"] = {k: v for e in everyone for k, v in e["experts"][i].items()} if i < len(
+                everyone[0]["experts"]) else step["layers"]
+        names = {k: v for e in everyone for k, v in e["names"].items()}
+        buffers = {n for n, _ in net.full.named_buffers()}
+        return {"layout": describe(self.layout),
+                "parameters": {"whole_model": sum(v for k, v in names.items() if k not in buffers),
+                               "per_rank": [e["held"] for e in everyone]}}
+
+    def _record(self, reader: dict[str, float], laid: dict[str, Any]) -> dict[str, Any]:
         cfg, w = self.cfg, self.where
         done = self.end_step - self.start_step
         ddp = self.ddp.stats()
@@ -259,7 +375,9 @@ class Trainer:
             "world": {"nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "world_size": w.world_size,
                       "device": str(w.device) if w.device.type == "cpu" else f"cuda x {w.world_size}",
                       "threads_per_rank": w.threads},
-            "model": {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size},
+            "model": self._model_record(laid),
+            **({"layout": laid["layout"]} if laid else {}),
+            **({"experts": self._experts_summary()} if self.history.experts else {}),
             "data": {**self.data.describe(), "tokens_per_step": cfg.tokens_per_step, **reader},
             "history": self.history.to_dict(),
             "timing": {**self.timing, "steps_this_run": done,
@@ -270,6 +388,25 @@ class Trainer:
                           "buckets": ddp.get("buckets")},
             "sample": {"prompt": SAMPLE_PROMPT, "text": text},
         }
+
+    def _model_record(self, laid: dict[str, Any]) -> dict[str, Any]:
+        if not laid:
+            return {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size, "kind": "dense"}
+        cfg = self.cfg
+        out = {"parameters": laid["parameters"]["whole_model"], "parameters_per_rank": laid["parameters"]["per_rank"],
+               "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model}
+        if cfg.model == "moe":
+            out.update(experts=cfg.experts, shared_experts=cfg.shared_experts, expert_hidden=cfg.expert_hidden,
+                       top_k=cfg.top_k, experts_per_rank=cfg.experts // cfg.ep)
+        return out
+
+    def _experts_summary(self) -> dict[str, Any]:
+        """The MoE steps of this run in brief: per-step imbalance and all-to-all bytes (the full per-layer
+        tokens are in ``history.experts``)."""
+        h = self.history.experts
+        return {"imbalance": [e["imbalance"] for e in h], "all_to_all_bytes": [e["all_to_all_bytes"] for e in h],
+                "all_to_all_s": sum(e["all_to_all_s"] for e in h),
+                "tokens": [{k: v["tokens"] for k, v in e["layers"].items()} for e in h]}
 
     def close(self) -> None:
         self.ddp.close()

@@ -1,0 +1,355 @@
+"""One rank's share of a model laid out over pipeline stages, experts and data parallel.
+
+The dense demo keeps a whole replica on every rank (the trainer's plain path). A run with
+``model = "moe"`` or ``pp > 1`` is laid out by :func:`fireflyer.haiscale.layout` instead:
+
+* **pipeline** (``pp``): the blocks are cut into ``pp`` stages of consecutive blocks, one per
+  node, a node's ranks in different pipelines. The first stage embeds, the last normalises and
+  projects. The output projection is tied to the token embedding; across stages each holds a
+  copy, initialised equal, whose gradients are summed over the pipeline before the step
+  (Megatron's tied-embedding reduction), so the copies stay equal and the update is the tied
+  model's.
+* **experts** (``ep``): every MoE layer holds ``experts / ep`` routed experts; tokens go to
+  them with an all-to-all inside the node (:class:`fireflyer.haiscale.MoE`).
+* **data parallel** takes the rest. haiscale DDP averages dense gradients over the ranks
+  holding the same stage (``dense_group``: dp x ep) and expert gradients over the ranks
+  holding the same experts (``expert_group``: dp).
+
+Each pipeline is one data replica: it reads the batch of replica ``dp * ep + ep_rank``, so
+with ``pp = 1`` replica ``r`` is rank ``r``, as in the dense demo. The gradient norm is
+clipped globally (dense parts counted once, experts summed over EP, stages summed over the
+pipeline), and the state is saved with ``kind="sharded"`` under *global* names: an expert's
+weights by their global expert index (``blocks.0.moe.experts.5.w1``), so a state is one model
+whatever the layout, and rank 0 can rebuild the whole model from it to write the sample.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fireflyer.haiscale import DistributedDataParallel
+from fireflyer.haiscale.expert import is_expert_param
+from fireflyer.haiscale.layout_mesh import Layout
+from fireflyer.haiscale.moe import RoutedExperts
+from fireflyer.haiscale.pipeline import Pipeline, PipelineConfig, split_sizes
+from fireflyer.train.config import TrainConfig
+from fireflyer.train.model import GPT, ModelShape
+from fireflyer.train.moe_model import MoEBlock, MoEGPT, MoEShape
+
+TIED = "tok.weight"
+"""The global name of the token embedding, which the last stage's output projection copies."""
+
+
+def build_full(cfg: TrainConfig, vocab_size: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    """The whole model of ``cfg`` (its experts sharded over ``ep_group``), the same on every rank for a seed."""
+    if cfg.model == "moe":
+        shape = MoEShape(vocab_size=vocab_size, context=cfg.context, layers=cfg.layers, d_model=cfg.d_model,
+                         heads=cfg.heads, n_routed=cfg.experts, n_shared=cfg.shared_experts,
+                         expert_hidden=cfg.expert_hidden, top_k=cfg.top_k,
+                         bias_update_speed=cfg.bias_update_speed)
+        return MoEGPT(shape, ep_group=ep_group, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    return GPT(ModelShape(vocab_size=vocab_size, context=cfg.context, layers=cfg.layers, d_model=cfg.d_model,
+                          heads=cfg.heads))
+
+
+class Stage(nn.Module):
+    """Blocks ``[start, stop)`` of a :class:`GPT` or :class:`MoEGPT`: the first stage embeds the
+    tokens, the last normalises and projects to logits (with its own copy of the tied embedding
+    when it is not also the first)."""
+
+    def __init__(self, full: nn.Module, start: int, stop: int, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.context = full.shape.context
+        if first:
+            self.tok, self.pos = full.tok, full.pos
+        self.blocks = nn.ModuleList(full.blocks[start:stop])
+        if last:
+            self.ln_f = full.ln_f
+            self.head = nn.Linear(full.shape.d_model, full.shape.vocab_size, bias=False)
+            self.head.weight = full.tok.weight if first else nn.Parameter(full.tok.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def expert_name(name: str, g: int) -> str:
+    """``blocks.0.moe.experts.w1`` for global expert ``g``: ``blocks.0.moe.experts.<g>.w1``."""
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.{g}.{leaf}"
+
+
+_EXPERT_NAME = re.compile(r"^(.*)\.(\d+)\.(w[123])$")
+
+
+@dataclass(frozen=True)
+class Named:
+    """A parameter of this rank under its global name; an expert stack with the global index of its first row."""
+
+    name: str
+    param: nn.Parameter
+    first_expert: int | None = None
+    saved: bool = True
+    """False for the last stage's copy of the tied embedding (the first stage saves it)."""
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """What one MoE layer did in a step."""
+
+    layer: int
+    """The block's index in the whole model."""
+    tokens: list[int]
+    """Assignments per global expert, over every replica of the stage."""
+    imbalance: float
+    """The busiest expert's tokens over the mean."""
+    bytes_sent: int
+    """This rank's all-to-all bytes to other ranks (forward and backward)."""
+    seconds: float
+    """This rank's seconds inside those all-to-alls."""
+
+
+def describe(laid: Layout) -> dict[str, Any]:
+    """A layout for run.json: its degrees, the ranks of each node, and the mesh ``(pp, dp, ep, tp)``."""
+    p = laid.plan
+    return {"pp": p.pp, "dp": p.dp, "ep": p.ep, "tp": p.tp, "nodes": [list(n) for n in p.nodes],
+            "mesh": p.mesh, "notes": list(p.notes)}
+
+
+def replica_of(laid: Layout, cfg: TrainConfig) -> int:
+    """The data replica a rank reads for: its pipeline's index, ``dp * ep + ep_rank`` (rank r when pp = 1)."""
+    return laid.coords["dp"] * cfg.ep + laid.coords["ep"]
+
+
+class LaidOut:
+    """This rank's stage of the model, its DDP and pipeline, and the groups of its layout.
+
+    Collective to build (every rank of the job, the same config). Methods that run
+    collectives say so; every rank calls them in the same order.
+    """
+
+    def __init__(self, cfg: TrainConfig, laid: Layout, vocab_size: int, device: torch.device) -> None:
+        self.cfg = cfg
+        self.layout = laid
+        self.stage, self.pp = laid.coords["pp"], cfg.pp
+        self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.ep > 1 else None).to(device)
+        sizes = split_sizes(cfg.layers, cfg.pp)
+        start = sum(sizes[:self.stage])
+        self.is_first, self.is_last = self.stage == 0, self.stage == cfg.pp - 1
+        self.module = Stage(self.full, start, start + sizes[self.stage], first=self.is_first, last=self.is_last)
+        self.named = self._name_params()
+        expert_group = self.layout.expert_group if cfg.model == "moe" else None
+        self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
+                                           expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb)
+        self.pipeline = None
+        if cfg.pp > 1:
+            self.pipeline = Pipeline(self.ddp, self.layout.pp_group, loss_fn=_cross_entropy, device=device,
+                                     config=PipelineConfig(n_microbatches=cfg.microbatches, schedule="1F1B"))
+        self.device = device
+        self.moe_layers = [(i, b.moe) for i, b in enumerate(self.full.blocks) if isinstance(b, MoEBlock)
+                           and start <= i < start + sizes[self.stage]]
+
+    # ------------------------------------------------------------------ names
+    def _name_params(self) -> list[Named]:
+        names = {id(p): n for n, p in self.full.named_parameters()}
+        firsts = {id(w): m.first for m in self.full.modules() if isinstance(m, RoutedExperts)
+                  for w in (m.w1, m.w2, m.w3)}
+        named = []
+        for p in self.module.parameters():
+            if id(p) in names:
+                named.append(Named(names[id(p)], p, firsts.get(id(p))))
+            else:  # the last stage's own copy of the tied embedding
+                named.append(Named(TIED, p, saved=False))
+        return named
+
+    # ------------------------------------------------------------------ a step
+    def train_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of this replica's batch; the gradients are reduced when it returns.
+
+        Returns the mean loss on ranks holding the last stage, None on the others (collective).
+        """
+        if self.pipeline is None:
+            loss = _cross_entropy(self.ddp(x), y)
+            loss.backward()
+            return loss.detach()
+        losses = self.pipeline.forward_backward(x, y)
+        self._reduce_tied()
+        return torch.stack(losses).mean() if losses is not None else None
+
+    def _reduce_tied(self) -> None:
+        """Sum the tied embedding's gradient over its two holders in each pipeline (zeros in between)."""
+        grad = None
+        for n in self.named:
+            if n.name == TIED:
+                grad = n.param.grad
+        buf = grad if grad is not None else torch.zeros(self.full.tok.weight.shape, device=self.device)
+        dist.all_reduce(buf, group=self.layout.pp_group)
+
+    def clip(self, max_norm: float) -> float:
+        """Scale every gradient so the model's global norm is at most ``max_norm``; return the norm (collective).
+
+        Dense gradients are the same on every rank of their group and count once; expert
+        gradients differ over EP and are summed over it; stages are summed over the pipeline.
+        """
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        for n in self.named:
+            if n.param.grad is None or not n.saved:
+                continue
+            sq = n.param.grad.detach().double().pow(2).sum()
+            if is_expert_param(n.param):
+                expert += sq
+            else:
+                dense += sq
+        if self.cfg.ep > 1:
+            dist.all_reduce(expert, group=self.layout.ep_group)
+        total = dense + expert
+        if self.pp > 1:
+            dist.all_reduce(total, group=self.layout.pp_group)
+        norm = math.sqrt(total.item())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def after_step(self) -> list[LayerStep]:
+        """The balancing step of every MoE layer (collective on the stage's dense group); each layer's
+        load of the step (tokens per global expert, over every replica), imbalance and all-to-all."""
+        out = []
+        for i, m in self.moe_layers:
+            load = m.update_bias(self.layout.dense_group).tolist()
+            a2a = m.take_exchange_totals()
+            total = sum(load)
+            out.append(LayerStep(i, load, max(load) * len(load) / total if total else 1.0, a2a.bytes_sent,
+                                 a2a.seconds))
+        return out
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The loss of a forward alone, through the pipeline by point-to-point sends; None off the last stage."""
+        self.module.eval()
+        try:
+            if self.pipeline is None:
+                return _cross_entropy(self.module(x), y)
+            mine = self.layout.plan.group_of("pp", dist.get_rank())
+            act = x
+            if not self.is_first:
+                act = torch.empty(x.shape[0], x.shape[1], self.cfg.d_model, device=self.device)
+                dist.recv(act, src=mine[self.stage - 1], group=self.layout.pp_group)
+            out = self.module(act)
+            if not self.is_last:
+                dist.send(out.contiguous(), dst=mine[self.stage + 1], group=self.layout.pp_group)
+                return None
+            return _cross_entropy(out, y)
+        finally:
+            self.module.train()
+
+    # ------------------------------------------------------------------ state
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights and buffers under global names (each expert on its own)."""
+        out: dict[str, torch.Tensor] = {}
+        for n in self.named:
+            if not n.saved:
+                continue
+            if n.first_expert is None:
+                out[n.name] = n.param.detach()
+            else:
+                for e, row in enumerate(n.param.detach()):
+                    out[expert_name(n.name, n.first_expert + e)] = row
+        mine = {id(b) for b in self.module.buffers()}
+        out.update({name: b for name, b in self.full.named_buffers() if id(b) in mine})
+        return out
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """AdamW's state per global name (experts split as the weights are) and its hyper-parameters."""
+        state: dict[str, Any] = {}
+        for n in self.named:
+            if not n.saved or n.param not in optimizer.state:
+                continue
+            s = optimizer.state[n.param]
+            if n.first_expert is None:
+                state[n.name] = dict(s)
+            else:
+                for e in range(n.param.shape[0]):
+                    state[expert_name(n.name, n.first_expert + e)] = {
+                        k: (v[e] if torch.is_tensor(v) and v.dim() and v.shape[0] == n.param.shape[0] else v)
+                        for k, v in s.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return {"state": state, "groups": groups}
+
+    def load(self, model: dict[str, torch.Tensor], optim: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Take this rank's share of a saved global state: weights, buffers and AdamW's state."""
+        with torch.no_grad():
+            for n in self.named:
+                n.param.copy_(self._gather(model, n))
+            mine = {id(b) for b in self.module.buffers()}
+            for name, b in self.full.named_buffers():
+                if id(b) in mine:
+                    b.copy_(model[name])
+        sd = optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        state = {}
+        for n in self.named:
+            if n.first_expert is None:
+                saved = optim["state"].get(n.name)
+            else:
+                parts = [optim["state"].get(expert_name(n.name, n.first_expert + e)) for e in range(n.param.shape[0])]
+                saved = None if any(p is None for p in parts) else {
+                    k: (torch.stack([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() else v)
+                    for k, v in parts[0].items()}
+            if saved is not None:
+                state[index[id(n.param)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items()}
+        groups = [{**saved_g, "params": g["params"]} for saved_g, g in zip(optim["groups"], sd["param_groups"])]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    @staticmethod
+    def _gather(model: dict[str, torch.Tensor], n: Named) -> torch.Tensor:
+        if n.first_expert is None:
+            return model[n.name]
+        return torch.stack([model[expert_name(n.name, n.first_expert + e)] for e in range(n.param.shape[0])])
+
+    # ------------------------------------------------------------------ reporting
+    def num_parameters(self) -> int:
+        """Parameters this rank holds (its stage, its experts; the tied copy not counted)."""
+        return sum(n.param.numel() for n in self.named if n.saved)
+
+    def close(self) -> None:
+        self.ddp.close()
+
+
+def whole_model(cfg: TrainConfig, vocab_size: int, model: dict[str, torch.Tensor]) -> nn.Module:
+    """The unsharded model of a saved global state (every expert on this rank), for sampling or export."""
+    full = build_full(cfg, vocab_size, None)
+    merged: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in model.items():
+        m = _EXPERT_NAME.match(name)
+        if m and ".experts." in name:
+            stacks.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+        else:
+            merged[name] = t
+    for name, rows in stacks.items():
+        merged[name] = torch.stack([rows[g] for g in sorted(rows)])
+    merged["head.weight"] = merged[TIED]
+    full.load_state_dict(merged)
+    return full
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
