@@ -56,32 +56,13 @@ class Groups:
     ep_size: int
 
 
-def expert_parallel_groups(gloo: dist.ProcessGroup, timeout: timedelta) -> Groups:
-    """EP inside each node, DP across nodes, from the nodes the ranks report.
+def expert_parallel_groups(local_size: int, timeout: timedelta) -> Groups:
+    """EP inside each node (``local_size`` ranks), DP across nodes: :func:`fireflyer.haiscale.layout`'s
+    ``ep_group`` and ``expert_group``."""
+    from fireflyer.haiscale.layout_mesh import layout
 
-    Built by hand with ``dist.new_group`` (every rank creates every group, in the same order);
-    a layout builder that names the same two groups can replace this function.
-    """
-    world = dist.get_world_size()
-    nodes: list[Any] = [None] * world
-    dist.all_gather_object(nodes, node_key(), group=gloo)
-    members = [[r for r in range(world) if nodes[r] == n] for n in dict.fromkeys(nodes)]
-    per = len(members[0])
-    if any(len(m) != per for m in members):
-        raise UserError(f"every node needs the same number of ranks for EP inside a node, got "
-                        f"{[len(m) for m in members]}; launch NODESxRANKS with equal nodes")
-    mine: dict[str, dist.ProcessGroup] = {}
-    me = dist.get_rank()
-    for ranks in members:
-        g = dist.new_group(ranks, backend="hfreduce", timeout=timeout)
-        if me in ranks:
-            mine["ep"] = g
-    for i in range(per):
-        ranks = [m[i] for m in members]
-        g = dist.new_group(ranks, backend="hfreduce", timeout=timeout)
-        if me in ranks:
-            mine["expert"] = g
-    return Groups(ep=mine["ep"], expert=mine["expert"], ep_size=per)
+    lay = layout(ep=local_size, timeout=timeout.total_seconds())
+    return Groups(ep=lay.ep_group, expert=lay.expert_group, ep_size=local_size)
 
 
 @dataclass
@@ -171,7 +152,7 @@ def run(spec: dict[str, Any]) -> None:
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     rank = dist.get_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    groups = expert_parallel_groups(gloo, timeout)
+    groups = expert_parallel_groups(int(os.environ["LOCAL_WORLD_SIZE"]), timeout)
     shape = MoEShape(**spec["shape"])
     batch_of = batches(spec["data"], shape, spec["batch"])
     setups = {name: build(name, shape, groups, spec["lr"]) for name in spec["configs"]}
