@@ -1,10 +1,11 @@
 """``fireflyer train`` with a DeepSeekMoE, end to end: the real CLI, torchrun, hfreduce, the sharded checkpoint.
 
-Five launches of a tiny MoE (2 blocks, 4 routed experts of 16 + 1 shared, top-2):
+Seven launches of a tiny MoE (2 blocks, 4 routed experts of 16 + 1 shared, top-2):
 A trains 2 nodes x 2 ranks as EP=2 inside each node x DP=2 across; B is A stopped at the
 halfway save and C resumes it (C's history must be A's bit for bit); P is the same global
 batch as 2 pipeline stages (one per node) with EP=2 inside each; S is one process holding
-every expert. Every layout trains the same model on the same global batches, so their
+every expert; Q is P stopped at step 5 and resumed (from the state saved at the end of step 5).
+Every layout trains the same model on the same global batches, so their
 losses agree to rounding.
 """
 
@@ -48,6 +49,9 @@ def runs(tmp_path_factory):
     train(TINY, *MOE, *GRID, "--out", str(root / "b"), "--stop-at", "4")
     out["c_out"] = train("--out", str(root / "b"), "--resume")["stdout"]
     out["c"] = json.loads((root / "b" / "run.json").read_text())
+    train(TINY, *MOE, *PIPE, "--out", str(root / "q"), "--stop-at", "5")  # off the save interval: resumes at 4
+    train("--out", str(root / "q"), "--resume")
+    out["q"] = json.loads((root / "q" / "run.json").read_text())
     out["root"] = root
     return out
 
@@ -81,6 +85,15 @@ def test_a_resumed_moe_run_equals_the_uninterrupted_one_bitwise(runs):
 
     assert counts(c) == counts(a)
     assert c["sample"]["text"] == a["sample"]["text"]
+
+
+def test_a_resumed_pipeline_run_equals_the_uninterrupted_one_bitwise(runs):
+    p, q = runs["p"], runs["q"]
+    assert q["resumed_from"] == 5 and q["finished"]
+    assert q["history"]["loss"] == p["history"]["loss"]
+    # the stopped run also measured val at its last step (5): the rest are the uninterrupted run's
+    assert [v for v in q["history"]["val"] if v[0] != 5] == p["history"]["val"]
+    assert q["experts"]["tokens"] == p["experts"]["tokens"]
 
 
 def test_the_sharded_checkpoint_holds_every_expert_under_its_global_name(runs):

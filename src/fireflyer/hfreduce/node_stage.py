@@ -43,6 +43,9 @@ from fireflyer.hfreduce.shared import SharedBuffers
 from fireflyer.hfreduce.topology import split
 from fireflyer.hfreduce.trees import SELF_GRACE, TreeChunk
 
+REMOTE_WAIT_GRACE = 1.0
+"""Seconds a local timeout waits for the peer's tree stage to name the remote rank it is stuck on."""
+
 _SLICE = 0.05  # seconds between checks while waiting for the stage-out thread
 _OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree stage's own deadline
 SHARED_EXT = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
@@ -234,13 +237,24 @@ class NodeStage:
         if behind:  # what this rank's other threads (its trees) were stuck on: closer to the cause
             whom += "; its tree stage was waiting for " + behind
         elif k != self.local_rank and self.num_nodes > 1:
-            remote = self.arena.remote_wait(k)  # what that local rank's trees were stuck on, if anything
+            remote = self._remote_wait(k)  # what that local rank's trees were stuck on, if anything
             if remote is not None:
                 whom += f", whose tree stage last waited for {self._describe(remote)}"
         return CollectiveTimeout(
             f"{job.plan.desc} (#{job.seq}) timed out after {job.timeout:g}s "
             f"on {self._describe(self.rank)} waiting for {whom}"
         )
+
+    def _remote_wait(self, k: int, grace: float = REMOTE_WAIT_GRACE) -> int | None:
+        """The remote rank local rank ``k``'s tree stage is blocked on, waiting up to ``grace`` seconds for
+        it to say: on a loaded host that stage may reach its blocking wait a little after this rank's
+        own wait ran out, and the message should name the cause, not only the messenger."""
+        deadline = time.monotonic() + grace
+        while True:
+            remote = self.arena.remote_wait(k)
+            if remote is not None or time.monotonic() >= deadline:
+                return remote
+            time.sleep(0.02)
 
     # The tree stage's view of the node (trees.NodeSide).
     def tree_chunk(self, job: Job, t: int, c: int) -> TreeChunk:
