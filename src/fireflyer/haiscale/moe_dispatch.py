@@ -47,6 +47,13 @@ class ExchangeTally:
         self.seconds += seconds
         self.calls += 1
 
+    def absorb(self, other: ExchangeTally) -> None:
+        """Add another tally's bytes, seconds and calls to this one."""
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.seconds += other.seconds
+        self.calls += other.calls
+
 
 def _row_bytes(t: torch.Tensor) -> int:
     n = t.element_size()

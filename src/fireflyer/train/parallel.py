@@ -69,7 +69,6 @@ class Stage(nn.Module):
     def __init__(self, full: nn.Module, start: int, stop: int, *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
-        self.context = full.shape.context
         if first:
             self.tok, self.pos = full.tok, full.pos
         self.blocks = nn.ModuleList(full.blocks[start:stop])
@@ -144,7 +143,7 @@ class LaidOut:
     def __init__(self, cfg: TrainConfig, laid: Layout, vocab_size: int, device: torch.device) -> None:
         self.cfg = cfg
         self.layout = laid
-        self.stage, self.pp = laid.coords["pp"], cfg.pp
+        self.stage = laid.coords["pp"]
         self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.ep > 1 else None).to(device)
         sizes = split_sizes(cfg.layers, cfg.pp)
         start = sum(sizes[:self.stage])
@@ -191,10 +190,7 @@ class LaidOut:
 
     def _reduce_tied(self) -> None:
         """Sum the tied embedding's gradient over its two holders in each pipeline (zeros in between)."""
-        grad = None
-        for n in self.named:
-            if n.name == TIED:
-                grad = n.param.grad
+        grad = next((n.param.grad for n in self.named if n.name == TIED), None)
         buf = grad if grad is not None else torch.zeros(self.full.tok.weight.shape, device=self.device)
         dist.all_reduce(buf, group=self.layout.pp_group)
 
@@ -217,7 +213,7 @@ class LaidOut:
         if self.cfg.ep > 1:
             dist.all_reduce(expert, group=self.layout.ep_group)
         total = dense + expert
-        if self.pp > 1:
+        if self.cfg.pp > 1:
             dist.all_reduce(total, group=self.layout.pp_group)
         norm = math.sqrt(total.item())
         coef = min(1.0, max_norm / (norm + 1e-6))

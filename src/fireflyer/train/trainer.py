@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fireflyer.haiscale import DistributedDataParallel
+from fireflyer.haiscale import DistributedDataParallel, layout
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
@@ -80,8 +80,6 @@ class Trainer:
         """The layout path (model = moe, or pp > 1): this rank's stage, experts and groups."""
         self.layout = None
         if cfg.model == "moe" or cfg.pp > 1:
-            from fireflyer.haiscale.layout_mesh import layout
-
             self.layout = layout(pp=cfg.pp, ep=cfg.ep)  # collective: before anything else talks
         self._build_data()
         self._build_model()
@@ -352,9 +350,8 @@ class Trainer:
                 "names": {k: v.numel() for k, v in net.model_state().items()}, "held": net.num_parameters()}
         everyone: list[Any] = [None] * self.where.world_size
         dist.all_gather_object(everyone, mine)
-        for i, step in enumerate(self.history.experts):
-            step["layers"] = {k: v for e in everyone for k, v in e["experts"][i].items()} if i < len(
-                everyone[0]["experts"]) else step["layers"]
+        for i, step in enumerate(self.history.experts):  # every rank ran the same steps
+            step["layers"] = {k: v for e in everyone for k, v in e["experts"][i].items()}
         names = {k: v for e in everyone for k, v in e["names"].items()}
         buffers = {n for n, _ in net.full.named_buffers()}
         return {"layout": describe(self.layout),
