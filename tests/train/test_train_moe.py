@@ -72,6 +72,8 @@ def test_the_moe_run_reports_its_layout_experts_and_all_to_all(runs):
     # each rank holds half the routed experts: 2 layers x 2 experts x 3 matrices of 16 x 32
     assert all(m["parameters"] - n == 2 * 2 * 3 * 16 * 32 for n in m["parameters_per_rank"])
     assert "experts imbalance" in runs["a_out"]
+    assert "layout     pp 1 x dp 2 x ep 2 x tp 1" in runs["a_out"]
+    assert "experts    4 routed of 16 + 1 shared, top-2, 2 per rank; imbalance" in runs["a_out"]
     assert run["sample"]["text"].startswith(run["sample"]["prompt"])
 
 

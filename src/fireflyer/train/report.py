@@ -69,6 +69,7 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
          f"{run['model']['vocab_size']} characters"),
         (f"  world      {w['nodes']} nodes x {w['ranks_per_node']} ranks = {w['world_size']} ranks on {w['device']}, "
          f"{w['threads_per_rank']} thread(s) per rank, haiscale DDP over hfreduce"),
+        *_layout_lines(run),
         (f"  data       {data['train_tokens']:,} train / {data['val_tokens']:,} val characters of "
          f"{data['source']}, {data['tokens_per_step']:,} tokens per step"),
         (f"  records    {data['records']['train']:,} + {data['records']['val']:,} windows of {data['window']} tokens "
@@ -95,6 +96,23 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
         body = text.strip("\n").splitlines()[:8]
         lines += [f"    | {line[:96]}".rstrip() for line in body]
     return "\n".join(lines)
+
+
+def _layout_lines(run: dict[str, Any]) -> list[str]:
+    """A laid-out run's experts and layout (nothing for the dense demo's replicas)."""
+    lay, m = run.get("layout"), run["model"]
+    if not lay:
+        return []
+    lines = [f"  layout     pp {lay['pp']} x dp {lay['dp']} x ep {lay['ep']} x tp {lay['tp']}; "
+             f"{max(m['parameters_per_rank']) / 1e6:.2f} M parameters on the busiest rank"]
+    if m.get("kind") == "moe":
+        e = run["experts"]
+        per_step = sum(e["all_to_all_bytes"]) / len(e["all_to_all_bytes"])
+        lines.append(f"  experts    {m['experts']} routed of {m['expert_hidden']} + {m['shared_experts']} shared, "
+                     f"top-{m['top_k']}, {m['experts_per_rank']} per rank; imbalance "
+                     f"{_tail_mean(e['imbalance']):.2f} (mean of the last 10 steps); all-to-all "
+                     f"{_bytes(per_step)} a step over all ranks")
+    return lines
 
 
 def _tail_mean(values: list[float], n: int = 10) -> float:
