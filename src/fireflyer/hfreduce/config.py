@@ -53,6 +53,16 @@ class HFReduceConfig:
     futex sleep costs a wake-up per handoff; counted, not timed, because a yield with nobody else
     to run returns at once: timed yielding (2 ms) made a 1 MiB allreduce 10x slower whenever gloo's
     threads shared the processes."""
+    order: str = "fast"
+    """How a reduction's terms meet. ``fast``: the order the layout gives (in a node, local ranks in
+    turn; across nodes, the double binary tree), the same bits on every rank and in every rerun of
+    the same layout. ``canonical``: the left-balanced pairwise tree over global ranks
+    (:mod:`fireflyer.hfreduce.canonical`), so the bits do not depend on the layout either: a
+    floating-point SUM, AVG or PRODUCT gives what one process summing the ranks' tensors in that
+    tree gives, on 1x8, 2x4, 4x2 or 8x1 alike. It needs every node to hold the same power-of-two
+    number of consecutive ranks (one node may hold any number); other layouts are refused when
+    the group forms. Across more than two nodes the trees become binomial trees rooted at node 0.
+    Every rank of a group must use the same value."""
     arena: str = "memfd"
     """How local ranks share the node's arena and the exchange's mailboxes: ``file``, files in
     /dev/shm opened by name; anything else, private memory handed over as file descriptors
@@ -72,6 +82,8 @@ class HFReduceConfig:
             raise UserError(f"timeout must be positive seconds, got {self.timeout}")
         if not 0 <= self.oneshot_bytes <= 1 << 40:
             raise UserError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
+        if self.order not in ORDERS:
+            raise UserError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yields <= 1 << 20:
             raise UserError(f"spin must be 0..{1 << 24} and yields 0..{1 << 20}, got {self.spin} and {self.yields}")
 
@@ -81,7 +93,7 @@ class HFReduceConfig:
         kw: dict = {}
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
                            ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int),
-                           ("arena", str)):
+                           ("arena", str), ("order", str)):
             raw = read(names.field(name))
             if raw:
                 try:
@@ -93,6 +105,9 @@ class HFReduceConfig:
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
+
+ORDERS = ("fast", "canonical")
+"""The values of :attr:`HFReduceConfig.order`."""
 
 ONE_NODE_CHUNK = 256 << 10
 MANY_NODES_CHUNK = 4 << 20

@@ -12,7 +12,7 @@ from fireflyer import launch
 PREFIX = "FIREFLYER_HFREDUCE_"
 """``FIREFLYER_HFREDUCE_<FIELD>`` overrides the default of the :class:`HFReduceConfig` field ``<field>``
 (``CHUNK_BYTES``, ``DEPTH``, ``TIMEOUT``, ``IFADDR``, ``ONESHOT_BYTES``, ``CORE``, ``CORE_TREES``,
-``SPIN``, ``YIELDS``, ``ARENA``)."""
+``SPIN``, ``YIELDS``, ``ARENA``, ``ORDER``)."""
 
 
 def field(name: str) -> str:
@@ -23,6 +23,9 @@ def field(name: str) -> str:
 ARENA = field("arena")
 """``file``: the node's arena and mailboxes are files in /dev/shm that local ranks open by name;
 anything else (default ``memfd``): private memory handed to local ranks as file descriptors."""
+ORDER = field("order")
+"""``canonical``: every hfreduce group sums in the pairwise tree over global ranks, whatever the layout
+(:attr:`~fireflyer.hfreduce.config.HFReduceConfig.order`); default ``fast``."""
 CORE = field("core")
 """``0``: the node stage and the reduce kernels run the pure-Python reference, not the compiled core."""
 ISA = f"{PREFIX}ISA"
