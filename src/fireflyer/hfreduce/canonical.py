@@ -79,6 +79,29 @@ def _checked(terms: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return terms
 
 
+def layout_problem(nodes: Sequence[Sequence[int]]) -> str | None:
+    """Why a collective over these nodes (each a list of group ranks) cannot sum in the canonical
+    order, or None where it can.
+
+    The node stage sums a node's ranks in their own pairwise tree, and the trees across nodes
+    add whole node partials, so each node's ranks must be a subtree of the tree over all ranks:
+    consecutive ranks, and every node of the same power-of-two size. One node may hold any
+    number of ranks.
+    """
+    if len(nodes) <= 1:
+        return None
+    sizes = [len(n) for n in nodes]
+    flat = [r for n in nodes for r in n]
+    if flat != list(range(len(flat))):
+        return ("its nodes do not hold consecutive ranks "
+                f"(node 0 holds ranks {list(nodes[0])[:8]}); start the ranks node by node")
+    if len(set(sizes)) > 1 or sizes[0] & (sizes[0] - 1):
+        shape = "+".join(map(str, sizes)) if len(set(sizes)) > 1 else f"{len(sizes)}x{sizes[0]}"
+        return (f"its nodes hold {shape} ranks; across nodes the canonical order needs every node to hold "
+                "the same power-of-two number of ranks (1, 2, 4, 8, ...)")
+    return None
+
+
 class PairwiseAccumulator:
     """The canonical sum of terms given one at a time, in index order, holding O(log n) partials.
 

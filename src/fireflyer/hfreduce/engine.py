@@ -36,6 +36,7 @@ import torch
 
 from fireflyer.errors import UserError
 from fireflyer.hfreduce import collectives, fdshare
+from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
 from fireflyer.hfreduce.config import (
     SECRET_ENV,
@@ -54,7 +55,8 @@ from fireflyer.hfreduce.jobs import INLINE_BYTES, Job, Jobs
 from fireflyer.hfreduce.node_stage import NodeStage
 from fireflyer.hfreduce.reduce import USER_OPS, Op, Plan
 from fireflyer.hfreduce.shared import SharedBuffers
-from fireflyer.hfreduce.topology import Layout
+from fireflyer.hfreduce.canonical import layout_problem
+from fireflyer.hfreduce.topology import Layout, binomial_links, tree_links
 from fireflyer.hfreduce.transport import Listener
 from fireflyer.hfreduce.trees import TreeStage
 
@@ -132,7 +134,8 @@ class Communicator:
                                                 for n in range(self.num_nodes)],
                                     world_size=self.world_size, describe=self.describe,
                                     scratch_bytes=self.config.chunk_bytes, compiled=core is not None,
-                                    core=core if self.config.core_trees else None)
+                                    core=core if self.config.core_trees else None,
+                                    links=binomial_links if self.config.order == "canonical" else tree_links)
             self._failures.on_failure(self._trees.tell)
             self._trees.connect(store=self._store, host=route_address(self.config), secret=self._secret,
                                 deadline=deadline)
@@ -168,7 +171,8 @@ class Communicator:
         # A fingerprint (a MAC of the salt, which tells nothing of the key) lets ranks whose
         # launchers handed them different secrets fail at once, by name, not by a timeout.
         fingerprint = hmac.new(self._secret, b"fingerprint|" + salt, hashlib.sha256).hexdigest()[:16]
-        store.set(f"info/{rank}", json.dumps({"node": node, "pid": os.getpid(), "key": fingerprint}))
+        store.set(f"info/{rank}", json.dumps({"node": node, "pid": os.getpid(), "key": fingerprint,
+                                              "order": cfg.order}))
         self._wait_keys([f"info/{r}" for r in range(self.world_size)], wait)
         infos = [json.loads(store.get(f"info/{r}")) for r in range(self.world_size)]
         strangers = [r for r, i in enumerate(infos) if i.get("key") != fingerprint]
@@ -176,7 +180,15 @@ class Communicator:
             raise HFReduceError(
                 f"hfreduce rank {rank} and ranks {strangers[:8]} hold different job secrets "
                 f"({SECRET_ENV} differs between their launchers, or is set for some ranks only)")
+        others = [r for r, i in enumerate(infos) if i.get("order") != cfg.order]
+        if others:
+            raise UserError(f"hfreduce rank {rank} sums in the {cfg.order!r} order but ranks {others[:8]} do not; "
+                            f"set {names.ORDER} the same for every rank of the group")
         self.layout = Layout.from_node_keys([i["node"] for i in infos])
+        problem = layout_problem(self.layout.nodes) if cfg.order == "canonical" else None
+        if problem:
+            raise UserError(f"hfreduce cannot sum in the canonical order on this group of {self.world_size} ranks: "
+                            f"{problem}")
         self._pids = [i["pid"] for i in infos]
         self.node = self.layout.node_of(rank)
         self.members = self.layout.nodes[self.node]

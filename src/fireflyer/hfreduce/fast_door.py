@@ -87,7 +87,8 @@ class FastDoor:
             ptr = tensor.data_ptr()
             rc, stage, k, chunk, _ = node.core.node_run(node.core_comm, JOB_SPEC.pack(
                 ONESHOT, g, 1, max(1, numel), numel, dtype_code, int(op), acc_code, divisor, ptr, ptr,
-                int(deadline * 1e9), int(deadline * 1e9), seq, DESCRIPTOR_BYTES, SHARED_EXT.size, 0, 0, 0, 0))
+                int(deadline * 1e9), int(deadline * 1e9), seq, DESCRIPTOR_BYTES, SHARED_EXT.size, 0, 0, 0, 0,
+                int(node.tree)))
             if rc == CORE_DONE:
                 self._flight.completed(seq)
                 return True

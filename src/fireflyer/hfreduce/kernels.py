@@ -113,8 +113,12 @@ def _default_isa() -> str:
     return want if want in supported_isas() else _core.best_isa()
 
 
-def reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: int = 0) -> None:
+def reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: int = 0, tree: bool = False) -> None:
     """``out = finish(inputs[0] op inputs[1] op ...)``, in list order, in one pass.
+
+    ``tree``: a float SUM, AVG or PRODUCT combines the inputs in the left-balanced pairwise tree
+    over their indices (the canonical order, ``canonical.py``), in blocks that keep every partial
+    in the CPU's first-level cache, so memory still sees each input read once.
 
     ``out`` may be one of the inputs (the same tensor) but must not overlap them otherwise.
     Falls back to :func:`reference_reduce`, with a one-line warning, where the core is missing.
@@ -123,14 +127,14 @@ def reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: in
     n = _check(out, inputs, op, divisor)
     if not available():
         _warn_fallback()
-        reference_reduce(out, inputs, op, divisor=divisor)
+        reference_reduce(out, inputs, op, divisor=divisor, tree=tree)
         return
     _core.reduce(out.data_ptr(), DTYPES[out.dtype], [t.data_ptr() for t in inputs], DTYPES[inputs[0].dtype],
-                 n, int(op), divisor)
+                 n, int(op), divisor, tree)
 
 
 def reference_reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: int = 0,
-                     reducer: Reducer | None = None) -> None:
+                     reducer: Reducer | None = None, tree: bool = False) -> None:
     """What :func:`reduce` computes, as the engine's torch ops (``Reducer``) compute it.
 
     ``out`` must not be ``inputs[k]`` for k >= 2 when it is in the accumulation dtype
@@ -142,12 +146,12 @@ def reference_reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, d
     reducer = reducer if reducer is not None else _reducer()
     finish_op = Op.SUM if op == Op.AVG and not divisor else op
     if out.dtype == acc_dtype(inputs[0].dtype, op):
-        reducer.reduce_into(out, inputs, op)
+        reducer.reduce_into(out, inputs, op, tree=tree)
         if divisor:
             reducer.finish(out, out, Op.AVG, divisor)
     else:  # low precision rounded into its own dtype: accumulate in fp32, round once
         work = reducer.acc_scratch(n)
-        reducer.reduce_into(work, inputs, op)
+        reducer.reduce_into(work, inputs, op, tree=tree)
         reducer.finish(out, work, finish_op, divisor)
 
 

@@ -99,7 +99,7 @@ def _run(comm: "Communicator", job: "Job", input: torch.Tensor, output: torch.Te
     code = DTYPES[input.dtype]
     spec = JOB_SPEC.pack(MODE, job.first_chunk, 1, 1, nbytes, code, int(Op.SUM), code, 0, input.data_ptr(),
                          output.data_ptr(), deadline_ns, deadline_ns, job.seq, DESCRIPTOR_BYTES, SHARED_EXT.size,
-                         0, 0, ctypes.addressof(table), 0)
+                         0, 0, ctypes.addressof(table), 0, 0)
     rc, stage, k, got, _ = node.core.node_run(node.core_comm, spec)
     if rc == CORE_DONE:
         return

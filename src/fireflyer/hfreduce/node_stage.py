@@ -51,7 +51,7 @@ _OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree s
 SHARED_EXT = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
 _IN_PLACE = 1 << 62
 _COMM = struct.Struct("<14q")  # _core/node.h: hfr_comm
-JOB_SPEC = struct.Struct("<20q")  # _core/node.h: hfr_job
+JOB_SPEC = struct.Struct("<21q")  # _core/node.h: hfr_job
 _PIPELINE, _NODE_STAGE, ONESHOT = 1, 2, 3
 CORE_DONE, CORE_NEED_PYTHON, _CORE_TIMEOUT, _CORE_ABORTED, _CORE_PEER_DEAD = 0, 1, 2, 3, 4
 CORE_DTYPES = frozenset(DTYPES)
@@ -89,6 +89,9 @@ class NodeStage:
         self.rails = rails
         self.shared = shared
         self.core = core
+        self.tree = config.order == "canonical"
+        """Whether the reduce combines the node's slots in the canonical pairwise tree (local ranks hold
+        consecutive group ranks in order, so it is the subtree of the tree over the group's ranks)."""
         self.chunk = 0  # the number of the node's next chunk: what the arena's counters count
         self._describe = describe
         self._failures = failures
@@ -410,7 +413,8 @@ class NodeStage:
         own = job.own
         if own is not None:
             inputs[self.local_rank] = own[c0 + s0 : c0 + s1]
-        self._reducer.reduce(target, inputs, desc.op, divisor=self.world_size if final and desc.op == Op.AVG else 0)
+        self._reducer.reduce(target, inputs, desc.op, divisor=self.world_size if final and desc.op == Op.AVG else 0,
+                             tree=self.tree)
         if final and job.peer_out is not None:
             for dst in job.peer_out:  # one node, registered in place: the result goes straight home
                 if dst is not None:
@@ -424,7 +428,8 @@ class NodeStage:
         if job.own is not None:
             inputs[self.local_rank] = job.own
         result = torch.empty(n, dtype=desc.dtype)  # never an input: the reference reduces input by input
-        self._reducer.reduce(result, inputs, desc.op, divisor=self.world_size if desc.op == Op.AVG else 0)
+        self._reducer.reduce(result, inputs, desc.op, divisor=self.world_size if desc.op == Op.AVG else 0,
+                             tree=self.tree)
         for off, dst in job.plan.sinks:
             self._copy(dst, result[off : off + dst.numel()])
         self._cuda_sync()
@@ -478,7 +483,7 @@ class NodeStage:
                              int(desc.op), DTYPES[acc], divisor, own.data_ptr(), dst, int(job.deadline * 1e9),
                              int(late * 1e9), job.seq, DESCRIPTOR_BYTES, SHARED_EXT.size, int(resume),
                              int(job.shared is not None), ctypes.addressof(peer_in) if peer_in is not None else 0,
-                             ctypes.addressof(peer_out) if peer_out is not None else 0)
+                             ctypes.addressof(peer_out) if peer_out is not None else 0, int(self.tree))
         if not resume:
             self.write_descriptor(job)
         if self.num_nodes > 1:  # the trees' threads name what this one waits for in their own timeouts

@@ -25,7 +25,7 @@ from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.flight import trace_of
 from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
-from fireflyer.hfreduce.reduce import Op, Plan
+from fireflyer.hfreduce.reduce import Kind, Op, Plan
 from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
 from fireflyer.errors import UserError
 
@@ -142,8 +142,12 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
 
     def _spread_or_work(self, plans: list[Plan], result: list[torch.Tensor], opts, what: str,
                         inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
-        """Across several nodes, ``spread``'s work for ``plans`` where it has one; else :meth:`_work`'s."""
-        across = spread.work(self.comm, plans, result, opts, what)
+        """Across several nodes, ``spread``'s work for ``plans`` where it has one; else :meth:`_work`'s.
+
+        A canonical group's reduce-scatters stay on the engine, whose sums follow the canonical tree."""
+        summing = any(p.desc.kind == Kind.REDUCE_SCATTER for p in plans)
+        keep = summing and self.comm.config.order == "canonical"
+        across = None if keep else spread.work(self.comm, plans, result, opts, what)
         if across is not None:
             return across
         return self._work(plans, result, opts, what, inputs, outputs)

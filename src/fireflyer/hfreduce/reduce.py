@@ -204,8 +204,15 @@ class Reducer:
         else:
             _binary(op, acc.dtype)(acc, other, out=acc)
 
-    def reduce_into(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op) -> None:
-        """out = inputs[0] (op) inputs[1] (op) ..., in this order, each input read once."""
+    def reduce_into(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, tree: bool = False) -> None:
+        """out = inputs[0] (op) inputs[1] (op) ..., in this order, each input read once.
+
+        ``tree``: a float SUM, AVG or PRODUCT of four or more inputs combines them in the
+        left-balanced pairwise tree over their indices instead (``canonical.py``; up to three
+        inputs the list order is that tree, and the other ops are associative)."""
+        if tree and len(inputs) > 3 and op in _MIXED_OK and inputs[0].dtype.is_floating_point:
+            out.copy_(_tree(op, [t if t.dtype == out.dtype else t.to(out.dtype) for t in inputs]))
+            return
         first = inputs[0]
         if out.dtype == first.dtype and len(inputs) >= 2 and op != Op.COPY:
             _binary(op, out.dtype)(first, inputs[1], out=out)
@@ -246,6 +253,14 @@ _BINARY = {
     Op.BOR: torch.bitwise_or,
     Op.BXOR: torch.bitwise_xor,
 }
+
+
+def _tree(op: Op, terms: list[torch.Tensor]) -> torch.Tensor:
+    """The left-balanced pairwise tree over ``terms`` (already in the accumulation dtype)."""
+    if len(terms) == 1:
+        return terms[0]
+    m = 1 << ((len(terms) - 1).bit_length() - 1)
+    return _binary(op, terms[0].dtype)(_tree(op, terms[:m]), _tree(op, terms[m:]))
 
 
 def _binary(op: Op, dtype: torch.dtype):

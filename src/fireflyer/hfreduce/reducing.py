@@ -24,23 +24,25 @@ class SliceReducer:
         self._compiled = compiled
         self._reducer = Reducer()
 
-    def reduce(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: int = 0) -> None:
-        """``out = finish(inputs[0] op inputs[1] op ...)``, in list order.
+    def reduce(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: int = 0,
+               tree: bool = False) -> None:
+        """``out = finish(inputs[0] op inputs[1] op ...)``, in list order (``tree``: in the canonical
+        pairwise tree over the inputs' indices; see :func:`fireflyer.hfreduce.kernels.reduce`).
 
         ``out`` in the accumulation dtype holds a partial (not rounded); in the inputs' dtype,
         the result, divided by ``divisor`` first when it is AVG's (``divisor > 0``).
         ``out`` must not be any of the inputs.
         """
         if self._fits(out, inputs, op):
-            kernels.reduce(out, inputs, op, divisor=divisor)
+            kernels.reduce(out, inputs, op, divisor=divisor, tree=tree)
             return
         r = self._reducer
         if out.dtype != acc_dtype(inputs[0].dtype, op):  # rounded into a low precision: accumulate apart
             work = r.acc_scratch(out.numel())
-            r.reduce_into(work, inputs, op)
+            r.reduce_into(work, inputs, op, tree=tree)
             r.finish(out, work, Op.SUM if op == Op.AVG and not divisor else op, divisor)
         else:
-            r.reduce_into(out, inputs, op)
+            r.reduce_into(out, inputs, op, tree=tree)
             if divisor:
                 r.finish(out, out, op, divisor)
 

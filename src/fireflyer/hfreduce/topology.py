@@ -68,6 +68,36 @@ def tree_links(n: int, node: int, tree: int) -> TreeLinks:
     return TreeLinks(parent, tuple(from_base(c) for c in base.children))
 
 
+def binomial_links(n: int, node: int, tree: int) -> TreeLinks:
+    """Links of ``node`` in the binomial trees of the canonical order.
+
+    Tree 0 is rooted at node 0: node ``v`` takes the children ``v + 2**k`` for every ``2**k``
+    below ``v``'s lowest set bit (all of them at the root), nearest first, so folding them in
+    that order into ``v``'s own partial adds aligned blocks of equal size: the reduce-up builds
+    the left-balanced pairwise tree over the nodes (``canonical.py``). Tree 1 is its mirror
+    (rooted at node ``n - 1``) where ``n`` is a power of two: the mirror pairs the same blocks,
+    and a two-term sum is the same whichever side it is computed on, so both halves of a chunk
+    get the same tree and the root's load is shared. Otherwise tree 1 is tree 0 again.
+    """
+    if not 0 <= node < n:
+        raise UserError(f"node {node} is outside 0..{n - 1}")
+    if tree not in (0, 1):
+        raise UserError(f"tree must be 0 or 1, got {tree}")
+    mirror = tree == 1 and n & (n - 1) == 0
+    v = n - 1 - node if mirror else node
+    low = v & -v if v else 1 << max(n - 1, 0).bit_length()
+    parent = v - low if v else -1
+    children = []
+    step = 1
+    while step < low and v + step < n:
+        children.append(v + step)
+        step <<= 1
+    if mirror:
+        parent = n - 1 - parent if parent >= 0 else -1
+        children = [n - 1 - c for c in children]
+    return TreeLinks(parent, tuple(children))
+
+
 def tree_root(n: int, tree: int) -> int:
     return next(v for v in range(n) if tree_links(n, v, tree).is_root)
 

@@ -44,7 +44,7 @@ from fireflyer.hfreduce.failures import Failures, mismatch
 from fireflyer.hfreduce.jobs import Job
 from fireflyer.hfreduce.reduce import DTYPES, Descriptor, Op, acc_dtype
 from fireflyer.hfreduce.reducing import SliceReducer
-from fireflyer.hfreduce.topology import tree_links
+from fireflyer.hfreduce.topology import TreeLinks, tree_links
 from fireflyer.hfreduce.transport import Link, Listener, connect
 
 _SLICE = 0.05  # seconds between checks while the root waits for its own reduce-up
@@ -101,8 +101,10 @@ class TreeStage:
 
     def __init__(self, *, node: NodeSide, failures: Failures, rank: int, node_index: int, rail_ranks: list[int],
                  world_size: int, describe: Callable[[int], str], scratch_bytes: int, compiled: bool,
-                 core: ModuleType | None = None) -> None:
+                 core: ModuleType | None = None,
+                 links: Callable[[int, int, int], TreeLinks] = tree_links) -> None:
         self.rank = rank
+        self._links = links
         self.listener: Listener | None = None
         self.links: list[Link] = []
         self._node = node
@@ -132,7 +134,7 @@ class TreeStage:
         store.set(f"addr/{self.rank}", json.dumps(self.listener.address))
         num_nodes = len(self._rail_ranks)
         for t in (0, 1):
-            links = tree_links(num_nodes, self._node_index, t)
+            links = self._links(num_nodes, self._node_index, t)
             if links.parent >= 0:
                 peer = self._rail_ranks[links.parent]
                 key = f"addr/{peer}"
@@ -142,7 +144,7 @@ class TreeStage:
                 self._parents[t] = Link(sock, peer, self._describe(peer))
                 self.links.append(self._parents[t])
         for t in (0, 1):
-            for child in tree_links(num_nodes, self._node_index, t).children:
+            for child in self._links(num_nodes, self._node_index, t).children:
                 peer = self._rail_ranks[child]
                 sock = self.listener.take(peer, t, deadline, self._failures.check)
                 link = Link(sock, peer, self._describe(peer))
@@ -234,7 +236,9 @@ class TreeStage:
 
     # ------------------------------------------------------------------ in the compiled core
     def _runs_in_core(self, job: Job) -> bool:
-        return self._core is not None and self._node.core_comm is not None and job.plan.desc.op != Op.COPY
+        # the core takes up to two children (a binomial tree's root over more than four nodes has more)
+        return self._core is not None and self._node.core_comm is not None and job.plan.desc.op != Op.COPY \
+            and all(len(children) <= 2 for children in self._children)
 
     def _run_core(self, job: Job, t: int, role: str) -> None:
         """Tree ``t``'s ``role`` of every chunk of ``job`` in one call of the core (see tree.h)."""

@@ -9,6 +9,8 @@
 #include <pthread.h>
 #include <string.h>
 
+#include <stdlib.h>
+
 #include "kernels_impl.h"
 
 #define HFR_BLOCK 1024
@@ -193,6 +195,7 @@ const char *hfr_strerror(int rc) {
     case HFR_EDTYPE: return "unknown dtype code";
     case HFR_EOP: return "the op is unknown or the dtype cannot take it";
     case HFR_EOUT: return "out_dtype must be the input dtype or its accumulation dtype";
+    case HFR_ENOMEM: return "out of memory for the pairwise tree's partials";
     case HFR_EARG: return "bad argument (nin < 1, n < 0, a NULL pointer, or a divisor without AVG)";
     case HFR_EALIGN: return "a pointer is not aligned to its element size";
     case HFR_EISA: return "this CPU lacks that instruction set";
@@ -264,14 +267,25 @@ static int plan(int dtype, int op, int *kind, int *kop, int *acc) {
     }
 }
 
-int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
-               int64_t divisor) {
-    int kind, kop, acc;
+/* The kernel the chosen ISA has for (kind, op, narrow), else the portable one. */
+static hfr_kernel pick(int kind, int kop, int narrow) {
+    hfr_kernel fn = NULL;
+    switch (hfr_isa()) {
+    case HFR_ISA_AVX512: fn = hfr_avx512_kernel(kind, kop, narrow); break;
+    case HFR_ISA_AVX2: fn = hfr_avx2_kernel(kind, kop, narrow); break;
+    default: break;
+    }
+    return fn != NULL ? fn : hfr_portable_kernel(kind, kop, narrow);
+}
+
+/* Checks every argument; HFR_OK with the plan, or an error code. n == 0 is HFR_OK too. */
+static int check(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
+                 int64_t divisor, int *kind, int *kop, int *acc) {
     const int size = itemsize(in_dtype);
     if (size == 0 || itemsize(out_dtype) == 0) return HFR_EDTYPE;
-    int rc = plan(in_dtype, op, &kind, &kop, &acc);
+    int rc = plan(in_dtype, op, kind, kop, acc);
     if (rc != HFR_OK) return rc;
-    if (out_dtype != in_dtype && out_dtype != acc) return HFR_EOUT;
+    if (out_dtype != in_dtype && out_dtype != *acc) return HFR_EOUT;
     if (nin < 1 || n < 0 || ins == NULL || divisor < 0 || (divisor > 0 && op != HFR_AVG)) return HFR_EARG;
     if (n == 0) return HFR_OK;
     if (out == NULL) return HFR_EARG;
@@ -280,18 +294,101 @@ int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in
         if (ins[k] == NULL) return HFR_EARG;
         if ((uintptr_t)ins[k] % (uintptr_t)size) return HFR_EALIGN;
     }
-    const int narrow = out_dtype != acc;
+    return HFR_OK;
+}
+
+int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
+               int64_t divisor) {
+    int kind, kop, acc;
+    int rc = check(out, out_dtype, ins, nin, in_dtype, n, op, divisor, &kind, &kop, &acc);
+    if (rc != HFR_OK || n == 0) return rc;
     hfr_tables_init();
-    hfr_kernel fn = NULL;
-    switch (hfr_isa()) {
-    case HFR_ISA_AVX512: fn = hfr_avx512_kernel(kind, kop, narrow); break;
-    case HFR_ISA_AVX2: fn = hfr_avx2_kernel(kind, kop, narrow); break;
-    default: break;
-    }
-    if (fn == NULL) fn = hfr_portable_kernel(kind, kop, narrow);
+    hfr_kernel fn = pick(kind, kop, out_dtype != acc);
     if (fn == NULL) return HFR_EOP; /* not reached: plan() only makes pairs the table has */
     fn(out, ins, nin, 0, n, divisor);
     return HFR_OK;
+}
+
+/* ---- hfr_reduce_tree: the left-balanced pairwise tree over the inputs' indices ---- */
+
+enum { TREE_BLOCK = 512 }; /* elements per block: every partial of a block stays in L1 */
+
+typedef struct {
+    const void *const *ins; /* the inputs, already offset to the block */
+    int kind, kop, acc_kind;
+    int64_t m;              /* elements in this block */
+    char *scratch;          /* one partial of TREE_BLOCK accumulation elements per level */
+    int64_t acc_size;
+} tree_block;
+
+static int64_t split_point(int64_t n) { /* the largest power of two below n >= 2 */
+    int64_t p = 1;
+    while (p * 2 < n) p *= 2;
+    return p;
+}
+
+/* dst (accumulation dtype) = the tree over inputs [lo, hi); level: the first scratch partial free below. */
+static void tree_into(const tree_block *t, int lo, int hi, char *dst, int level) {
+    if (hi - lo <= 2) { /* a leaf, or a pair: one pass of the plain kernel, widening */
+        pick(t->kind, t->kop, 0)(dst, t->ins + lo, hi - lo, 0, t->m, 0);
+        return;
+    }
+    const int mid = lo + (int)split_point(hi - lo);
+    char *right = t->scratch + (int64_t)level * TREE_BLOCK * t->acc_size;
+    tree_into(t, lo, mid, dst, level + 1);
+    tree_into(t, mid, hi, right, level + 1);
+    const void *pair[2] = {dst, right};
+    pick(t->acc_kind, t->kop, 0)(dst, pair, 2, 0, t->m, 0);
+}
+
+int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
+                    int64_t divisor) {
+    int kind, kop, acc;
+    int rc = check(out, out_dtype, ins, nin, in_dtype, n, op, divisor, &kind, &kop, &acc);
+    if (rc != HFR_OK || n == 0) return rc;
+    /* Up to three inputs the list order is the tree; MIN, MAX and the integers are associative. */
+    if (nin <= 3 || !is_float(in_dtype) || (kop != O_SUM && kop != O_PROD))
+        return hfr_reduce(out, out_dtype, ins, nin, in_dtype, n, op, divisor);
+    hfr_tables_init();
+    tree_block t;
+    t.kind = kind;
+    t.kop = kop;
+    t.acc_kind = acc == HFR_F64 ? K_F64 : K_F32;
+    t.acc_size = itemsize(acc);
+    int levels = 1;
+    while ((1 << levels) < nin) levels++;
+    /* a partial per level of the tree's recursion, then the two halves' sums at the top */
+    const size_t part = (size_t)TREE_BLOCK * (size_t)t.acc_size;
+    char *scratch = aligned_alloc(64, part * (size_t)(levels + 2));
+    const void **shifted = malloc(sizeof(void *) * (size_t)nin);
+    if (scratch == NULL || shifted == NULL) {
+        free(scratch);
+        free(shifted);
+        return HFR_ENOMEM;
+    }
+    t.scratch = scratch;
+    char *left = scratch + part * (size_t)levels, *right = left + part;
+    const int size = itemsize(in_dtype), osize = itemsize(out_dtype);
+    const int mid = (int)split_point(nin);
+    for (int64_t i0 = 0; i0 < n; i0 += TREE_BLOCK) {
+        t.m = n - i0 < TREE_BLOCK ? n - i0 : TREE_BLOCK;
+        for (int k = 0; k < nin; k++) shifted[k] = (const char *)ins[k] + i0 * size;
+        t.ins = shifted;
+        tree_into(&t, 0, mid, left, 0);
+        tree_into(&t, mid, nin, right, 0);
+        /* the last addition, then AVG's divide and the one rounding, in one pass */
+        char *o = (char *)out + i0 * osize;
+        const void *pair[2] = {left, right};
+        if (out_dtype == acc) {
+            pick(t.acc_kind, kop, 0)(o, pair, 2, 0, t.m, divisor);
+        } else {
+            pick(t.acc_kind, kop, 0)(left, pair, 2, 0, t.m, 0);
+            if ((rc = hfr_round(o, out_dtype, (const float *)left, t.m, divisor)) != HFR_OK) break;
+        }
+    }
+    free(shifted);
+    free(scratch);
+    return rc;
 }
 
 #define ROUND_INTO(T, NARROW)                                                                          \

@@ -65,10 +65,20 @@ enum {
     HFR_EARG = -4,    /* nin < 1, n < 0, a NULL pointer, divisor < 0, or divisor > 0 with an op other than AVG */
     HFR_EALIGN = -5,  /* a pointer not aligned to its element size */
     HFR_EISA = -6,    /* hfr_set_isa: this CPU lacks that instruction set */
+    HFR_ENOMEM = -7,  /* hfr_reduce_tree: no memory for its partials */
 };
 
 int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
                int64_t divisor);
+
+/* As hfr_reduce, but a float SUM, AVG or PRODUCT combines the inputs in the left-balanced pairwise
+ * tree over their indices (fireflyer.hfreduce.canonical): the first p inputs, p the largest power of
+ * two below nin, then the rest, each side built the same way, added left + right; accumulation,
+ * AVG's divide and the one rounding as hfr_reduce. Up to three inputs, and for MIN, MAX and the
+ * integers, that is hfr_reduce's list order. Thread-safe; it allocates its partials (a few KiB); out may be one of
+ * the inputs, as with hfr_reduce. */
+int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
+                    int64_t divisor);
 
 /* out[i] = round(acc[i] / divisor) (divisor 0: no divide) into fp16, bf16 or fp8, to nearest even as
  * torch's .to() does: the finish of a partial kept in fp32 (the tree root's, for a low precision). */

@@ -27,13 +27,13 @@ static PyObject *raise_rc(int rc) {
 }
 
 static PyObject *py_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"out", "out_dtype", "ins", "in_dtype", "n", "op", "divisor", NULL};
+    static char *kwlist[] = {"out", "out_dtype", "ins", "in_dtype", "n", "op", "divisor", "tree", NULL};
     PyObject *out_obj, *ins_obj;
-    int out_dtype, in_dtype, op;
+    int out_dtype, in_dtype, op, tree = 0;
     long long n, divisor = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiOiLi|L", kwlist, &out_obj, &out_dtype, &ins_obj, &in_dtype, &n,
-                                     &op, &divisor))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiOiLi|Lp", kwlist, &out_obj, &out_dtype, &ins_obj, &in_dtype, &n,
+                                     &op, &divisor, &tree))
         return NULL;
     void *out = PyLong_AsVoidPtr(out_obj);
     if (out == NULL && PyErr_Occurred()) return NULL;
@@ -62,7 +62,7 @@ static PyObject *py_reduce(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_DECREF(seq);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = hfr_reduce(out, out_dtype, ins, (int)nin, in_dtype, (int64_t)n, op, (int64_t)divisor);
+    rc = (tree ? hfr_reduce_tree : hfr_reduce)(out, out_dtype, ins, (int)nin, in_dtype, (int64_t)n, op, (int64_t)divisor);
     Py_END_ALLOW_THREADS
     if (ins != stack) PyMem_Free(ins);
     if (rc != HFR_OK) return raise_rc(rc);
@@ -120,7 +120,8 @@ PyObject *hfr_py_tree_run(PyObject *self, PyObject *args); /* node_py.c */
 
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))py_reduce, METH_VARARGS | METH_KEYWORDS,
-     "reduce(out, out_dtype, ins, in_dtype, n, op, divisor=0): hfr_reduce on raw addresses, GIL released."},
+     "reduce(out, out_dtype, ins, in_dtype, n, op, divisor=0, tree=False): hfr_reduce (tree: hfr_reduce_tree) on "
+     "raw addresses, GIL released."},
     {"round", py_round, METH_VARARGS,
      "round(out, out_dtype, acc, n, divisor): hfr_round (an fp32 accumulation into a low precision), GIL released."},
     {"isa", py_isa, METH_NOARGS, "The instruction set reduce uses now: 'avx512', 'avx2' or 'portable'."},

@@ -210,7 +210,7 @@ int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where, hfr_inte
         if (j->mode == HFR_MODE_ONESHOT) {
             for (int64_t k = 0; k < L; k++)
                 ins[k] = k == lr ? (const void *)(src + c0 * size) : (const void *)in_slot(c, b, k);
-            rc = hfr_reduce(dst + c0 * size, (int)j->dtype, ins, (int)L, (int)j->dtype, n, (int)j->op, j->divisor);
+            rc = (j->tree ? hfr_reduce_tree : hfr_reduce)(dst + c0 * size, (int)j->dtype, ins, (int)L, (int)j->dtype, n, (int)j->op, j->divisor);
             if (rc)
                 return rc;
             publish(c, HFR_STAGE_RED, g + 1);  /* done reading this buffer's slots */
@@ -234,7 +234,7 @@ int hfr_node_run(const hfr_comm *c, const hfr_job *j, hfr_where *where, hfr_inte
                     ins[k] = (const void *)(in_slot(c, b, k) + s0 * size);
             }
             char *target = final ? out_buf(c, b) + s0 * size : red_buf(c, b) + s0 * acc_size;
-            rc = hfr_reduce(target, (int)(final ? j->dtype : j->acc_dtype), ins, (int)L, (int)j->dtype, s1 - s0,
+            rc = (j->tree ? hfr_reduce_tree : hfr_reduce)(target, (int)(final ? j->dtype : j->acc_dtype), ins, (int)L, (int)j->dtype, s1 - s0,
                             (int)j->op, final ? j->divisor : 0);
             if (rc)
                 return rc;

@@ -68,6 +68,7 @@ typedef struct {
     int64_t self_registered; /* 1: this rank's input is a registered buffer its peers read: no stage-in */
     int64_t peer_in;       /* 0, or the address of L int64 addresses: local rank k's registered input (0: its slot) */
     int64_t peer_out;      /* 0, or L addresses: local rank k's registered in-place buffer, written directly (one node) */
+    int64_t tree;          /* 1: the reduce combines the L slots in the pairwise tree (hfr_reduce_tree) */
 } hfr_job;
 
 /* Return codes of hfr_node_run (besides the kernels' negative ones). */
