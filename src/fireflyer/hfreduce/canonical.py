@@ -17,7 +17,7 @@ order in which its terms meet. This module fixes that order as a function of the
   Blocks of unequal or non-power-of-two sizes do not have this property.
 * :class:`PairwiseAccumulator` builds the same tree while the terms arrive one at a time,
   holding at most ``log2(n) + 1`` partial sums (a binary counter).
-* Half-precision terms (fp16, bf16) are accumulated in fp32 and rounded once, at the end.
+* Half-precision and fp8 terms are accumulated in fp32 and rounded once, at the end.
 
 Everything here is pure and runs on any device; it is the reference the canonical collective
 is tested against.
@@ -31,11 +31,13 @@ import torch
 
 from fireflyer.errors import UserError, UserTypeError
 
-_WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+_WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+          torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32}
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial sums are kept in: fp32 for fp16 and bf16, the dtype itself otherwise."""
+    """The dtype partial sums are kept in: fp32 for fp16, bf16 and fp8, the dtype itself otherwise
+    (what the engine keeps its partials in)."""
     return _WIDEN.get(dtype, dtype)
 
 

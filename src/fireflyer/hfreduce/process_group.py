@@ -15,6 +15,7 @@ implements; every other collective raises ``NotImplementedError`` naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import torch
@@ -27,7 +28,7 @@ from fireflyer.hfreduce.flight import trace_of
 from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
 from fireflyer.hfreduce.reduce import Kind, Op, Plan
 from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
-from fireflyer.errors import UserError
+from fireflyer.errors import UserError, UserTypeError
 
 BACKEND = "hfreduce"
 
@@ -328,8 +329,19 @@ for _method, _name in _REFUSED.items():
 
 
 def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
+    """torch's creator hook. ``pg_options`` (``init_process_group``, ``new_group``), where given, is the
+    group's :class:`HFReduceConfig` (for example ``HFReduceConfig(order="canonical")``); its timeout is
+    the group's own unless it left the default, when torch's ``timeout`` counts, as without it."""
     timeout = getattr(dist_opts, "timeout", None)
-    config = HFReduceConfig.from_env(timeout=timeout if isinstance(timeout, timedelta) else None)
+    timeout = timeout if isinstance(timeout, timedelta) else None
+    if backend_options is None:
+        config = HFReduceConfig.from_env(timeout=timeout)
+    elif isinstance(backend_options, HFReduceConfig):
+        config = backend_options
+        if timeout is not None and config.timeout == HFReduceConfig.timeout:
+            config = dataclasses.replace(config, timeout=timeout.total_seconds())
+    else:
+        raise UserTypeError(f"hfreduce's pg_options must be an HFReduceConfig, got {type(backend_options).__name__}")
     ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or range(dist_opts.group_size))
     return HFReduceProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, config,
                                 group_name=str(getattr(dist_opts, "group_id", "") or ""), global_ranks=ranks)
