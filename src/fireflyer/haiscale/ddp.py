@@ -41,12 +41,13 @@ import hashlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fireflyer.haiscale import accumulate as micro
 from fireflyer.haiscale.buckets import plan_buckets
 from fireflyer.haiscale.expert import ep_size_of, is_expert_param
 from fireflyer.hfreduce.reduce import Op
@@ -154,6 +155,7 @@ class DistributedDataParallel(nn.Module):
         check_model: bool = True,
         rebuild_buckets: bool = True,
         timeout: float = 300.0,
+        order: str = "fast",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -191,6 +193,7 @@ class DistributedDataParallel(nn.Module):
             if p.layout != torch.strided:
                 raise UserError(f"parameter {n!r} has layout {p.layout}; only dense parameters are supported")
         self._labels = [self._label(n, p) for n, p in named]  # the group each gradient is averaged over
+        self.order = micro.check_order(order, self._groups, reduce_dtype)
         self._members = [[i for i, g in enumerate(self._labels) if g == label] for label in range(len(self._groups))]
         self._buffers_list = [b for b in module.buffers()]
         self._buffer_labels = [self._buffer_label(b) for b in self._buffers_list]
@@ -210,12 +213,16 @@ class DistributedDataParallel(nn.Module):
         self._rebuilt = not self.config.rebuild_buckets
         self._closed = False
         self._stats = {"steps": 0, "allreduce_bytes": 0, "allreduce_seconds": 0.0, "wait_seconds": 0.0}
+        self._round: micro.Round | None = None
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise UsageError("this DistributedDataParallel was closed; wrap the module again to keep training")
         self._sync_backward = self._require_sync
+        if self._sync_backward and self.order == "canonical":
+            raise UsageError("this DDP sums in the canonical order: run a step with ddp.accumulate(micro_batches, "
+                             "loss_fn), or forward inside no_sync() to accumulate gradients locally")
         if self.config.broadcast_buffers and self._buffers_list and any(g.world > 1 for g in self._groups):
             self._sync_tensors(self._buffers_list, self._buffer_labels)
         return self.module(*args, **kwargs)
@@ -238,6 +245,80 @@ class DistributedDataParallel(nn.Module):
         """
         self._require_sync = bool(requires)
         self._sync_backward = bool(requires)
+
+    def accumulate(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> torch.Tensor:
+        """One step's gradients from this rank's micro-batches; the global mean loss (detached, fp32).
+
+        ``loss_fn(ddp, micro_batch)`` returns a micro-batch's scalar loss (a mean over its samples).
+        When this returns, ``.grad`` holds (replacing what it held) the mean over every rank's micro-batches of their
+        gradients, as if each loss were divided by the global count: ready for ``optimizer.step()``.
+        Every rank must pass the same number of micro-batches.
+
+        With ``order="canonical"`` the micro-batches of all ranks are summed in the canonical tree
+        over their global index (rank ``r`` holds ``r*m .. r*m+m-1``, ``m`` a power of two when
+        there are several ranks), so the gradients' bits are those of one process running every
+        micro-batch; see :mod:`fireflyer.haiscale.accumulate`. With ``order="fast"`` it is the
+        usual ``no_sync`` accumulation, the last backward's buckets reduced as it runs.
+        """
+        if self._closed:
+            raise UsageError("this DistributedDataParallel was closed; wrap the module again to keep training")
+        if not callable(loss_fn):
+            raise UserTypeError(f"loss_fn must be a function (model, micro_batch) -> loss, got {type(loss_fn).__name__}")
+        if isinstance(micro_batches, (str, bytes)) or not hasattr(micro_batches, "__len__"):
+            raise UserTypeError(f"micro_batches must be a sequence (a list of this rank's micro-batches), got "
+                                f"{type(micro_batches).__name__}")
+        batches = list(micro_batches)
+        if self.order == "fast":
+            return self._accumulate_fast(batches, loss_fn)
+        micro.check_count(len(batches), self._world)
+        count = micro.agree_count(self._comm, len(batches), self._world)
+        previous = self._require_sync
+        self._require_sync = False
+        self._round = rnd = micro.Round(self._buckets, self._bucket_of, len(batches), count, self._comm, self._world)
+        try:
+            for i, p in enumerate(self._params):
+                p.grad = self._views[i]  # backward accumulates into the buckets, which each micro-batch zeroes
+            for j, batch in enumerate(batches):
+                started = time.perf_counter()
+                rnd.begin()
+                loss = micro.micro_loss(loss_fn, self, batch, j)
+                loss.backward()
+                rnd.end_backward(loss)
+            waited = time.perf_counter()
+            mean = rnd.finish()
+        finally:
+            self._round = None
+            self._require_sync = previous
+        st = self._stats
+        st["steps"] += 1
+        st["allreduce_bytes"] += sum(b.grads.numel() * b.grads.element_size() for b in self._buckets)
+        st["wait_seconds"] += time.perf_counter() - waited
+        st["allreduce_seconds"] += time.perf_counter() - started
+        if not self._rebuilt:
+            self._rebuilt = True
+            self._rebuild(rnd.order)
+        return mean
+
+    def _accumulate_fast(self, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> torch.Tensor:
+        if not batches:
+            raise UserError("accumulate() needs at least one micro-batch")
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.detach().zero_()
+        total = torch.zeros((), dtype=torch.float32)
+        for j, batch in enumerate(batches):
+            with (self.no_sync() if j < len(batches) - 1 else contextlib.nullcontext()):
+                loss = micro.micro_loss(loss_fn, self, batch, j)
+                (loss / len(batches)).backward()
+            total += loss.detach().float()
+        total = (total / len(batches)).reshape(1)
+        if self._world > 1:
+            if self._comm is not None:
+                self._comm.allreduce(total, Op.AVG).wait()
+            else:
+                dist.all_reduce(total, group=self.process_group)
+                total.div_(self._world)
+        return total.reshape(())
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters since wrapping.
@@ -439,6 +520,9 @@ class DistributedDataParallel(nn.Module):
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         self._adopt(i, p)
+        if self._round is not None:
+            self._round.on_grad(i)
+            return
         if not self._sync_backward:
             return
         step = self._step
