@@ -129,14 +129,14 @@ def _data(text_file, cache="", **kw):
 def test_ranks_read_different_windows_and_evaluation_is_fixed(text_file):
     r0, r1 = _data(text_file, rank=0, world_size=2), _data(text_file, rank=1, world_size=2)
     try:
-        s0, s1 = r0.splits["train"].sampler, r1.splits["train"].sampler
+        s0, s1 = r0.splits["train"][0].sampler, r1.splits["train"][0].sampler
         spe = s0.steps_per_epoch
         ids0 = {i for step in range(spe) for i in s0.batch(step)}
         ids1 = {i for step in range(spe) for i in s1.batch(step)}
         assert len(ids0) == len(ids1) == spe * 4 and not ids0 & ids1, "an epoch deals each window to one rank"
-        assert not torch.equal(r0.train(step=1)[0], r1.train(step=1)[0])
-        assert torch.equal(r0.eval(index=1)[0], r0.eval(index=1)[0])
-        assert not torch.equal(r0.eval(index=1)[0], r1.eval(index=1)[0])
+        assert not torch.equal(r0.train(step=1)[0][0], r1.train(step=1)[0][0])
+        assert torch.equal(r0.eval(index=1)[0][0], r0.eval(index=1)[0][0])
+        assert not torch.equal(r0.eval(index=1)[0][0], r1.eval(index=1)[0][0])
         stats = r0.reader_stats()
         assert stats["demands"] > 0 and stats["hits"] <= stats["demands"] and stats["stall_s"] >= 0
     finally:
@@ -144,15 +144,41 @@ def test_ranks_read_different_windows_and_evaluation_is_fixed(text_file):
         r1.close()
 
 
+def test_micro_batches_depend_on_their_global_index_not_on_the_layout(text_file):
+    """One rank accumulating 4 micro-batches reads the windows that 2 ranks of 2 and 4 ranks of 1 read."""
+    def micro(ranks: int, step: int) -> list[torch.Tensor]:
+        out = []
+        for r in range(ranks):
+            cfg = TrainConfig(data=str(text_file), context=16, batch_per_rank=16 // ranks, accumulate=4 // ranks,
+                              nodes=1, ranks_per_node=ranks, seed=5)
+            data = TrainingData.open(cfg, device=CPU, rank=r, world_size=ranks)
+            try:
+                out += [x for x, _ in data.train(step=step)] + [x for x, _ in data.eval(index=step)]
+            finally:
+                data.close()
+        return out
+
+    for step in (1, 7):
+        alone = micro(1, step)
+        assert [t.shape for t in alone] == [(4, 16)] * 8
+        for ranks in (2, 4):
+            spread = micro(ranks, step)  # each rank's train micro-batches, then its val ones: reorder to compare
+            per = 4 // ranks
+            train = [t for r in range(ranks) for t in spread[2 * per * r: 2 * per * r + per]]
+            val = [t for r in range(ranks) for t in spread[2 * per * r + per: 2 * per * (r + 1)]]
+            assert all(torch.equal(a, b) for a, b in zip(alone, train + val, strict=True))
+    assert not torch.equal(micro(1, 1)[0], micro(1, 1)[1])
+
+
 def test_batches_resumed_mid_epoch_equal_an_uninterrupted_reader(text_file):
     straight = _data(text_file, rank=1, world_size=2)
-    spe = straight.splits["train"].sampler.steps_per_epoch
+    spe = straight.splits["train"][0].sampler.steps_per_epoch
     stop = spe // 2  # resume inside the first epoch and read on across the next one's start
     try:
-        ran = [straight.train(step=s)[0] for s in range(1, spe + 4)]
+        ran = [straight.train(step=s)[0][0] for s in range(1, spe + 4)]
         resumed = _data(text_file, rank=1, world_size=2)
         try:
-            again = [resumed.train(step=s)[0] for s in range(stop + 1, spe + 4)]
+            again = [resumed.train(step=s)[0][0] for s in range(stop + 1, spe + 4)]
         finally:
             resumed.close()
         assert all(torch.equal(a, b) for a, b in zip(ran[stop:], again, strict=True))
@@ -163,7 +189,7 @@ def test_batches_resumed_mid_epoch_equal_an_uninterrupted_reader(text_file):
 
 def test_a_damaged_record_is_named_with_its_dataset_shard_and_record(text_file, tmp_path):
     data = _data(text_file, tmp_path / "cache", rank=0, world_size=2)
-    split = data.splits["train"]
+    split = data.splits["train"][0]
     victim = split.sampler.batch(2)[1]  # the second window of step 3
     shard_no, offset, _, _ = split.dataset.reader.locate(victim)
     data.close()

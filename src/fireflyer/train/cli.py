@@ -20,7 +20,7 @@ from functools import lru_cache
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.train import report
-from fireflyer.train.config import DEVICES, FIELD_NAMES, MODELS, TrainConfig, builtin_config
+from fireflyer.train.config import DEVICES, FIELD_NAMES, MODELS, ORDERS, TrainConfig, builtin_config
 from fireflyer.train.env import in_platform_task
 from fireflyer.train.files import write_json
 from fireflyer.train.outdir import resolve
@@ -33,6 +33,9 @@ examples:
   fireflyer train --data my-texts/ --out runs/mine # train on a folder of .txt files (UTF-8)
   fireflyer train --preset moe                     # a small DeepSeekMoE: EP=2 in each node x DP=2 across
   fireflyer train --preset moe --pp 2              # ... as 2 pipeline stages, one per node, EP=2 in each
+  fireflyer train --order canonical               # 2 nodes x 2 ranks, each step's sums in one fixed tree ...
+  fireflyer train --order canonical --nodes 1 --ranks-per-node 1 --batch-per-rank 64 --accumulate 4
+                                                   # ... and the same bits on one rank: 4 micro-batches of 16
 """
 PRESETS = ("demo", "moe", "tiny")
 """The configs shipped in ``fireflyer/train/configs``."""
@@ -57,7 +60,7 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
         kind = {"int": int, "float": float, "str": str}[str(f.type).split(" |")[0]]
         fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                             metavar=kind.__name__.upper(), help=docs.get(f.name, ""),
-                            choices={"device": DEVICES, "model": MODELS}.get(f.name))
+                            choices={"device": DEVICES, "model": MODELS, "order": ORDERS}.get(f.name))
     return p
 
 

@@ -30,6 +30,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 
 DEVICES = ("auto", "cpu", "cuda")
 MODELS = ("dense", "moe")
+ORDERS = ("fast", "canonical")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,11 @@ class TrainConfig:
     """Pipeline stages (one per node, a node's ranks in different pipelines); data parallel takes the rest."""
     microbatches: int = 4
     """pp > 1: micro-batches each pipeline step cuts its batch into (1F1B); must divide batch_per_rank."""
+
+    accumulate: int = 1
+    """Micro-batches per rank per step (gradient accumulation): each is its own forward and backward; it must divide batch_per_rank."""
+    order: str = "fast"
+    """fast, or canonical: every sum of a step in one fixed pairwise tree over the global micro-batches, so the run's bits do not depend on the layout (one thread per rank)."""
 
     # --- optimisation ---
     steps: int = 300
@@ -121,7 +127,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_types()
         positive = ("nodes", "ranks_per_node", "context", "layers", "d_model", "heads", "steps", "batch_per_rank",
-                    "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "microbatches")
+                    "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "microbatches", "accumulate")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -170,6 +176,7 @@ class TrainConfig:
                 raise UserError(f"ep ({self.ep}) does not divide ranks_per_node ({self.ranks_per_node}): an "
                                 "expert-parallel group stays inside one node, where its all-to-all goes "
                                 "through shared memory")
+        self._check_order()
         if self.world_size % (self.pp * self.ep):
             raise UserError(f"pp x ep = {self.pp} x {self.ep} does not divide the world size {self.world_size} "
                             f"({self.nodes} nodes x {self.ranks_per_node} ranks); data parallel takes the rest")
@@ -182,6 +189,39 @@ class TrainConfig:
             if self.microbatches < self.pp:
                 raise UserError(f"microbatches ({self.microbatches}) must be at least pp ({self.pp}) for the 1F1B "
                                 "schedule")
+
+    def _check_order(self) -> None:
+        """Gradient accumulation and the canonical order: what the layout must be for the run's bits to hold."""
+        if self.order not in ORDERS:
+            raise UserError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
+        if self.batch_per_rank % self.accumulate:
+            raise UserError(f"accumulate ({self.accumulate}) must divide batch_per_rank ({self.batch_per_rank}): "
+                            "a rank's batch is cut into equal micro-batches")
+        if self.accumulate > 1 and (self.model != "dense" or self.pp > 1):
+            raise UserError("accumulate > 1 is for the dense model without a pipeline (a pipeline cuts its batch "
+                            "into micro-batches itself: use microbatches)")
+        if self.order != "canonical":
+            return
+        if self.model != "dense" or self.pp > 1:
+            raise UserError("order = 'canonical' covers the dense model with data parallel only (not moe or pp > 1)")
+        if self.world_size > 1 and self.accumulate & (self.accumulate - 1):
+            raise UserError(f"order = 'canonical' with {self.world_size} ranks needs a power-of-two accumulate "
+                            f"(1, 2, 4, ...), got {self.accumulate}: each rank's micro-batches must be a subtree "
+                            "of the tree over the global batch")
+        if self.nodes > 1 and self.ranks_per_node & (self.ranks_per_node - 1):
+            raise UserError(f"order = 'canonical' across {self.nodes} nodes needs a power-of-two ranks_per_node "
+                            f"(1, 2, 4, ...), got {self.ranks_per_node}: each node's ranks must be a subtree of "
+                            "the tree over all ranks")
+
+    @property
+    def global_micro_batches(self) -> int:
+        """Micro-batches in one step over all ranks: the canonical order's tree spans them."""
+        return self.replicas * self.accumulate
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch."""
+        return self.batch_per_rank // self.accumulate
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -246,7 +286,7 @@ class TrainConfig:
 
 OPTIONAL = frozenset({"stop_at"})
 LIMITS = {"nodes": 64, "ranks_per_node": 64, "experts": 4096, "shared_experts": 64, "expert_hidden": 65536,
-          "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
+          "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "accumulate": 256, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
           "steps": 10**9, "batch_per_rank": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
           "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9}
 """Upper bounds: beyond them a value is a typo, not a plan, and is refused before any rank starts."""
@@ -259,6 +299,17 @@ SHAPE_FIELDS = ("context", "layers", "d_model", "heads", "model", "experts", "sh
                 "top_k")
 LAYOUT_FIELDS = ("ep", "pp")
 """Fields that fix which rank holds which weights and reads which batches: a resume keeps them too."""
+
+
+def _same_global_batch(saved: Mapping[str, Any], cfg: TrainConfig, defaults: Mapping[str, Any]) -> bool:
+    """A canonical run resumed on another layout: the same micro-batches in every step (their number and size),
+    so the run goes on as it would have on the old one."""
+    if cfg.order != "canonical" or saved.get("order", defaults["order"]) != "canonical":
+        return False
+    acc = int(saved.get("accumulate", defaults["accumulate"]))
+    world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
+    per_rank = int(saved.get("batch_per_rank", defaults["batch_per_rank"]))
+    return world * acc == cfg.global_micro_batches and per_rank // acc == cfg.micro_batch_size
 
 
 def _field_kind(f: dataclasses.Field) -> type:
@@ -298,17 +349,26 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     """Raise UserError if a state saved under ``saved`` cannot continue under ``cfg``.
 
     The model shape and the world size must match (the world size fixes which batches
-    each rank draws). Returns the other fields that changed, so the caller can say so.
+    each rank draws), except that a canonical-order run may move to another layout with the
+    same global micro-batches (their number and size): its steps go on bit for bit. Returns the other fields that changed, so the caller can say so.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     clashes = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}"
                for name in SHAPE_FIELDS + LAYOUT_FIELDS if saved.get(name, defaults[name]) != getattr(cfg, name)]
     saved_world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
-    if saved_world != cfg.world_size:
+    if saved_world != cfg.world_size and not _same_global_batch(saved, cfg, defaults):
         clashes.append(f"world size {saved_world} -> {cfg.world_size}")
+        if cfg.order == "canonical":
+            acc = int(saved.get("accumulate", defaults["accumulate"]))
+            per_rank = int(saved.get("batch_per_rank", defaults["batch_per_rank"]))
+            clashes.append(f"a canonical run changes its layout only with the same micro-batches per step: "
+                           f"{saved_world * acc} of {per_rank // acc} -> {cfg.global_micro_batches} of "
+                           f"{cfg.micro_batch_size} (set batch_per_rank and accumulate to keep them)")
     if clashes:
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
     ignored = {"stop_at", "out", "timeout", "data_cache"}
+    if saved_world != cfg.world_size:  # a canonical run on a new layout: these may change with the global batch kept
+        ignored |= {"nodes", "ranks_per_node", "batch_per_rank", "accumulate"}
     return [name for name in FIELD_NAMES
             if name not in ignored and name in saved and saved[name] != getattr(cfg, name)]

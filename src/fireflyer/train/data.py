@@ -133,36 +133,49 @@ class RecordBatches:
 
 
 class TrainingData:
-    """The records a run reads on one rank: the tokenizer, train and validation batches, and the reader's counters."""
+    """The records a run reads on one rank: the tokenizer, train and validation batches, and the reader's counters.
+
+    A step's global batch is ``world_size * accumulate`` micro-batches, and micro-batch ``g``
+    of a step is a function of ``(seed, step, g)`` and the micro-batch count and size alone:
+    its own sampler deals it the ``g``-th share of the shuffled windows. Rank ``r`` reads
+    micro-batches ``r*accumulate .. r*accumulate + accumulate-1``, so two layouts with the same
+    global micro-batches read the same windows into the same micro-batches. With
+    ``accumulate = 1`` a rank's batch is what one sampler per rank deals.
+    """
 
     def __init__(self, prepared: Prepared, *, batch: int, rank: int, world_size: int, seed: int,
-                 device: torch.device) -> None:
+                 device: torch.device, accumulate: int = 1) -> None:
         self.prepared = prepared
         self.tokenizer = CharTokenizer(prepared.vocab)
-        common = dict(batch=batch, rank=rank, world_size=world_size, seed=seed, device=device)
-        self.splits = {name: RecordBatches(prepared.dir / name, name=f"the {name} split of {prepared.source}",
-                                           **common)  # type: ignore[arg-type]
+        total = world_size * accumulate
+        self.micro = [rank * accumulate + j for j in range(accumulate)]
+        """The global indices of this rank's micro-batches."""
+        common = dict(batch=batch // accumulate, world_size=total, seed=seed, device=device)
+        self.splits = {name: [RecordBatches(prepared.dir / name, name=f"the {name} split of {prepared.source}",
+                                            rank=g, **common)  # type: ignore[arg-type]
+                              for g in self.micro]
                        for name in ("train", "val")}
 
     @classmethod
     def open(cls, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device) -> TrainingData:
         """Find (or build) the records ``cfg`` names and open them for ``rank``."""
         return cls(prepare_data(cfg), batch=cfg.batch_per_rank, rank=rank, world_size=world_size, seed=cfg.seed,
-                   device=device)
+                   device=device, accumulate=cfg.accumulate)
 
-    def train(self, *, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training batch of this rank at ``step`` (1-based, as the trainer counts)."""
-        return self.splits["train"].batch(step - 1)
+    def train(self, *, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches at ``step`` (1-based, as the trainer counts), in global index order."""
+        return [m.batch(step - 1) for m in self.splits["train"]]
 
-    def eval(self, *, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation batch ``index`` of this rank: the same at every evaluation, so val losses compare."""
-        return self.splits["val"].batch(index)
+    def eval(self, *, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Validation batch ``index`` of this rank, as micro-batches: the same at every evaluation, so val
+        losses compare."""
+        return [m.batch(index) for m in self.splits["val"]]
 
     def reader_stats(self) -> dict[str, float]:
         """This rank's shard-cache counters, both splits together: demands, hits in the top tier,
         seconds demands waited on I/O (the reader's stall), and shards the prefetcher loaded."""
         out = {"demands": 0.0, "hits": 0.0, "stall_s": 0.0, "prefetched": 0.0}
-        for s in self.splits.values():
+        for s in self._readers():
             st = s.cache.stats
             out["demands"] += st.demands
             out["hits"] += st.hits.get("top", 0)
@@ -173,6 +186,9 @@ class TrainingData:
     def describe(self) -> dict[str, Any]:
         return self.prepared.describe()
 
+    def _readers(self) -> list[RecordBatches]:
+        return [m for split in self.splits.values() for m in split]
+
     def close(self) -> None:
-        for s in self.splits.values():
+        for s in self._readers():
             s.close()

@@ -22,10 +22,7 @@ from fireflyer.errors import UserError
 from fireflyer.launch import this_rank, threads_per_rank
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.env import injected_failure
-from fireflyer.train.trainer import Placement, Trainer
-
-COLLECTIVE_TIMEOUT = 120.0
-"""Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
+from fireflyer.train.trainer import COLLECTIVE_TIMEOUT, Placement, Trainer
 
 
 def place(cfg: TrainConfig) -> Placement:
@@ -33,6 +30,9 @@ def place(cfg: TrainConfig) -> Placement:
     me = this_rank()
     rank, world, local_rank = me.rank, me.world_size, me.local_rank
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.order == "canonical" and use_cuda:  # before CUDA starts: cuBLAS's fixed-order workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if use_cuda:
         if not torch.cuda.is_available():
             raise UserError("device = 'cuda' but this node has no CUDA device; use device = 'auto' or 'cpu'")
@@ -41,7 +41,9 @@ def place(cfg: TrainConfig) -> Placement:
     else:
         device = torch.device("cpu")
     # The launcher sets OMP_NUM_THREADS so the node's ranks share its cores without oversubscribing.
-    threads = int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(me.local_world_size))
+    # In the canonical order one thread per rank: a kernel's bits may depend on how many threads split it.
+    threads = 1 if cfg.order == "canonical" else \
+        int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(me.local_world_size))
     torch.set_num_threads(threads)
     return Placement(rank=rank, world_size=world, local_rank=local_rank,
                      node=me.node, device=device, threads=threads)

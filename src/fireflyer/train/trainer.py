@@ -8,12 +8,21 @@ reported loss is the mean over ranks. Rank 0 saves the state, writes ``run.json`
 writes a text sample at the end; every rank takes part in every collective.
 
 Steps are numbered from 1; ``state.step == k`` means k optimizer steps are done.
+
+With ``accumulate = m`` a step is ``m`` micro-batches per rank, each its own forward and
+backward (:meth:`DistributedDataParallel.accumulate`). With ``order = "canonical"`` every sum
+of a step is taken in one fixed pairwise tree over the global micro-batch index, on an hfreduce
+group made for it (``HFReduceConfig(order="canonical")``), and each rank runs one thread: the
+gradients, the loss, the validation loss and so the weights are bit for bit those of one
+process running every micro-batch, whatever the layout (see :mod:`fireflyer.haiscale.accumulate`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fireflyer.haiscale import DistributedDataParallel, layout
+from fireflyer.hfreduce import HFReduceConfig
+from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
@@ -31,6 +42,9 @@ from fireflyer.train.optim import build_optimizer
 from fireflyer.train.parallel import LaidOut, describe, replica_of, whole_model
 from fireflyer.train.progress import StepStats, Throughput, make_progress
 from fireflyer.errors import UserError
+
+COLLECTIVE_TIMEOUT = 120.0
+"""Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
 
 
 @dataclass
@@ -79,6 +93,8 @@ class Trainer:
         self.laid_out: LaidOut | None = None
         """The layout path (model = moe, or pp > 1): this rank's stage, experts and groups."""
         self.layout = None
+        self.group: dist.ProcessGroup | None = None
+        """The group gradients and losses are summed over: the default one, unless the order is canonical."""
         if cfg.model == "moe" or cfg.pp > 1:
             self.layout = layout(pp=cfg.pp, ep=cfg.ep)  # collective: before anything else talks
         self._build_data()
@@ -111,7 +127,12 @@ class Trainer:
                            d_model=cfg.d_model, heads=cfg.heads)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         self.model = GPT(shape).to(self.where.device)
-        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=cfg.bucket_cap_mb)
+        if cfg.order == "canonical":
+            seconds = min(COLLECTIVE_TIMEOUT, cfg.timeout)
+            self.group = dist.new_group(backend="hfreduce", timeout=timedelta(seconds=seconds),
+                                        pg_options=HFReduceConfig.from_env(order="canonical", timeout=seconds))
+        self.ddp = DistributedDataParallel(self.model, process_group=self.group, bucket_cap_mb=cfg.bucket_cap_mb,
+                                           order=cfg.order)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
 
     def _restore(self, step: int) -> int:
@@ -185,18 +206,14 @@ class Trainer:
     def _train_step(self, step: int) -> tuple[float, float]:
         if self.laid_out is not None:
             return self._laid_out_step(step)
-        x, y = self.data.train(step=step)
-        self.optimizer.zero_grad(set_to_none=False)  # keep .grad as DDP's bucket views
-        logits = self.ddp(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()  # gradients are averaged across ranks when this returns
+        # Each micro-batch's forward and backward; the gradients averaged over every rank's micro-batches
+        # (in the canonical tree, for order = "canonical") when this returns, with the mean loss.
+        mean = self.ddp.accumulate(self.data.train(step=step), _lm_loss)
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        mean = loss.detach().reshape(1).float()
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         self.history.loss.append(mean.item())
         self.history.lr.append(lr)
         return self.history.loss[-1], lr
@@ -205,7 +222,7 @@ class Trainer:
         """A step of the layout path: the pipeline (or one forward), global clipping, the balancing step."""
         net = self.laid_out
         assert net is not None
-        x, y = self.data.train(step=step)
+        (x, y), = self.data.train(step=step)  # one micro-batch: a pipeline cuts it itself
         self.optimizer.zero_grad(set_to_none=False)
         loss = net.train_loss(x, y)
         if self.cfg.grad_clip:
@@ -248,21 +265,25 @@ class Trainer:
         if self.laid_out is not None:
             total = torch.zeros((), dtype=torch.float64, device=self.where.device)
             for i in range(self.cfg.eval_batches):
-                x, y = self.data.eval(index=i)
+                (x, y), = self.data.eval(index=i)
                 loss = self.laid_out.eval_loss(x, y)
                 if loss is not None:
                     total += loss.double()
             self.history.val.append([step, self._replica_mean(total / self.cfg.eval_batches)])
             self.timing["eval_s"] += time.perf_counter() - t0
             return self.history.val[-1][1]
+        # Batch i's loss summed pairwise over this rank's micro-batches, then over the ranks (in the
+        # group's order), then over i in the canonical tree: layout-independent bits in the canonical order.
         self.model.eval()
-        total = torch.zeros(1, device=self.where.device)
+        sums = torch.zeros(self.cfg.eval_batches, device=self.where.device)
         for i in range(self.cfg.eval_batches):
-            x, y = self.data.eval(index=i)
-            total += F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+            acc = PairwiseAccumulator()
+            for x, y in self.data.eval(index=i):
+                acc.add(F.cross_entropy(self.model(x).flatten(0, 1), y.flatten()).float())
+            sums[i] = acc.result()
         self.model.train()
-        mean = (total / self.cfg.eval_batches).float()
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        dist.all_reduce(sums, group=self.group)
+        mean = canonical_sum(list(sums.unbind())) / (self.cfg.eval_batches * self.cfg.global_micro_batches)
         self.history.val.append([step, mean.item()])
         self.timing["eval_s"] += time.perf_counter() - t0
         return self.history.val[-1][1]
@@ -375,7 +396,9 @@ class Trainer:
             "model": self._model_record(laid),
             **({"layout": laid["layout"]} if laid else {}),
             **({"experts": self._experts_summary()} if self.history.experts else {}),
-            "data": {**self.data.describe(), "tokens_per_step": cfg.tokens_per_step, **reader},
+            "data": {**self.data.describe(), "tokens_per_step": cfg.tokens_per_step,
+                     "micro_batches_per_step": cfg.global_micro_batches, "micro_batch_size": cfg.micro_batch_size,
+                     **reader},
             "history": self.history.to_dict(),
             "timing": {**self.timing, "steps_this_run": done,
                        "tokens_per_s": done * cfg.tokens_per_step / self.timing["train_s"] if done else 0.0,
@@ -388,7 +411,8 @@ class Trainer:
 
     def _model_record(self, laid: dict[str, Any]) -> dict[str, Any]:
         if not laid:
-            return {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size, "kind": "dense"}
+            return {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size, "kind": "dense",
+                    "weights_sha256": weights_digest(self.model)}
         cfg = self.cfg
         out = {"parameters": laid["parameters"]["whole_model"], "parameters_per_rank": laid["parameters"]["per_rank"],
                "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model}
@@ -408,4 +432,22 @@ class Trainer:
     def close(self) -> None:
         self.ddp.close()
         self.data.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def _lm_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A micro-batch's mean next-token cross-entropy."""
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """The sha256 of every tensor of the model's state, in order: equal digests, equal bits."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 

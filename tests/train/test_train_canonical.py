@@ -1,0 +1,114 @@
+"""``fireflyer train --order canonical``: one global batch of 4 micro-batches of 4 sequences, run as 1 rank
+accumulating 4, 2 ranks accumulating 2 and 2 nodes x 2 ranks of 1, through the real CLI and torchrun: the
+same losses, validation losses and weights, bit for bit; a run stopped on 2x2 and resumed on 1x2 equals
+them too; and what would break the guarantee is refused with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fireflyer.train.config import builtin_config
+
+pytestmark = pytest.mark.multiproc
+
+TINY = str(builtin_config("tiny"))
+STEPS = 8
+LAYOUTS = {"1x1": ("1", "1", "16", "4"), "1x2": ("1", "2", "8", "2"), "2x2": ("2", "2", "4", "1")}
+"""name: nodes, ranks per node, batch per rank, accumulate: 4 micro-batches of 4 every step."""
+
+
+def train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fireflyer.cli", "train", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def layout(name: str) -> list[str]:
+    nodes, per, batch, acc = LAYOUTS[name]
+    return ["--nodes", nodes, "--ranks-per-node", per, "--batch-per-rank", batch, "--accumulate", acc]
+
+
+def canonical_run(out, name: str, *extra: str) -> dict:
+    done = train(TINY, "--order", "canonical", "--steps", str(STEPS), "--eval-interval", "4", "--save-every", "4",
+                 "--sample-tokens", "0", "--out", str(out), *layout(name), *extra)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    return json.loads((out / "run.json").read_text())
+
+
+def bits(run: dict) -> tuple:
+    return run["history"]["loss"], run["history"]["val"], run["model"]["weights_sha256"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("canonical")
+    out = {name: canonical_run(root / name, name) for name in LAYOUTS}
+    canonical_run(root / "moved", "2x2", "--stop-at", "4")
+    resume = train("--out", str(root / "moved"), "--resume", *layout("1x2"))
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    out["moved"] = json.loads((root / "moved" / "run.json").read_text())
+    out["moved_stdout"] = resume.stdout
+    fast = train(TINY, "--steps", str(STEPS), "--eval-interval", "4", "--sample-tokens", "0",
+                 "--out", str(root / "fast"), *layout("1x1"))
+    assert fast.returncode == 0, fast.stderr[-3000:]
+    out["fast"] = json.loads((root / "fast" / "run.json").read_text())
+    return out
+
+
+def test_every_layout_trains_the_same_bits(runs):
+    alone = bits(runs["1x1"])
+    assert len(alone[0]) == STEPS and alone[0][-1] < alone[0][0]
+    for name in ("1x2", "2x2"):
+        assert bits(runs[name]) == alone, name
+
+
+def test_run_json_records_the_order_and_the_global_batch(runs):
+    for name in LAYOUTS:
+        run = runs[name]
+        assert run["config"]["order"] == "canonical"
+        assert run["data"]["micro_batches_per_step"] == 4 and run["data"]["micro_batch_size"] == 4
+        assert run["world"]["threads_per_rank"] == 1
+
+
+def test_a_run_stopped_on_two_nodes_and_resumed_on_one_equals_the_uninterrupted_run(runs):
+    moved = runs["moved"]
+    assert moved["resumed_from"] == 4 and moved["world"]["world_size"] == 2
+    assert bits(moved) == bits(runs["1x1"])
+
+
+def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
+    """The control: one rank accumulating 4 micro-batches one after another ((g0 + g1) + g2) + g3 differs
+    from the pairwise tree, so the tests above can fail."""
+    fast, canon = runs["fast"]["history"]["loss"], runs["1x1"]["history"]["loss"]
+    assert runs["fast"]["model"]["weights_sha256"] != runs["1x1"]["model"]["weights_sha256"]
+    assert abs(fast[0] - canon[0]) < 1e-4  # the first step's loss, before any update: the same data
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--accumulate", "3", "--batch-per-rank", "6"], "needs a power-of-two accumulate (1, 2, 4, ...), got 3"),
+    (["--accumulate", "3"], "accumulate (3) must divide batch_per_rank (8)"),
+    (["--ranks-per-node", "3"], "across 2 nodes needs a power-of-two ranks_per_node (1, 2, 4, ...), got 3"),
+    (["--model", "moe", "--ep", "1"], "covers the dense model with data parallel only"),
+    (["--order", "tree"], "invalid choice: 'tree'"),
+])
+def test_what_would_break_the_guarantee_is_refused(tmp_path, args, needle):
+    line = one_error_line(train(TINY, "--order", "canonical", "--out", str(tmp_path / "x"), *args))
+    assert needle in line
+
+
+def test_a_resume_on_another_layout_with_another_global_batch_is_refused(runs, tmp_path):
+    saved = tmp_path / "saved"
+    canonical_run(saved, "1x2", "--stop-at", "4")
+    line = one_error_line(train("--out", str(saved), "--resume", "--nodes", "2", "--ranks-per-node", "2",
+                                "--batch-per-rank", "8", "--accumulate", "2"))
+    assert "world size 2 -> 4" in line and "4 of 4 -> 8 of 4" in line
