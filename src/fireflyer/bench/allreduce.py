@@ -168,7 +168,8 @@ def build_config(argv: list[str]) -> BenchConfig:
     import argparse
 
     p = ArgumentParser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0],
-                       epilog=allreduce_peers.INSTALL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=ORDER_HELP + "\n\n" + allreduce_peers.INSTALL_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=None, help="comma list of buffer sizes per rank "
                    "(default 4K,64K,256K,1M,4M,16M,64M,256M; --quick 4K,1M,16M)")
     p.add_argument("--min-bytes", default=None, help="with --max-bytes: every power of two between (default 4K)")
@@ -391,9 +392,40 @@ def build_doc(cfg: BenchConfig, peers: dict[str, allreduce_peers.PeerStatus], re
     }
 
 
+ORDER_HELP = ("--order canonical: hfreduce's canonical summation order against its fast one, a benchmark of its "
+              "own\n(its flags: fireflyer bench allreduce --order canonical --help)")
+
+
+def split_order(argv: list[str]) -> tuple[str, list[str]]:
+    """``--order ORDER`` or ``--order=ORDER`` taken out of ``argv`` (the last one counts): the order,
+    ``fast`` when absent, and the other arguments."""
+    order, rest, i = "fast", [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--order":
+            if i + 1 >= len(argv):
+                raise UserError("--order needs a value: fast or canonical")
+            order, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--order="):
+            order = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if order not in ("fast", "canonical"):
+        raise UserError(f"--order must be fast or canonical, got {order!r}")
+    return order, rest
+
+
 def main(argv: list[str]) -> int:
-    """Run the benchmark; returns 0, or 1 when any row had wrong results."""
-    cfg = build_config(list(argv))
+    """Run the benchmark; returns 0, or 1 when any row had wrong results.
+    ``--order canonical`` runs :mod:`fireflyer.bench.canonical` instead."""
+    order, argv = split_order(list(argv))
+    if order == "canonical":
+        from fireflyer.bench import canonical
+
+        return canonical.main(argv)
+    cfg = build_config(argv)
     if "candidate" in cfg.systems:
         _check_candidate(cfg.candidate)
     console, errcon = make_console(width=TABLE_WIDTH), make_console(stderr=True)

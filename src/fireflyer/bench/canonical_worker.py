@@ -3,17 +3,24 @@
 Started under torchrun by :mod:`fireflyer.bench.canonical` (through :func:`fireflyer.launch.run_local`),
 with ``FIREFLYER_HFREDUCE_ORDER=fast``. It joins hfreduce as the default group (the fast order), a
 second hfreduce group over the same ranks made with ``HFReduceConfig(order="canonical")``, and gloo
-for barriers. Then, in rounds whose order alternates, so drift in the machine's load hits both alike:
+for barriers. It measures the host's copy bandwidth first (for the roofline; the allreduce bench's
+:func:`~fireflyer.bench.allreduce_worker.measure_copy`). Then, in rounds whose order alternates, so
+drift in the machine's load hits both alike:
 
 * **allreduce**: ``dist.all_reduce`` (SUM) of each size and dtype on each group. Before every op the
   buffer is refilled and the ranks meet at a gloo barrier, both untimed; an op's time is its own.
   The first canonical op of every round is checked bit for bit against one process summing every
-  rank's input in the canonical tree (each rank rebuilds every input from its seed).
-* **ddp**: one training step of haiscale DDP on the main job's GPT, ``m`` micro-batches per rank:
-  ``fast``, the usual way (``no_sync`` for all but the last micro-batch, each loss divided by ``m``,
-  the last backward's buckets reduced as backward runs), against ``canonical``,
-  ``DistributedDataParallel(order="canonical").accumulate`` on the canonical group. Both models
-  start from the same weights and see the same micro-batches; AdamW's step is inside the time.
+  rank's input in the canonical tree (each rank rebuilds every input from its seed):
+  ``wrong_bytes``, which must be 0. The first fast op is compared with the same bits only to
+  show that the order matters (``fast_differs_bytes``: not an error; 0 where the layout's order
+  happens to be the tree, as on two ranks, where both add a + b).
+* **ddp**: one training step of haiscale DDP on the main job's GPT, ``m`` micro-batches per rank,
+  both through ``ddp.accumulate(micro_batches, loss_fn)``: ``fast``, the usual way (``no_sync`` for
+  all but the last micro-batch, each loss divided by ``m``, the last backward's buckets reduced as
+  backward runs), against ``canonical``, ``DistributedDataParallel(order="canonical")`` on the
+  canonical group (each micro-batch's gradient alone, summed pairwise). Both return the global
+  mean loss; both models start from the same weights and see the same micro-batches; AdamW's
+  step is inside the time.
 
 The rank writes ``rank{RANK}.json`` into the spec's ``out_dir`` for the parent to collect.
 """
@@ -30,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fireflyer.bench.allreduce_worker import measure_copy
 from fireflyer.bench.harness import run_worker, write_rank_json
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce import HFReduceConfig
@@ -48,8 +56,14 @@ def term(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.mul_(torch.pow(10.0, torch.randint(-3, 4, (numel,), generator=g).float())).to(dtype)
 
 
+def differing_bytes(got: torch.Tensor, want: torch.Tensor) -> int:
+    """How many bytes of ``got`` differ from ``want`` (same shape and dtype): 0 when bitwise equal."""
+    return int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
+
+
 def allreduce_part(spec: dict[str, Any], rank: int, world: int, groups: dict[str, Any],
                    barrier: Callable[[], Any]) -> list[dict[str, Any]]:
+    """Per dtype and size: every timed op's seconds per order, and the checks of the first op of each round."""
     rows = []
     for d_index, dtype_name in enumerate(spec["dtypes"]):
         dtype = DTYPES[dtype_name]
@@ -60,7 +74,7 @@ def allreduce_part(spec: dict[str, Any], rank: int, world: int, groups: dict[str
             want = canonical_sum([term(r, numel, dtype, seed) for r in range(world)]) if world > 1 else source
             buf = torch.empty_like(source)
             times: dict[str, list[float]] = {o: [] for o in ORDERS}
-            wrong: dict[str, int] = {o: 0 for o in ORDERS}
+            differs: dict[str, int] = {o: 0 for o in ORDERS}
             for k in range(spec["rounds"]):
                 for order in (ORDERS if k % 2 == 0 else ORDERS[::-1]):
                     group = groups[order]
@@ -71,10 +85,11 @@ def allreduce_part(spec: dict[str, Any], rank: int, world: int, groups: dict[str
                         dist.all_reduce(buf, group=group)
                         t1 = time.perf_counter()
                         if i == 0:
-                            wrong[order] += int((buf.view(torch.uint8) != want.view(torch.uint8)).sum())
+                            differs[order] += differing_bytes(buf, want)
                         if i >= spec["warmup"]:
                             times[order].append(t1 - t0)
-            rows.append({"dtype": dtype_name, "bytes": nbytes, "times": times, "wrong_bytes": wrong})
+            rows.append({"dtype": dtype_name, "bytes": nbytes, "times": times, "wrong_bytes": differs["canonical"],
+                         "fast_differs_bytes": differs["fast"], "checked": spec["rounds"]})
             del source, want, buf
     return rows
 
@@ -86,6 +101,7 @@ def _loss(model: Any, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 
 def ddp_part(spec: dict[str, Any], rank: int, groups: dict[str, Any], barrier: Callable[[], Any]) -> dict[str, Any]:
+    """Seconds of each timed DDP step per order (forward, backward, reduction, AdamW), and the model's size."""
     d = spec["ddp"]
     shape = ModelShape(**d["shape"])
     m, size = d["micro_batches"], d["micro_batch_size"]
@@ -102,16 +118,7 @@ def ddp_part(spec: dict[str, Any], rank: int, groups: dict[str, Any], barrier: C
         micro = [synthetic_batch(shape, rank=rank * m + j, step=n, size=size) for j in range(m)]
         barrier()
         t0 = time.perf_counter()
-        if order == "canonical":
-            ddp.accumulate(micro, _loss)
-        else:
-            opt.zero_grad(set_to_none=False)
-            for j, mb in enumerate(micro):
-                if j < m - 1:
-                    with ddp.no_sync():
-                        (_loss(ddp, mb) / m).backward()
-                else:
-                    (_loss(ddp, mb) / m).backward()
+        ddp.accumulate(micro, _loss)  # fast: no_sync for m-1 micro-batches; canonical: the pairwise tree
         opt.step()
         return time.perf_counter() - t0
 
@@ -146,7 +153,7 @@ def run(spec: dict[str, Any]) -> None:
     def barrier() -> None:
         dist.barrier(group=gloo)
 
-    result: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
+    result: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "copies": measure_copy(gloo)}
     if spec["sizes"]:
         result["allreduce"] = allreduce_part(spec, rank, world, groups, barrier)
     if spec.get("ddp"):
