@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from fireflyer import cli
+from fireflyer.testing.cli import fireflyer, one_error_line
 from fireflyer.train.config import TrainConfig, builtin_config
 
 pytestmark = pytest.mark.multiproc
@@ -27,8 +28,7 @@ assert 0 < HALF < CFG.steps
 
 
 def train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fireflyer.cli", "train", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return fireflyer("train", *args, timeout=timeout)
 
 
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -89,13 +89,6 @@ def test_resumed_run_equals_uninterrupted_run(runs):
     assert resumed["history"]["val"][-1] == straight["history"]["val"][-1]
     assert resumed["sample"] == straight["sample"]
     assert f"resumed at step {HALF}" in runs["c_out"]
-
-
-def one_error_line(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode != 0
-    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize("args,needle", [

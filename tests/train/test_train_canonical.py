@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
+from fireflyer.testing.cli import fireflyer, one_error_line
 from fireflyer.train.config import builtin_config
 
 pytestmark = pytest.mark.multiproc
@@ -18,17 +18,16 @@ pytestmark = pytest.mark.multiproc
 TINY = str(builtin_config("tiny"))
 STEPS = 8
 LAYOUTS = {"1x1": ("1", "1", "16", "4"), "1x2": ("1", "2", "8", "2"), "2x2": ("2", "2", "4", "1")}
-"""name: nodes, ranks per node, batch per rank, accumulate: 4 micro-batches of 4 every step."""
+"""name: nodes, ranks per node, batch per rank, micro-batches per rank: 4 micro-batches of 4 every step."""
 
 
 def train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fireflyer.cli", "train", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return fireflyer("train", *args, timeout=timeout)
 
 
 def layout(name: str) -> list[str]:
     nodes, per, batch, acc = LAYOUTS[name]
-    return ["--nodes", nodes, "--ranks-per-node", per, "--batch-per-rank", batch, "--accumulate", acc]
+    return ["--nodes", nodes, "--ranks-per-node", per, "--batch-per-rank", batch, "--micro-batches", acc]
 
 
 def canonical_run(out, name: str, *extra: str) -> dict:
@@ -87,16 +86,9 @@ def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
     assert abs(fast[0] - canon[0]) < 1e-4  # the first step's loss, before any update: the same data
 
 
-def one_error_line(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    return lines[0]
-
-
 @pytest.mark.parametrize("args,needle", [
-    (["--accumulate", "3", "--batch-per-rank", "6"], "needs a power-of-two accumulate (1, 2, 4, ...), got 3"),
-    (["--accumulate", "3"], "accumulate (3) must divide batch_per_rank (8)"),
+    (["--micro-batches", "3", "--batch-per-rank", "6"], "needs a power-of-two micro_batches (1, 2, 4, ...), got 3"),
+    (["--micro-batches", "3"], "micro_batches (3) must divide batch_per_rank (8)"),
     (["--ranks-per-node", "3"], "across 2 nodes needs a power-of-two ranks_per_node (1, 2, 4, ...), got 3"),
     (["--model", "moe", "--ep", "1"], "covers the dense model with data parallel only"),
     (["--order", "tree"], "invalid choice: 'tree'"),
@@ -110,5 +102,5 @@ def test_a_resume_on_another_layout_with_another_global_batch_is_refused(runs, t
     saved = tmp_path / "saved"
     canonical_run(saved, "1x2", "--stop-at", "4")
     line = one_error_line(train("--out", str(saved), "--resume", "--nodes", "2", "--ranks-per-node", "2",
-                                "--batch-per-rank", "8", "--accumulate", "2"))
+                                "--batch-per-rank", "8", "--micro-batches", "2"))
     assert "world size 2 -> 4" in line and "4 of 4 -> 8 of 4" in line

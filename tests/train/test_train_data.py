@@ -149,7 +149,7 @@ def test_micro_batches_depend_on_their_global_index_not_on_the_layout(text_file)
     def micro(ranks: int, step: int) -> list[torch.Tensor]:
         out = []
         for r in range(ranks):
-            cfg = TrainConfig(data=str(text_file), context=16, batch_per_rank=16 // ranks, accumulate=4 // ranks,
+            cfg = TrainConfig(data=str(text_file), context=16, batch_per_rank=16 // ranks, micro_batches=4 // ranks,
                               nodes=1, ranks_per_node=ranks, seed=5)
             data = TrainingData.open(cfg, device=CPU, rank=r, world_size=ranks)
             try:

@@ -34,7 +34,7 @@ examples:
   fireflyer train --preset moe                     # a small DeepSeekMoE: EP=2 in each node x DP=2 across
   fireflyer train --preset moe --pp 2              # ... as 2 pipeline stages, one per node, EP=2 in each
   fireflyer train --order canonical               # 2 nodes x 2 ranks, each step's sums in one fixed tree ...
-  fireflyer train --order canonical --nodes 1 --ranks-per-node 1 --batch-per-rank 64 --accumulate 4
+  fireflyer train --order canonical --nodes 1 --ranks-per-node 1 --batch-per-rank 64 --micro-batches 4
                                                    # ... and the same bits on one rank: 4 micro-batches of 16
 """
 PRESETS = ("demo", "moe", "tiny")

@@ -75,8 +75,8 @@ class TrainConfig:
     microbatches: int = 4
     """pp > 1: micro-batches each pipeline step cuts its batch into (1F1B); must divide batch_per_rank."""
 
-    accumulate: int = 1
-    """Micro-batches per rank per step (gradient accumulation): each is its own forward and backward; it must divide batch_per_rank."""
+    micro_batches: int = 1
+    """Micro-batches per rank per step (gradient accumulation; a pipeline uses microbatches): each is its own forward and backward; it must divide batch_per_rank."""
     order: str = "fast"
     """fast, or canonical: every sum of a step in one fixed pairwise tree over the global micro-batches, so the run's bits do not depend on the layout (one thread per rank)."""
 
@@ -127,7 +127,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_types()
         positive = ("nodes", "ranks_per_node", "context", "layers", "d_model", "heads", "steps", "batch_per_rank",
-                    "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "microbatches", "accumulate")
+                    "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "microbatches", "micro_batches")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -194,19 +194,19 @@ class TrainConfig:
         """Gradient accumulation and the canonical order: what the layout must be for the run's bits to hold."""
         if self.order not in ORDERS:
             raise UserError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
-        if self.batch_per_rank % self.accumulate:
-            raise UserError(f"accumulate ({self.accumulate}) must divide batch_per_rank ({self.batch_per_rank}): "
+        if self.batch_per_rank % self.micro_batches:
+            raise UserError(f"micro_batches ({self.micro_batches}) must divide batch_per_rank ({self.batch_per_rank}): "
                             "a rank's batch is cut into equal micro-batches")
-        if self.accumulate > 1 and (self.model != "dense" or self.pp > 1):
-            raise UserError("accumulate > 1 is for the dense model without a pipeline (a pipeline cuts its batch "
+        if self.micro_batches > 1 and (self.model != "dense" or self.pp > 1):
+            raise UserError("micro_batches > 1 is for the dense model without a pipeline (a pipeline cuts its batch "
                             "into micro-batches itself: use microbatches)")
         if self.order != "canonical":
             return
         if self.model != "dense" or self.pp > 1:
             raise UserError("order = 'canonical' covers the dense model with data parallel only (not moe or pp > 1)")
-        if self.world_size > 1 and self.accumulate & (self.accumulate - 1):
-            raise UserError(f"order = 'canonical' with {self.world_size} ranks needs a power-of-two accumulate "
-                            f"(1, 2, 4, ...), got {self.accumulate}: each rank's micro-batches must be a subtree "
+        if self.world_size > 1 and self.micro_batches & (self.micro_batches - 1):
+            raise UserError(f"order = 'canonical' with {self.world_size} ranks needs a power-of-two micro_batches "
+                            f"(1, 2, 4, ...), got {self.micro_batches}: each rank's micro-batches must be a subtree "
                             "of the tree over the global batch")
         if self.nodes > 1 and self.ranks_per_node & (self.ranks_per_node - 1):
             raise UserError(f"order = 'canonical' across {self.nodes} nodes needs a power-of-two ranks_per_node "
@@ -216,12 +216,12 @@ class TrainConfig:
     @property
     def global_micro_batches(self) -> int:
         """Micro-batches in one step over all ranks: the canonical order's tree spans them."""
-        return self.replicas * self.accumulate
+        return self.replicas * self.micro_batches
 
     @property
     def micro_batch_size(self) -> int:
         """Sequences per micro-batch."""
-        return self.batch_per_rank // self.accumulate
+        return self.batch_per_rank // self.micro_batches
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -286,7 +286,7 @@ class TrainConfig:
 
 OPTIONAL = frozenset({"stop_at"})
 LIMITS = {"nodes": 64, "ranks_per_node": 64, "experts": 4096, "shared_experts": 64, "expert_hidden": 65536,
-          "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "accumulate": 256, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
+          "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "micro_batches": 256, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
           "steps": 10**9, "batch_per_rank": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
           "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9}
 """Upper bounds: beyond them a value is a typo, not a plan, and is refused before any rank starts."""
@@ -306,7 +306,7 @@ def _same_global_batch(saved: Mapping[str, Any], cfg: TrainConfig, defaults: Map
     so the run goes on as it would have on the old one."""
     if cfg.order != "canonical" or saved.get("order", defaults["order"]) != "canonical":
         return False
-    acc = int(saved.get("accumulate", defaults["accumulate"]))
+    acc = int(saved.get("micro_batches", defaults["micro_batches"]))
     world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
     per_rank = int(saved.get("batch_per_rank", defaults["batch_per_rank"]))
     return world * acc == cfg.global_micro_batches and per_rank // acc == cfg.micro_batch_size
@@ -359,16 +359,16 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     if saved_world != cfg.world_size and not _same_global_batch(saved, cfg, defaults):
         clashes.append(f"world size {saved_world} -> {cfg.world_size}")
         if cfg.order == "canonical":
-            acc = int(saved.get("accumulate", defaults["accumulate"]))
+            acc = int(saved.get("micro_batches", defaults["micro_batches"]))
             per_rank = int(saved.get("batch_per_rank", defaults["batch_per_rank"]))
             clashes.append(f"a canonical run changes its layout only with the same micro-batches per step: "
                            f"{saved_world * acc} of {per_rank // acc} -> {cfg.global_micro_batches} of "
-                           f"{cfg.micro_batch_size} (set batch_per_rank and accumulate to keep them)")
+                           f"{cfg.micro_batch_size} (set batch_per_rank and micro_batches to keep them)")
     if clashes:
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
     ignored = {"stop_at", "out", "timeout", "data_cache"}
     if saved_world != cfg.world_size:  # a canonical run on a new layout: these may change with the global batch kept
-        ignored |= {"nodes", "ranks_per_node", "batch_per_rank", "accumulate"}
+        ignored |= {"nodes", "ranks_per_node", "batch_per_rank", "micro_batches"}
     return [name for name in FIELD_NAMES
             if name not in ignored and name in saved and saved[name] != getattr(cfg, name)]

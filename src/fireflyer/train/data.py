@@ -135,22 +135,22 @@ class RecordBatches:
 class TrainingData:
     """The records a run reads on one rank: the tokenizer, train and validation batches, and the reader's counters.
 
-    A step's global batch is ``world_size * accumulate`` micro-batches, and micro-batch ``g``
+    A step's global batch is ``world_size * micro_batches`` micro-batches, and micro-batch ``g``
     of a step is a function of ``(seed, step, g)`` and the micro-batch count and size alone:
     its own sampler deals it the ``g``-th share of the shuffled windows. Rank ``r`` reads
-    micro-batches ``r*accumulate .. r*accumulate + accumulate-1``, so two layouts with the same
+    micro-batches ``r*m .. r*m + m-1`` (``m = micro_batches``), so two layouts with the same
     global micro-batches read the same windows into the same micro-batches. With
-    ``accumulate = 1`` a rank's batch is what one sampler per rank deals.
+    ``micro_batches = 1`` a rank's batch is what one sampler per rank deals.
     """
 
     def __init__(self, prepared: Prepared, *, batch: int, rank: int, world_size: int, seed: int,
-                 device: torch.device, accumulate: int = 1) -> None:
+                 device: torch.device, micro_batches: int = 1) -> None:
         self.prepared = prepared
         self.tokenizer = CharTokenizer(prepared.vocab)
-        total = world_size * accumulate
-        self.micro = [rank * accumulate + j for j in range(accumulate)]
+        total = world_size * micro_batches
+        self.micro = [rank * micro_batches + j for j in range(micro_batches)]
         """The global indices of this rank's micro-batches."""
-        common = dict(batch=batch // accumulate, world_size=total, seed=seed, device=device)
+        common = dict(batch=batch // micro_batches, world_size=total, seed=seed, device=device)
         self.splits = {name: [RecordBatches(prepared.dir / name, name=f"the {name} split of {prepared.source}",
                                             rank=g, **common)  # type: ignore[arg-type]
                               for g in self.micro]
@@ -160,7 +160,7 @@ class TrainingData:
     def open(cls, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device) -> TrainingData:
         """Find (or build) the records ``cfg`` names and open them for ``rank``."""
         return cls(prepare_data(cfg), batch=cfg.batch_per_rank, rank=rank, world_size=world_size, seed=cfg.seed,
-                   device=device, accumulate=cfg.accumulate)
+                   device=device, micro_batches=cfg.micro_batches)
 
     def train(self, *, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches at ``step`` (1-based, as the trainer counts), in global index order."""

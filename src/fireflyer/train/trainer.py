@@ -9,7 +9,7 @@ writes a text sample at the end; every rank takes part in every collective.
 
 Steps are numbered from 1; ``state.step == k`` means k optimizer steps are done.
 
-With ``accumulate = m`` a step is ``m`` micro-batches per rank, each its own forward and
+With ``micro_batches = m`` a step is ``m`` micro-batches per rank, each its own forward and
 backward (:meth:`DistributedDataParallel.accumulate`). With ``order = "canonical"`` every sum
 of a step is taken in one fixed pairwise tree over the global micro-batch index, on an hfreduce
 group made for it (``HFReduceConfig(order="canonical")``), and each rank runs one thread: the
