@@ -169,3 +169,30 @@ def test_layout_problem_names_what_breaks_the_tree(nodes, problem):
 def test_an_unknown_order_is_refused():
     with pytest.raises(UserError, match="order must be one of fast, canonical, got 'sorted'"):
         HFReduceConfig(order="sorted")
+
+
+@needs_core
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("op", [Op.SUM, Op.AVG])
+def test_the_tree_kernels_last_rounding_keeps_its_rules_on_special_values(isa, dtype, op):
+    """The SIMD finish (two fp32 partials added, divided, rounded once) against the portable kernel and torch's
+    reference, bit for bit, on infinities, NaN, signed zeros, subnormals and halfway cases, with ragged tails.
+    NaN stays NaN, but not its sign and payload: which of two NaNs an addition keeps depends on its operand
+    order, which the compiler may swap (x86's invalid-operation NaN is negative, torch's NaN positive)."""
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-7, -1e-7, 6e-8, 1.0 + 2**-8,
+                             1.0 + 3 * 2**-9, 65504.0, -65504.0, 3.0e38, 240.0, 448.0, 57344.0])
+    g = torch.Generator().manual_seed(3)
+    for n in (5, 16, 37, 1030):
+        terms = [specials[torch.randint(0, len(specials), (n,), generator=g)].to(dtype) for _ in range(5)]
+        divisor = 5 if op == Op.AVG else 0
+        compiled, reference = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        portable = torch.empty(n, dtype=dtype)
+        kernels.reduce(compiled, terms, op, divisor=divisor, tree=True)
+        kernels.set_isa("portable")
+        kernels.reduce(portable, terms, op, divisor=divisor, tree=True)
+        kernels.set_isa(isa)
+        kernels.reference_reduce(reference, terms, op, divisor=divisor, tree=True)
+        for want in (portable.float(), reference.float(), _want(terms, op, divisor, dtype).float()):
+            got = compiled.float()
+            assert torch.equal(got.isnan(), want.isnan())
+            assert _same_bits(got[~got.isnan()], want[~want.isnan()])

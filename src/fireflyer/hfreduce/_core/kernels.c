@@ -341,6 +341,37 @@ static void tree_into(const tree_block *t, int lo, int hi, char *dst, int level)
     pick(t->acc_kind, t->kop, 0)(dst, pair, 2, 0, t->m, 0);
 }
 
+#define DEF_FINISH(NAME, T, NARROW)                                                                     \
+    static void NAME(void *out, const float *a, const float *b, int64_t n, int64_t divisor) {         \
+        T *restrict o = (T *)out;                                                                      \
+        const float d = (float)divisor;                                                                \
+        if (divisor > 0)                                                                               \
+            for (int64_t i = 0; i < n; i++) o[i] = NARROW((a[i] + b[i]) / d);                          \
+        else                                                                                           \
+            for (int64_t i = 0; i < n; i++) o[i] = NARROW(a[i] + b[i]);                                \
+    }
+DEF_FINISH(finish_f16, uint16_t, N_F16)
+DEF_FINISH(finish_bf16, uint16_t, N_BF16)
+DEF_FINISH(finish_e4m3, uint8_t, N_E4M3)
+DEF_FINISH(finish_e5m2, uint8_t, N_E5M2)
+
+hfr_finish hfr_portable_finish(int out_dtype) {
+    switch (out_dtype) {
+    case HFR_F16: return finish_f16;
+    case HFR_BF16: return finish_bf16;
+    case HFR_F8E4M3FN: return finish_e4m3;
+    case HFR_F8E5M2: return finish_e5m2;
+    default: return NULL;
+    }
+}
+
+/* The chosen ISA's finish for out_dtype (AVX-512 uses AVX2's), else the portable one. */
+static hfr_finish pick_finish(int out_dtype) {
+    hfr_finish fn = NULL;
+    if (hfr_isa() == HFR_ISA_AVX512 || hfr_isa() == HFR_ISA_AVX2) fn = hfr_avx2_finish(out_dtype);
+    return fn != NULL ? fn : hfr_portable_finish(out_dtype);
+}
+
 int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, int in_dtype, int64_t n, int op,
                     int64_t divisor) {
     int kind, kop, acc;
@@ -370,7 +401,9 @@ int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, i
     char *left = scratch + part * (size_t)levels, *right = left + part;
     const int size = itemsize(in_dtype), osize = itemsize(out_dtype);
     const int mid = (int)split_point(nin);
-    for (int64_t i0 = 0; i0 < n; i0 += TREE_BLOCK) {
+    const hfr_finish finish = out_dtype == acc ? NULL : pick_finish(out_dtype);
+    if (out_dtype != acc && finish == NULL) rc = HFR_EDTYPE;
+    for (int64_t i0 = 0; i0 < n && rc == HFR_OK; i0 += TREE_BLOCK) {
         t.m = n - i0 < TREE_BLOCK ? n - i0 : TREE_BLOCK;
         for (int k = 0; k < nin; k++) shifted[k] = (const char *)ins[k] + i0 * size;
         t.ins = shifted;
@@ -379,9 +412,11 @@ int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, i
         /* the last addition, then AVG's divide and the one rounding, in one pass */
         char *o = (char *)out + i0 * osize;
         const void *pair[2] = {left, right};
-        if (out_dtype == acc) {
+        if (finish == NULL)
             pick(t.acc_kind, kop, 0)(o, pair, 2, 0, t.m, divisor);
-        } else {
+        else if (kop == O_SUM)
+            finish(o, (const float *)left, (const float *)right, t.m, divisor);
+        else { /* PROD: the product, then the portable rounding */
             pick(t.acc_kind, kop, 0)(left, pair, 2, 0, t.m, 0);
             if ((rc = hfr_round(o, out_dtype, (const float *)left, t.m, divisor)) != HFR_OK) break;
         }

@@ -152,6 +152,41 @@ DEF_BF16_PAIRS(k_bf16_max_1, O_MAX, c_max)
 DEF_LOWP(K_E4M3, e4m3)
 DEF_LOWP(K_E5M2, e5m2)
 
+/* ---- the pairwise tree's last step: two fp32 partials added, divided, rounded once ---- */
+
+I2 void s_bf16_8(void *o, int64_t i, __m256 v) {
+    __m256i r = _mm256_srli_epi32(r_bf16_high(v), 16);
+    _mm_storeu_si128((__m128i *)((uint16_t *)o + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+#define DEF_FINISH(NAME, DTYPE, STORE, SIZE)                                                              \
+    static T2 void NAME(void *out, const float *a, const float *b, int64_t n, int64_t divisor) {          \
+        const __m256 d = _mm256_set1_ps((float)(divisor > 0 ? divisor : 1));                             \
+        int64_t i = 0;                                                                                    \
+        for (; i + 8 <= n; i += 8) {                                                                      \
+            __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));                     \
+            if (divisor > 0) v = _mm256_div_ps(v, d);                                                     \
+            STORE(out, i, v);                                                                             \
+        }                                                                                                 \
+        if (i < n) hfr_portable_finish(DTYPE)((char *)out + i * SIZE, a + i, b + i, n - i, divisor);      \
+    }
+DEF_FINISH(f_f16, HFR_F16, s_f16, 2)
+DEF_FINISH(f_bf16, HFR_BF16, s_bf16_8, 2)
+DEF_FINISH(f_e4m3, HFR_F8E4M3FN, s_e4m3, 1)
+DEF_FINISH(f_e5m2, HFR_F8E5M2, s_e5m2, 1)
+
+hfr_finish hfr_avx2_finish(int out_dtype) {
+    if (hfr_isa_best() < HFR_ISA_AVX2) return NULL;
+    switch (out_dtype) {
+    case HFR_F16: return f_f16;
+    case HFR_BF16: return f_bf16;
+    case HFR_F8E4M3FN: return f_e4m3;
+    case HFR_F8E5M2: return f_e5m2;
+    default: return NULL;
+    }
+}
+
 /* ---- fp64 lanes ---- */
 
 I2 __m256d w_f64(const void *p, int64_t i) { return _mm256_loadu_pd((const double *)p + i); }
@@ -202,6 +237,11 @@ HFR_SIMD_TABLE(hfr_avx2_kernel)
 
 hfr_kernel hfr_avx2_kernel(int kind, int op, int narrow) {
     (void)kind, (void)op, (void)narrow;
+    return NULL;
+}
+
+hfr_finish hfr_avx2_finish(int out_dtype) {
+    (void)out_dtype;
     return NULL;
 }
 

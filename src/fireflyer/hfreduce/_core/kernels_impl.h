@@ -32,6 +32,12 @@ hfr_kernel hfr_portable_kernel(int kind, int op, int narrow);
 hfr_kernel hfr_avx2_kernel(int kind, int op, int narrow);
 hfr_kernel hfr_avx512_kernel(int kind, int op, int narrow);
 
+/* The pairwise tree's last step into a narrow dtype: out = round((a + b) / divisor), a and b fp32
+ * partials (divisor 0: no division); NULL where the ISA has none for out_dtype. */
+typedef void (*hfr_finish)(void *out, const float *a, const float *b, int64_t n, int64_t divisor);
+hfr_finish hfr_portable_finish(int out_dtype);
+hfr_finish hfr_avx2_finish(int out_dtype);
+
 /* Table rows of a float kind's four kernels, named PREFIX_KIND_OP_N (N: narrow). */
 #define HFR_FLOAT_ENTRIES(PREFIX, K, KIND, N)                                                          \
     [K][O_SUM][N] = PREFIX##_##KIND##_sum_##N, [K][O_PROD][N] = PREFIX##_##KIND##_prod_##N,             \
