@@ -196,3 +196,18 @@ def test_the_tree_kernels_last_rounding_keeps_its_rules_on_special_values(isa, d
             got = compiled.float()
             assert torch.equal(got.isnan(), want.isnan())
             assert _same_bits(got[~got.isnan()], want[~want.isnan()])
+
+
+@needs_core
+@pytest.mark.parametrize("nin", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("partial", [False, True])
+def test_the_register_trees_of_four_and_eight_inputs(isa, nin, dtype, partial):
+    """4 and 8 inputs (a node's ranks) have the tree written out in registers: the same bits, with tails."""
+    for n, op in ((7, Op.SUM), (8, Op.AVG), (9, Op.SUM), (1029, Op.AVG), (4096, Op.SUM)):
+        terms = _terms(n + nin, nin, n, dtype)
+        out_dtype = acc_dtype(dtype, op) if partial else dtype
+        divisor = nin if op == Op.AVG and not partial else 0
+        compiled = torch.empty(n, dtype=out_dtype)
+        kernels.reduce(compiled, terms, op if divisor else Op.SUM, divisor=divisor, tree=True)
+        assert _same_bits(compiled, _want(terms, op if divisor else Op.SUM, divisor, out_dtype)), (n, op)

@@ -381,6 +381,10 @@ int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, i
     if (nin <= 3 || !is_float(in_dtype) || (kop != O_SUM && kop != O_PROD))
         return hfr_reduce(out, out_dtype, ins, nin, in_dtype, n, op, divisor);
     hfr_tables_init();
+    int64_t done = 0; /* elements the registers' tree did */
+    const int simd = hfr_isa() == HFR_ISA_AVX512 || hfr_isa() == HFR_ISA_AVX2;
+    const hfr_tree_kernel regs = simd && kop == O_SUM ? hfr_avx2_tree(in_dtype, out_dtype, nin) : NULL;
+    if (regs != NULL && (done = regs(out, ins, nin, n, divisor)) == n) return HFR_OK;
     tree_block t;
     t.kind = kind;
     t.kop = kop;
@@ -403,7 +407,7 @@ int hfr_reduce_tree(void *out, int out_dtype, const void *const *ins, int nin, i
     const int mid = (int)split_point(nin);
     const hfr_finish finish = out_dtype == acc ? NULL : pick_finish(out_dtype);
     if (out_dtype != acc && finish == NULL) rc = HFR_EDTYPE;
-    for (int64_t i0 = 0; i0 < n && rc == HFR_OK; i0 += TREE_BLOCK) {
+    for (int64_t i0 = done; i0 < n && rc == HFR_OK; i0 += TREE_BLOCK) {
         t.m = n - i0 < TREE_BLOCK ? n - i0 : TREE_BLOCK;
         for (int k = 0; k < nin; k++) shifted[k] = (const char *)ins[k] + i0 * size;
         t.ins = shifted;

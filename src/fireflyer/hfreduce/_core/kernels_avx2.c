@@ -176,6 +176,39 @@ DEF_FINISH(f_bf16, HFR_BF16, s_bf16_8, 2)
 DEF_FINISH(f_e4m3, HFR_F8E4M3FN, s_e4m3, 1)
 DEF_FINISH(f_e5m2, HFR_F8E5M2, s_e5m2, 1)
 
+/* The pairwise tree over 4 or 8 inputs (a node's ranks, as usual) written out, so it stays in registers:
+ * ((x0 + x1) + (x2 + x3)) and the two of those added, lane by lane, as hfreduce.canonical adds them. */
+#define ADD _mm256_add_ps
+#define DEF_TREE(NAME, W, S)                                                                              \
+    static T2 int64_t NAME(void *out, const void *const *ins, int nin, int64_t n, int64_t divisor) {      \
+        const __m256 d = _mm256_set1_ps((float)(divisor > 0 ? divisor : 1));                             \
+        int64_t i = 0;                                                                                    \
+        for (; i + 8 <= n; i += 8) {                                                                      \
+            __m256 t = ADD(ADD(W(ins[0], i), W(ins[1], i)), ADD(W(ins[2], i), W(ins[3], i)));             \
+            if (nin == 8)                                                                                 \
+                t = ADD(t, ADD(ADD(W(ins[4], i), W(ins[5], i)), ADD(W(ins[6], i), W(ins[7], i))));        \
+            if (divisor > 0) t = _mm256_div_ps(t, d);                                                     \
+            S(out, i, t);                                                                                 \
+        }                                                                                                 \
+        return i;                                                                                         \
+    }
+DEF_TREE(t_f32_f32, w_f32, s_f32)
+DEF_TREE(t_f16_f32, w_f16, s_f32)
+DEF_TREE(t_f16_f16, w_f16, s_f16)
+DEF_TREE(t_bf16_f32, w_bf16, s_f32)
+DEF_TREE(t_bf16_bf16, w_bf16, s_bf16_8)
+
+hfr_tree_kernel hfr_avx2_tree(int in_dtype, int out_dtype, int nin) {
+    if (hfr_isa_best() < HFR_ISA_AVX2 || (nin != 4 && nin != 8)) return NULL;
+    const int wide = out_dtype == HFR_F32;
+    switch (in_dtype) {
+    case HFR_F32: return t_f32_f32;
+    case HFR_F16: return wide ? t_f16_f32 : t_f16_f16;
+    case HFR_BF16: return wide ? t_bf16_f32 : t_bf16_bf16;
+    default: return NULL;
+    }
+}
+
 hfr_finish hfr_avx2_finish(int out_dtype) {
     if (hfr_isa_best() < HFR_ISA_AVX2) return NULL;
     switch (out_dtype) {
@@ -242,6 +275,11 @@ hfr_kernel hfr_avx2_kernel(int kind, int op, int narrow) {
 
 hfr_finish hfr_avx2_finish(int out_dtype) {
     (void)out_dtype;
+    return NULL;
+}
+
+hfr_tree_kernel hfr_avx2_tree(int in_dtype, int out_dtype, int nin) {
+    (void)in_dtype, (void)out_dtype, (void)nin;
     return NULL;
 }
 

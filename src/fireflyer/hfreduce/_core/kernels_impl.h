@@ -38,6 +38,12 @@ typedef void (*hfr_finish)(void *out, const float *a, const float *b, int64_t n,
 hfr_finish hfr_portable_finish(int out_dtype);
 hfr_finish hfr_avx2_finish(int out_dtype);
 
+/* The whole pairwise tree of a float SUM (or AVG) in registers, 8 lanes at a time: the elements
+ * done (a multiple of the vector), the rest left to the caller; NULL where the ISA has none for
+ * (in_dtype, out_dtype, nin): 4 and 8 inputs of fp32, fp16 and bf16. */
+typedef int64_t (*hfr_tree_kernel)(void *out, const void *const *ins, int nin, int64_t n, int64_t divisor);
+hfr_tree_kernel hfr_avx2_tree(int in_dtype, int out_dtype, int nin);
+
 /* Table rows of a float kind's four kernels, named PREFIX_KIND_OP_N (N: narrow). */
 #define HFR_FLOAT_ENTRIES(PREFIX, K, KIND, N)                                                          \
     [K][O_SUM][N] = PREFIX##_##KIND##_sum_##N, [K][O_PROD][N] = PREFIX##_##KIND##_prod_##N,             \
