@@ -384,6 +384,10 @@ def print_roofline(console: Any, lay: dict[str, Any]) -> None:
                   f"{format_ms(head['canonical_s'])} ms = {head['pct_roofline']['canonical']:.0f}% of roofline "
                   f"(the canonical order moves the same bytes, only adding the slots in another order)",
                   soft_wrap=True)
+    if max(head["pct_roofline"].values()) > 100:
+        console.print("  above 100%: the copy rate measured here (torch's copy_, one thread per rank) is below what "
+                      "the engine's own copies and kernels reach on this host, so this roofline bounds nothing; "
+                      "the figure to read is canonical against fast, measured together", soft_wrap=True)
 
 
 def print_ddp(console: Any, cfg: CanonicalBenchConfig, layouts: list[dict[str, Any]]) -> None:
