@@ -25,7 +25,7 @@ def one_process() -> dict:
         return _one_answer(cluster.run(cases.train, GLOBAL, STEPS))
 
 
-@pytest.mark.parametrize("layout", [[2], [4], [2, 2], [1, 1], [2, 2, 2, 2]], ids=lambda lay: "+".join(map(str, lay)))
+@pytest.mark.parametrize("layout", [[2], [4], [2, 2], [2, 2, 2, 2]], ids=lambda lay: "+".join(map(str, lay)))
 def test_every_layout_gives_the_bits_of_one_process(layout, one_process):
     ranks = sum(layout)
     with LocalCluster(layout, env={"FIREFLYER_TEST_COMM": "0"}) as cluster:
@@ -39,8 +39,8 @@ def test_every_layout_gives_the_bits_of_one_process(layout, one_process):
 def test_bf16_weights_too():
     with LocalCluster([1], env={"FIREFLYER_TEST_COMM": "0"}) as cluster:
         alone = _one_answer(cluster.run(cases.train, 4, 2, "canonical", "bfloat16"))
-    with LocalCluster([2, 2], env={"FIREFLYER_TEST_COMM": "0"}) as cluster:
-        spread = _one_answer(cluster.run(cases.train, 1, 2, "canonical", "bfloat16"))
+    with LocalCluster([1, 1], env={"FIREFLYER_TEST_COMM": "0"}) as cluster:
+        spread = _one_answer(cluster.run(cases.train, 2, 2, "canonical", "bfloat16"))
     assert spread == {**alone, "stats": spread["stats"]}
 
 

@@ -32,14 +32,16 @@ def _check(results: list[list[dict]]) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "+".join(map(str, lay)))
 def test_all_reduce_gives_one_process_bits_on_every_layout(layout):
     with LocalCluster(layout, env={"FIREFLYER_TEST_COMM": "0"}) as cluster:
-        for name, config in CONFIGS.items():
-            _check(cluster.run(cases.allreduce_cases, config, CASES, timeout=300))
+        _check(cluster.run(cases.allreduce_cases, CONFIGS["default chunks"], CASES, timeout=300))
+        # many chunks of 8 KiB: the large tensors, which span them
+        _check(cluster.run(cases.allreduce_cases, CONFIGS["8 KiB chunks, no one-shot"],
+                           [c for c in CASES if c[1] >= 70_001 and c[3] == "sum"], timeout=300))
         fused = cluster.run(cases.fused_cases, CONFIGS["8 KiB chunks, no one-shot"], [3, 5000, 100_000], 9)
         for got in fused:
             assert got["alone"] == got["flat"] == got["coalesced"] == got["async"] == got["expected"]
 
 
-@pytest.mark.parametrize("layout", [[2, 2], [4]], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("layout", [[2, 2]], ids=["2x2"])
 def test_the_python_engine_sums_in_the_same_tree(layout):
     config = HFReduceConfig(order="canonical", core=False, chunk_bytes=65536)
     with LocalCluster(layout, env={"FIREFLYER_TEST_COMM": "0"}) as cluster:

@@ -139,6 +139,11 @@ class DistributedDataParallel(nn.Module):
     agree). ``group_of(name, param)`` is the general form: it returns the group of each
     parameter (None: ``process_group``). Every such group must contain this rank and
     lie inside ``process_group``.
+
+    ``order="canonical"`` (on a group made with ``HFReduceConfig(order="canonical")``) makes a
+    step's gradients independent of the layout, bit for bit: steps then go through
+    :meth:`accumulate`, which sums every rank's micro-batches in one pairwise tree over their
+    global index (:mod:`fireflyer.haiscale.accumulate`).
     """
 
     def __init__(
