@@ -35,14 +35,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fireflyer.bench.allreduce_worker import measure_copy
 from fireflyer.bench.harness import run_worker, write_rank_json
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce import HFReduceConfig
 from fireflyer.hfreduce.canonical import canonical_sum
-from fireflyer.train.model import GPT, ModelShape, synthetic_batch
+from fireflyer.train.model import GPT, ModelShape, lm_loss, synthetic_batch
 
 ORDERS = ("fast", "canonical")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,12 +93,6 @@ def allreduce_part(spec: dict[str, Any], rank: int, world: int, groups: dict[str
     return rows
 
 
-def _loss(model: Any, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = micro
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-
 def ddp_part(spec: dict[str, Any], rank: int, groups: dict[str, Any], barrier: Callable[[], Any]) -> dict[str, Any]:
     """Seconds of each timed DDP step per order (forward, backward, reduction, AdamW), and the model's size."""
     d = spec["ddp"]
@@ -118,7 +111,7 @@ def ddp_part(spec: dict[str, Any], rank: int, groups: dict[str, Any], barrier: C
         micro = [synthetic_batch(shape, rank=rank * m + j, step=n, size=size) for j in range(m)]
         barrier()
         t0 = time.perf_counter()
-        ddp.accumulate(micro, _loss)  # fast: no_sync for m-1 micro-batches; canonical: the pairwise tree
+        ddp.accumulate(micro, lm_loss)  # fast: no_sync for m-1 micro-batches; canonical: the pairwise tree
         opt.step()
         return time.perf_counter() - t0
 

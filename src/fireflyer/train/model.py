@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -247,6 +247,13 @@ def _sequence_divides(tp: int):
             raise UserError(f"sequence parallel over tp={tp} ranks needs a sequence length that tp divides, got "
                             f"{idx.shape[1]} tokens: pad or cut the batch, or turn sequence_parallel off")
     return check
+
+
+def lm_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A micro-batch's mean next-token cross-entropy under ``model`` (a GPT, or a DDP wrapping one): the
+    ``loss_fn`` of ``DistributedDataParallel.accumulate``."""
+    x, y = batch
+    return model(x, y)
 
 
 def synthetic_batch(shape: ModelShape, *, rank: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

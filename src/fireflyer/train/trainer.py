@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fireflyer.haiscale import DistributedDataParallel, layout
 from fireflyer.hfreduce import HFReduceConfig
@@ -37,7 +36,7 @@ from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
 from fireflyer.train.files import write_json
-from fireflyer.train.model import GPT, ModelShape
+from fireflyer.train.model import GPT, ModelShape, lm_loss
 from fireflyer.train.optim import build_optimizer
 from fireflyer.train.parallel import LaidOut, describe, replica_of, whole_model
 from fireflyer.train.progress import StepStats, Throughput, make_progress
@@ -208,7 +207,7 @@ class Trainer:
             return self._laid_out_step(step)
         # Each micro-batch's forward and backward; the gradients averaged over every rank's micro-batches
         # (in the canonical tree, for order = "canonical") when this returns, with the mean loss.
-        mean = self.ddp.accumulate(self.data.train(step=step), _lm_loss)
+        mean = self.ddp.accumulate(self.data.train(step=step), lm_loss)
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -279,7 +278,7 @@ class Trainer:
         for i in range(self.cfg.eval_batches):
             acc = PairwiseAccumulator()
             for x, y in self.data.eval(index=i):
-                acc.add(F.cross_entropy(self.model(x).flatten(0, 1), y.flatten()).float())
+                acc.add(lm_loss(self.model, (x, y)).float())
             sums[i] = acc.result()
         self.model.train()
         dist.all_reduce(sums, group=self.group)
@@ -435,12 +434,6 @@ class Trainer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
-
-
-def _lm_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A micro-batch's mean next-token cross-entropy."""
-    x, y = batch
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def weights_digest(model: torch.nn.Module) -> str:
