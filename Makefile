@@ -1,24 +1,33 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-dev
+# Two installs, each with its own stamp: the package alone (what `make demo` needs) and the dev
+# extras on top of it (the tests, the docs build, the benches' test-side peers).
+STAMP     := $(VENV)/.installed
+STAMP_DEV := $(VENV)/.installed-dev
+INPUTS := pyproject.toml setup.py constraints.txt $(wildcard src/fireflyer/hfreduce/_core/*.[ch])
 
 .PHONY: demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt $(wildcard src/fireflyer/hfreduce/_core/*.[ch])
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+$(STAMP): $(BIN)/python $(INPUTS)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	touch $(STAMP)
+
+# Builds on the package's install, so `make demo` then `make test` downloads torch and the rest once.
+$(STAMP_DEV): $(STAMP) $(INPUTS)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP_DEV)
 
 demo: $(STAMP)
 	$(BIN)/fireflyer demo
 
-test: $(STAMP)
+test: $(STAMP_DEV)
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP_DEV)
 	$(BIN)/fireflyer bench allreduce
 	$(BIN)/fireflyer bench ddp
 	$(BIN)/fireflyer bench fsdp
