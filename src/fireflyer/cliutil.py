@@ -1,4 +1,5 @@
-"""Shared pieces of the command line: an argument parser whose errors are one line, and sizes read from flags."""
+"""Shared pieces of the command line: an argument parser whose errors are one line, sizes read from flags,
+and plain-text descriptions from docstrings."""
 
 from __future__ import annotations
 
@@ -29,3 +30,36 @@ def parse_size(text: str, *, example: str = "64M", positive: bool = False) -> in
     if value != int(value) or positive and value < 1:
         raise UserError(f"size {text!r} is not a whole{', positive' if positive else ''} number of bytes")
     return int(value)
+
+
+# :func:`name`, :class:`~pkg.mod.Name`, :meth:`text <target>`: a Sphinx role, with or without the domain (:py:func:).
+_ROLE_RE = re.compile(r":(?:[a-z]+:)?[a-z]+:`([^`]*)`")
+_LITERAL_RE = re.compile(r"``(.+?)``", re.DOTALL)
+_STRONG_RE = re.compile(r"\*\*(.+?)\*\*", re.DOTALL)
+
+
+def _role_text(m: re.Match) -> str:
+    body = m.group(1).strip()
+    titled = re.fullmatch(r"(.+?)\s*<[^<>]+>", body, re.DOTALL)
+    if titled:  # :ref:`the text <target>` shows the text
+        return titled.group(1)
+    if body.startswith("~"):  # :class:`~a.b.Name` shows Name
+        return body[1:].rsplit(".", 1)[-1]
+    return body.lstrip("!")
+
+
+def plain_text(text: str) -> str:
+    """``text`` with its reStructuredText markup taken out, for a terminal.
+
+    Roles (``:func:`x` ``, ``:class:`~a.b.C` ``) become their name, double backticks and
+    bold stars are dropped; the words stay as written."""
+    text = _ROLE_RE.sub(_role_text, text)
+    text = _LITERAL_RE.sub(r"\1", text)
+    return _STRONG_RE.sub(r"\1", text)
+
+
+def doc_summary(doc: str | None) -> str:
+    """A command's ``--help`` description from its module docstring: the first paragraph, as plain text."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return plain_text(" ".join(first.split()))
+

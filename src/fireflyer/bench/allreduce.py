@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench import allreduce_peers
 from fireflyer.bench.harness import document, invoked_command, machine_info  # noqa: F401 - machine_info re-exported
@@ -166,8 +166,10 @@ def _sizes(a: Any) -> list[int]:
 
 def build_config(argv: list[str]) -> BenchConfig:
     import argparse
+    import textwrap
 
-    p = ArgumentParser(prog="fireflyer bench allreduce", description=__doc__.split("\n\n")[0],
+    # The raw formatter keeps the epilog's lines (install commands) as written, so the description is wrapped here.
+    p = ArgumentParser(prog="fireflyer bench allreduce", description=textwrap.fill(doc_summary(__doc__), 79),
                        epilog=ORDER_HELP + "\n\n" + allreduce_peers.INSTALL_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=None, help="comma list of buffer sizes per rank "
@@ -186,8 +188,10 @@ def build_config(argv: list[str]) -> BenchConfig:
     p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped link rate, Mbit/s each way")
     p.add_argument("--candidate", default="hfreduce", help="backend measured against the others (default hfreduce)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
-    p.add_argument("--json", default=BenchConfig.json_path, metavar="PATH")
-    p.add_argument("--png", default=BenchConfig.png_path, metavar="PATH")
+    p.add_argument("--json", default=BenchConfig.json_path, metavar="PATH",
+                   help=f"where the results go, as JSON (default {BenchConfig.json_path})")
+    p.add_argument("--png", default=BenchConfig.png_path, metavar="PATH",
+                   help=f"where the time-against-size plot goes (default {BenchConfig.png_path})")
     p.add_argument("--quick", action="store_true", help="4K,1M,16M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
     dtypes = tuple(d.strip() for d in a.dtypes.split(",") if d.strip())

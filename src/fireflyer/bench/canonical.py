@@ -40,7 +40,7 @@ from fireflyer.bench.allreduce_report import (aggregate_copy_bw, algbw_gbps, for
                                               path_traffic, pct_of_roofline, ratio, roofline_seconds)
 from fireflyer.bench.harness import (MiB, bench_command, document, format_size, loadavg, make_console, median,
                                      plot_loglog, slowest_per_op, write_results)
-from fireflyer.cliutil import ArgumentParser, parse_size
+from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size
 from fireflyer.errors import JobFailed, TimedOut, UserError
 from fireflyer.hfreduce.canonical import layout_problem
 from fireflyer.hfreduce.config import HFReduceConfig
@@ -171,7 +171,7 @@ def _words(text: str) -> list[str]:
 
 
 def build_config(argv: list[str]) -> CanonicalBenchConfig:
-    p = ArgumentParser(prog="fireflyer bench allreduce --order canonical", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="fireflyer bench allreduce --order canonical", description=doc_summary(__doc__))
     p.add_argument("--layouts", default=None, help="comma list of NODESxRANKS (default 1x4,2x2; --quick 1x2,2x1)")
     p.add_argument("--sizes", default=None, help="comma list of bytes per rank (default 64K,1M,16M,64M; --quick 64K,1M)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of: " + ", ".join(DTYPE_ITEMSIZE))
@@ -179,10 +179,10 @@ def build_config(argv: list[str]) -> CanonicalBenchConfig:
     p.add_argument("--iters", type=int, default=None, help="timed ops per round (default 10; --quick 3)")
     p.add_argument("--rounds", type=int, default=None, help="rounds, the orders alternating (default 2; --quick 1)")
     p.add_argument("--layers", type=int, default=2, help="DDP part: the GPT's layers (default 2, the main job's)")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=65)
+    p.add_argument("--d-model", type=int, default=128, help="DDP part: the GPT's width (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="DDP part: attention heads (default 4)")
+    p.add_argument("--context", type=int, default=64, help="DDP part: tokens per sequence (default 64)")
+    p.add_argument("--vocab", type=int, default=65, help="DDP part: token ids (default 65)")
     p.add_argument("--micro-batches", type=int, default=4, help="per rank, a power of two (default 4)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--ddp-warmup", type=int, default=2, help="untimed DDP steps per round and order (default 2)")

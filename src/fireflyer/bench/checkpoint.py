@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fireflyer.checkpoint.manager import CheckpointManager
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import bench_command, document, pyplot, save_figure, write_results
 from fireflyer.errors import UserError
 from fireflyer.fsutil import durable_replace
@@ -49,7 +49,7 @@ class CheckpointBenchConfig:
 
 
 def build_config(argv: list[str]) -> CheckpointBenchConfig:
-    p = ArgumentParser(prog="fireflyer bench checkpoint", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer bench checkpoint", description=doc_summary(__doc__))
     p.add_argument("--gb", type=float, default=1.0, help="state size in GB (default 1)")
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: a temporary one "
                                                 "under the current directory)")

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_figure, write_results
 from fireflyer.errors import UserError
 from fireflyer.launch import LocalJob, run_local
@@ -50,17 +50,17 @@ def _layout(text: str) -> tuple[int, int]:
 
 
 def build_config(argv: list[str]) -> DDPBenchConfig:
-    p = ArgumentParser(prog="fireflyer bench ddp", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer bench ddp", description=doc_summary(__doc__))
     p.add_argument("--layouts", default="1x4,2x2", help="NODESxRANKS list (default 1x4,2x2)")
     p.add_argument("--weak", default="1,2,4", help="rank counts for weak scaling on one node, or 'none'")
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--layers", type=int, default=3, help="the GPT's transformer blocks (default 3)")
+    p.add_argument("--d-model", type=int, default=768, help="the GPT's width, a multiple of 64 (default 768)")
+    p.add_argument("--vocab", type=int, default=4096, help="token ids (default 4096)")
+    p.add_argument("--context", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the ways alternating (default 3)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
     p.add_argument("--out", default="benchmarks/results", help="directory for ddp.json and ddp.png")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per layout before it is stopped")
     a = p.parse_args(argv)

@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser, parse_size
+from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
 from fireflyer.bench.allreduce import _check_candidate, run_layout
@@ -90,10 +90,7 @@ class ExchangeConfig:
 
 
 def build_config(argv: list[str]) -> ExchangeConfig:
-    import argparse
-
-    p = ArgumentParser(prog="fireflyer bench alltoall", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="fireflyer bench alltoall", description=doc_summary(__doc__))
     p.add_argument("--sizes", default=None, help="comma list of bytes each rank sends in all "
                    "(default 64K,4M,64M; --quick 64K,4M); a multiple of 4 x the world size")
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list of NODESxRANKS, e.g. 1x4,2x2")
@@ -104,8 +101,10 @@ def build_config(argv: list[str]) -> ExchangeConfig:
     p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped layouts: link rate, Mbit/s each way")
     p.add_argument("--timeout", type=float, default=ExchangeConfig.timeout_s,
                    help="seconds before a stuck collective fails")
-    p.add_argument("--json", default=ExchangeConfig.json_path, metavar="PATH")
-    p.add_argument("--png", default=ExchangeConfig.png_path, metavar="PATH")
+    p.add_argument("--json", default=ExchangeConfig.json_path, metavar="PATH",
+                   help=f"where the results go, as JSON (default {ExchangeConfig.json_path})")
+    p.add_argument("--png", default=ExchangeConfig.png_path, metavar="PATH",
+                   help=f"where the time-against-size plot goes (default {ExchangeConfig.png_path})")
     p.add_argument("--quick", action="store_true", help="64K,4M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
     check_run_flags(a)

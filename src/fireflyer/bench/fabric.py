@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fireflyer.bench.harness import pyplot, save_figure, timestamp, write_json
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 from fireflyer.fabric import catalog as catalog_mod
 from fireflyer.fabric.cli import parse_counts
@@ -60,7 +60,7 @@ def run_one(gpus: int, *, node: str, switch: str, planes: int, catalog: catalog_
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="fireflyer bench fabric", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer bench fabric", description=doc_summary(__doc__))
     p.add_argument("--sizes", default="1000,2000,5000,10000",
                    help="single-plane cluster sizes in GPUs (default 1000,2000,5000,10000)")
     p.add_argument("--multiplane", default="8192,16384,32768",

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_results
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench.fsdp_worker import VARIANTS
@@ -79,11 +79,11 @@ class FSDPBenchConfig:
 
 
 def build_config(argv: list[str]) -> FSDPBenchConfig:
-    p = ArgumentParser(prog="fireflyer bench fsdp", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="fireflyer bench fsdp", description=doc_summary(__doc__))
     p.add_argument("--layouts", default="1x4,2x2", help="comma list of NODESxRANKS (default 1x4,2x2)")
     p.add_argument("--params", default="25M", help="GPT size to aim for (default 25M; e.g. 1M for a smoke run)")
     p.add_argument("--layers", type=int, default=6, help="transformer blocks, the FSDP units (default 6)")
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=8192, help="token ids (default 8192)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (default 4)")

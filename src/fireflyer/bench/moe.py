@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from fireflyer.bench.harness import (bench_command, document, loadavg, machine_info, make_console, median, pyplot,
                                      save_figure, write_results)
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.train.moe_model import MoEShape
 
@@ -97,20 +97,20 @@ def corpus_vocab() -> int:
 
 
 def build_config(argv: list[str]) -> MoEBenchConfig:
-    p = ArgumentParser(prog="fireflyer bench moe", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="fireflyer bench moe", description=doc_summary(__doc__))
     p.add_argument("--layout", default="2x2", help="NODESxRANKS; EP = RANKS (default 2x2)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks, each with an MoE layer (default 2)")
+    p.add_argument("--d-model", type=int, default=128, help="the model's width (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (default 8)")
     p.add_argument("--shared", type=int, default=1, help="shared experts per MoE layer (default 1)")
-    p.add_argument("--expert-hidden", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-hidden", type=int, default=128, help="each expert's hidden width (default 128)")
+    p.add_argument("--top-k", type=int, default=2, help="routed experts per token (default 2)")
     p.add_argument("--data", default="corpus", choices=DATA,
                    help="corpus: windows of the shipped text (default); random: uniform token ids")
     p.add_argument("--vocab", type=int, default=None,
                    help="token ids (default: the corpus's characters, 63; 65 with --data random)")
-    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--context", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration first (default 3)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per round and configuration (default 8)")

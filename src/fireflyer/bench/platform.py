@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import bench_command, document, loadavg, pyplot, save_figure, write_results
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.platform import simulate as sim
@@ -85,7 +85,7 @@ QUICK: dict[str, Any] = {"tasks": 1_000, "nodes": 125, "users": 40, "cycles": 2,
 
 def build_config(argv: list[str]) -> PlatformBenchConfig:
     d = PlatformBenchConfig()
-    p = ArgumentParser(prog="fireflyer bench platform", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer bench platform", description=doc_summary(__doc__))
     p.add_argument("--out", default=d.out_dir, help=f"where bench-platform.json and .png go (default {d.out_dir})")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run (1,000 tasks on 125 nodes, "
                                                         "one repetition at tick 0.1)")

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_json
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.haiscale.pipeline import Schedule
@@ -100,7 +100,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def build_config(argv: list[str]) -> PPBenchConfig:
-    p = ArgumentParser(prog="fireflyer bench pp", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="fireflyer bench pp", description=doc_summary(__doc__))
     d = PPBenchConfig()
     p.add_argument("--stages", type=int, default=d.stages, help="pipeline stages = ranks (default 4)")
     p.add_argument("--microbatches", default=",".join(map(str, d.microbatches)), help="comma list (default 4,8,16)")

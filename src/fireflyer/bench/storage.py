@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import pyplot, save_figure, timestamp, write_results
 from fireflyer.errors import UserError
 from fireflyer.storage.backends import LocalBackend
@@ -70,7 +70,7 @@ class StorageBenchConfig:
 
 def build_config(argv: list[str]) -> StorageBenchConfig:
     d = StorageBenchConfig()
-    p = ArgumentParser(prog="fireflyer bench storage", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer bench storage", description=doc_summary(__doc__))
     p.add_argument("--samples", type=int, default=d.samples, help=f"samples in the dataset (default {d.samples})")
     p.add_argument("--sample-kb", type=int, default=d.sample_kb, help=f"KiB per sample (default {d.sample_kb})")
     p.add_argument("--reads", type=int, default=d.reads, help=f"random reads per measurement (default {d.reads})")
