@@ -1,5 +1,5 @@
 """Shared pieces of the command line: an argument parser whose errors are one line, sizes read from flags,
-and plain-text descriptions from docstrings."""
+plain-text descriptions from docstrings, and counted nouns."""
 
 from __future__ import annotations
 
@@ -63,3 +63,9 @@ def doc_summary(doc: str | None) -> str:
     first = (doc or "").strip().split("\n\n")[0]
     return plain_text(" ".join(first.split()))
 
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``"1 node"``, ``"2 nodes"``, ``"0 nodes"``: a count and its noun, singular only for exactly one.
+
+    ``nouns`` is the plural where adding ``s`` is wrong (``plural(n, "copy", "copies")``)."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"

@@ -1,6 +1,6 @@
 """``fireflyer train`` with a DeepSeekMoE, end to end: the real CLI, torchrun, hfreduce, the sharded checkpoint.
 
-Seven launches of a tiny MoE (2 blocks, 4 routed experts of 16 + 1 shared, top-2):
+Seven launches of a tiny MoE (2 blocks, 4 routed experts of hidden 16 + 1 shared, top-2):
 A trains 2 nodes x 2 ranks as EP=2 inside each node x DP=2 across; B is A stopped at the
 halfway save and C resumes it (C's history must be A's bit for bit); P is the same global
 batch as 2 pipeline stages (one per node) with EP=2 inside each; S is one process holding
@@ -73,7 +73,7 @@ def test_the_moe_run_reports_its_layout_experts_and_all_to_all(runs):
     assert all(m["parameters"] - n == 2 * 2 * 3 * 16 * 32 for n in m["parameters_per_rank"])
     assert "experts imbalance" in runs["a_out"]
     assert "layout     pp 1 x dp 2 x ep 2 x tp 1" in runs["a_out"]
-    assert "experts    4 routed of 16 + 1 shared, top-2, 2 per rank; imbalance" in runs["a_out"]
+    assert "experts    4 routed experts (hidden 16 each) + 1 shared, top-2, 2 per rank; imbalance" in runs["a_out"]
     assert run["sample"]["text"].startswith(run["sample"]["prompt"])
 
 

@@ -147,11 +147,12 @@ def test_states_go_through_the_checkpoint_manager_and_are_pruned(tmp_path):
     assert state.clear_states(tmp_path) == 2 and state.latest_step(tmp_path) is None
 
 
-def test_report_plot_and_summary(tmp_path):
-    cfg = TrainConfig(steps=3, warmup_steps=1)
-    run = {
+def _run_json(cfg: TrainConfig) -> dict:
+    """A finished run's ``run.json``, as rank 0 writes it, for ``cfg``'s world."""
+    return {
         "config": cfg.to_dict(), "finished": True, "step": 3, "resumed_from": None,
-        "world": {"nodes": 2, "ranks_per_node": 2, "world_size": 4, "device": "cpu", "threads_per_rank": 1},
+        "world": {"nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "world_size": cfg.world_size,
+                  "device": "cpu", "threads_per_rank": 1},
         "model": {"parameters": 400_000, "vocab_size": 63},
         "data": {"corpus_chars": 1000, "train_tokens": 900, "val_tokens": 100, "tokens_per_step": 4096,
                  "source": "shakespeare.txt (shipped)", "hash": "ab" * 32, "window": 65,
@@ -163,6 +164,10 @@ def test_report_plot_and_summary(tmp_path):
         "allreduce": {"bytes_per_rank": 5e6, "seconds": 0.1, "exposed_wait_s": 0.05, "gbps": 0.05, "buckets": 1},
         "sample": {"prompt": "ROMEO:\n", "text": "ROMEO:\nO, she doth teach the torches to burn bright!"},
     }
+
+
+def test_report_plot_and_summary(tmp_path):
+    run = _run_json(TrainConfig(steps=3, warmup_steps=1))
     png = report.plot_losses(run, tmp_path / "loss.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     text = report.summary(run, wall_s=5.0, out=tmp_path, png=png)
@@ -172,6 +177,31 @@ def test_report_plot_and_summary(tmp_path):
                    "13 + 1 windows of 65 tokens in 2 shards (abababababab)", "hit rate 98.8%",
                    "reader stall 0.013 s", "characters of shakespeare.txt (shipped)"):
         assert needle in text
+
+
+def test_summary_counts_in_the_singular_and_names_the_experts_right(tmp_path):
+    """One node, one layer, one thread: no "1 nodes"; an MoE run's experts line says what expert_hidden is."""
+    run = _run_json(TrainConfig(steps=3, warmup_steps=1, nodes=1, ranks_per_node=2, layers=1))
+    run["layout"] = {"pp": 1, "dp": 1, "ep": 2, "tp": 1}
+    run["model"].update(kind="moe", experts=8, expert_hidden=128, shared_experts=2, top_k=2, experts_per_rank=4,
+                        parameters_per_rank=[300_000, 300_000])
+    run["experts"] = {"imbalance": [1.5, 1.25, 1.0], "all_to_all_bytes": [1e6, 1e6, 1e6]}
+    png = report.plot_losses(run, tmp_path / "loss.png")
+    text = report.summary(run, wall_s=5.0, out=tmp_path, png=png)
+    for needle in ("1 layer, d_model", "1 node x 2 ranks = 2 ranks on cpu, 1 thread per rank",
+                   "8 routed experts (hidden 128 each) + 2 shared, top-2, 4 per rank",
+                   "1.25 (mean of the last 3 steps)", "in 2 shards"):
+        assert needle in text, text
+    for wrong in ("1 nodes", "1 layers", "1 threads", "routed of"):
+        assert wrong not in text, text
+
+
+def test_plural_counts_a_noun():
+    from fireflyer.cliutil import plural
+
+    assert [plural(n, "node") for n in (0, 1, 2)] == ["0 nodes", "1 node", "2 nodes"]
+    assert plural(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert plural(4, "micro-batch", "micro-batches") == "4 micro-batches"
 
 
 def test_throughput_and_plain_progress_lines():

@@ -16,6 +16,7 @@ from fireflyer.bench.harness import (  # noqa: F401 - re-exported: the allreduce
     slowest_per_op,
     write_json,
 )
+from fireflyer.cliutil import plural
 from fireflyer.cliutil import parse_size  # noqa: F401 - re-exported: the allreduce bench reads its sizes with it
 from fireflyer.errors import UserError
 from fireflyer.fabric import traffic
@@ -367,7 +368,7 @@ def _present(res: LayoutResult) -> list[str]:
 
 def layout_title(console: Any, res: Any) -> str | None:
     """A layout's table title (nodes, ranks, the shaped link); None, after saying why, when it was skipped."""
-    title = f"{res.layout}: {res.nodes} node(s) x {res.local} ranks, world {res.world}"
+    title = f"{res.layout}: {plural(res.nodes, 'node')} x {plural(res.local, 'rank')}, world {res.world}"
     if res.link_mbit:
         title += f", link {res.link_mbit:g} Mbit/s each way"
     if res.skipped:
@@ -426,7 +427,7 @@ def print_layout(console: Any, cfg: Any, res: LayoutResult) -> None:
     console.print(f"  x PEER = {cand}'s speedup over PEER (its time / {cand}'s); DS-SHM = DeepSpeed's CPU SHM "
                   f"allreduce; every op's result is checked exact against the expected sum", soft_wrap=True)
     console.print(f"  floor = the memory floor: each input read once and each output written once "
-                  f"({2 * res.local}x the tensor per node x {res.nodes} node(s) on this host) at the copy bandwidth "
+                  f"({2 * res.local}x the tensor per node x {plural(res.nodes, 'node')} on this host) at the copy bandwidth "
                   f"below; % floor = floor / {cand}'s time", soft_wrap=True)
     if paths and "candidate" in systems:
         console.print(f"  path = the path {cand} takes at that size; traffic{TIMES} = the bytes it reads and writes "
@@ -437,7 +438,7 @@ def print_layout(console: Any, cfg: Any, res: LayoutResult) -> None:
         console.print(f"  {system_label(s, cfg.candidate)} {note}", soft_wrap=True)
     rf = res.roofline
     if rf.get("copy_bw"):
-        console.print(f"  copy bandwidth, {rf['copy_ranks']} cores copying at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
+        console.print(f"  copy bandwidth, {plural(rf['copy_ranks'], 'core')} copying at once: {rf['copy_bw'] / 1e9:.2f} GB/s "
                       f"(read+written); traffic model: {rf['model']}", soft_wrap=True)
     if res.dispatch_floor:
         console.print(f"  dispatch floor: dist.all_reduce of 4 bytes on a Python backend that does nothing: "
@@ -447,7 +448,7 @@ def print_layout(console: Any, cfg: Any, res: LayoutResult) -> None:
         tr = rf["traffic"]
         console.print(f"  roofline at {format_size(rf['headline_bytes'])} {rf['headline_dtype']}"
                       + (f" ({rf['path']})" if rf.get("path") else "") + ": "
-                      f"{tr['mem_bytes'] / 1e6:.0f} MB memory per node x {res.nodes} node(s) on this host"
+                      f"{tr['mem_bytes'] / 1e6:.0f} MB memory per node x {plural(res.nodes, 'node')} on this host"
                       + (f", {tr['link_bytes'] / 1e6:.0f} MB per link direction" if res.link_mbit else "")
                       + f" -> {rf['roofline_s'] * 1e3:.2f} ms; {cand} took {rf['measured_s'] * 1e3:.2f} ms "
                       f"= [bold]{rf['pct_roofline']:.0f}% of roofline[/bold]", soft_wrap=True)

@@ -40,7 +40,7 @@ from fireflyer.bench.allreduce_report import (aggregate_copy_bw, algbw_gbps, for
                                               path_traffic, pct_of_roofline, ratio, roofline_seconds)
 from fireflyer.bench.harness import (MiB, bench_command, document, format_size, loadavg, make_console, median,
                                      plot_loglog, slowest_per_op, write_results)
-from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size
+from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size, plural
 from fireflyer.errors import JobFailed, TimedOut, UserError
 from fireflyer.hfreduce.canonical import layout_problem
 from fireflyer.hfreduce.config import HFReduceConfig
@@ -352,7 +352,7 @@ def print_layout(console: Any, cfg: CanonicalBenchConfig, lay: dict[str, Any]) -
     """The allreduce table of one layout, then its roofline line."""
     from rich.table import Table
 
-    t = Table(title=f"{lay['layout']}: {lay['nodes']} node(s) x {lay['local']} ranks, allreduce (SUM)",
+    t = Table(title=f"{lay['layout']}: {plural(lay['nodes'], 'node')} x {plural(lay['local'], 'rank')}, allreduce (SUM)",
               title_justify="left", show_edge=False, pad_edge=False)
     for col in ("\nsize", "\ntype", "fast\nms", "canonical\nms", "canon/\nfast", "canon\nGB/s", "\npath",
                 "roofline\nms", "canon %\nroofline", "fast bytes\n!= canon", "canon\nwrong B"):
@@ -364,7 +364,7 @@ def print_layout(console: Any, cfg: CanonicalBenchConfig, lay: dict[str, Any]) -
                   _f(pct, ".0f" if pct == pct and pct >= 10 else ".2g"), str(r["fast_differs_bytes"]),
                   _wrong_cell(r["wrong_bytes"]))
     console.print(t)
-    console.print(f"  ms: median over {cfg.rounds} round(s) x {cfg.iters} ops per order of each op's slowest rank; "
+    console.print(f"  ms: median over {plural(cfg.rounds, 'round')} x {plural(cfg.iters, 'op')} per order of each op's slowest rank; "
                   f"canon GB/s: the canonical order's algbw (bytes per rank / time)", soft_wrap=True)
     console.print("  canon wrong B = bytes of the canonical results that differ from one process summing every "
                   "rank's input in the canonical tree (must be 0); fast bytes != canon = the same for the fast order, "
@@ -378,8 +378,8 @@ def print_roofline(console: Any, lay: dict[str, Any]) -> None:
         return
     console.print(f"  roofline at {format_size(head['bytes'])} {head['dtype']} ({head['path']}: "
                   f"{PATHS.get(head['path'], head['path'])}): {head['mem_bytes_per_node'] / 1e6:.0f} MB through memory "
-                  f"per node x {lay['nodes']} node(s) on this host at {lay['copy_bw'] / 1e9:.2f} GB/s "
-                  f"({lay['copy_ranks']} cores copying at once) -> {format_ms(head['roofline_s'])} ms; fast took "
+                  f"per node x {plural(lay['nodes'], 'node')} on this host at {lay['copy_bw'] / 1e9:.2f} GB/s "
+                  f"({plural(lay['copy_ranks'], 'core')} copying at once) -> {format_ms(head['roofline_s'])} ms; fast took "
                   f"{format_ms(head['fast_s'])} ms = {head['pct_roofline']['fast']:.0f}%, canonical "
                   f"{format_ms(head['canonical_s'])} ms = {head['pct_roofline']['canonical']:.0f}% of roofline "
                   f"(the canonical order moves the same bytes, only adding the slots in another order)",
@@ -401,10 +401,10 @@ def print_ddp(console: Any, cfg: CanonicalBenchConfig, layouts: list[dict[str, A
         d = lay["ddp"]
         t.add_row(d["layout"], format_ms(d["fast_s"]), format_ms(d["canonical_s"]), _f(d["ratio"], ".2f"))
     console.print(t)
-    console.print(f"  one step of a GPT of {layouts[0]['ddp']['params']:,} parameters ({s.layers} layer(s), d_model "
-                  f"{s.d_model}, context {s.context}), {cfg.ddp.micro_batches} micro-batches of "
-                  f"{cfg.ddp.micro_batch_size} sequences per rank, AdamW included; ms: median over {cfg.rounds} "
-                  f"round(s) x {cfg.ddp.steps} steps of each step's slowest rank", soft_wrap=True)
+    console.print(f"  one step of a GPT of {layouts[0]['ddp']['params']:,} parameters ({plural(s.layers, 'layer')}, d_model "
+                  f"{s.d_model}, context {s.context}), {plural(cfg.ddp.micro_batches, 'micro-batch', 'micro-batches')} of "
+                  f"{plural(cfg.ddp.micro_batch_size, 'sequence')} per rank, AdamW included; ms: median over "
+                  f"{plural(cfg.rounds, 'round')} x {plural(cfg.ddp.steps, 'step')} of each step's slowest rank", soft_wrap=True)
 
 
 def print_verdicts(console: Any, cfg: CanonicalBenchConfig, layouts: list[dict[str, Any]],
@@ -480,8 +480,8 @@ def main(argv: list[str]) -> int:
     console, errcon = make_console(width=140), make_console(stderr=True)
     layouts = []
     for layout in cfg.layouts:
-        errcon.print(f"[dim]  {layout_name(layout)}: {cfg.rounds} round(s) of fast and canonical allreduces "
-                     f"({len(cfg.dtypes)} dtype(s) x {len(cfg.sizes)} size(s)), then DDP steps ...[/dim]")
+        errcon.print(f"[dim]  {layout_name(layout)}: {plural(cfg.rounds, 'round')} of fast and canonical allreduces "
+                     f"({plural(len(cfg.dtypes), 'dtype')} x {plural(len(cfg.sizes), 'size')}), then DDP steps ...[/dim]")
         lay = summarise_layout(cfg, layout, run_layout(cfg, layout), engine)
         print_layout(console, cfg, lay)
         layouts.append(lay)

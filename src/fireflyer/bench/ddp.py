@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser, doc_summary
+from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_figure, write_results
 from fireflyer.errors import UserError
 from fireflyer.launch import LocalJob, run_local
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
         rows.append(summarise(_run(cfg, nodes, per, "compute,haiscale,gloo,torch-hfreduce")))
     weak = []
     for n in cfg.weak:
-        err.print(f"[dim]  weak scaling: {n} rank(s) ...[/dim]")
+        err.print(f"[dim]  weak scaling: {plural(n, 'rank')} ...[/dim]")
         weak.append(summarise(_run(cfg, 1, n, "compute,haiscale")))
     for r in weak:  # fixed work per rank: efficiency is the smallest run's step time over this one's
         r["efficiency"] = weak[0]["step_s"]["haiscale"] / r["step_s"]["haiscale"]

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from fireflyer.bench.harness import (bench_command, document, loadavg, machine_info, make_console, median, pyplot,
                                      save_figure, write_results)
-from fireflyer.cliutil import ArgumentParser, doc_summary
+from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.train.moe_model import MoEShape
 
@@ -264,7 +264,7 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
 
     s = cfg.shape
     t = Table(title=f"MoE training step, {res['layout']}: (a) EP={res['ep']} inside a node x DP={res['dp']} across "
-                    f"against (b) replicated experts, DP={res['world']} (slowest rank, median of {cfg.rounds} rounds)",
+                    f"against (b) replicated experts, DP={res['world']} (slowest rank, median of {plural(cfg.rounds, 'round')})",
               title_justify="left", show_edge=False, pad_edge=False)
     for col in ("config", "expert\nparams/rank", "params\n/rank", "step\nms", "fwd*\nms", "bwd+DDP*\nms",
                 "AdamW*\nms", "bias*\nms", "a2a\nms/step", "a2a\nshare", "a2a\nKB/step", "a2a\ncalls", "imbal-\nance"):
@@ -291,9 +291,10 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
     mach = machine_info(torch=False)
     load = loadavg()
     g = res["gflops_per_rank"]
-    console.print(f"  context: {mach.get('cpu_count')} cores ({mach.get('cpu') or 'cpu'}), {res['world']} ranks of "
-                  f"{res['threads_per_rank']} thread(s), load {load[0] if load else '?'}; model {s.layers} layers, "
-                  f"d_model {s.d_model}, {s.n_routed} routed experts of {s.expert_hidden} + {s.n_shared} shared, "
+    console.print(f"  context: {plural(mach.get('cpu_count') or 0, 'core')} ({mach.get('cpu') or 'cpu'}), "
+                  f"{plural(res['world'], 'rank')} of {plural(res['threads_per_rank'], 'thread')}, "
+                  f"load {load[0] if load else '?'}; model {plural(s.layers, 'layer')}, d_model {s.d_model}, "
+                  f"{plural(s.n_routed, 'routed expert')} (hidden {s.expert_hidden} each) + {s.n_shared} shared, "
                   f"top-{s.top_k}, {cfg.batch}x{s.context} tokens per rank ({cfg.data} data)")
     console.print(f"  roofline: ~{res['flops_per_rank_step'] / 1e9:.3g} GFLOP of matmuls per rank per step "
                   f"(6 x active params x tokens + attention), run at {g.get('ep', 0):.3g} GFLOP/s per rank in (a) and "
@@ -339,8 +340,8 @@ def write_png(path: str, cfg: MoEBenchConfig, res: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     cfg = build_config(list(argv))
     console, errcon = make_console(), make_console(stderr=True)
-    errcon.print(f"[dim]  {cfg.layout[0]}x{cfg.layout[1]}: {cfg.warmup} warm-up + {cfg.rounds} rounds x {cfg.steps} "
-                 f"steps of (a) EP x DP and (b) replicated experts ...[/dim]")
+    errcon.print(f"[dim]  {cfg.layout[0]}x{cfg.layout[1]}: {cfg.warmup} warm-up + {plural(cfg.rounds, 'round')} x "
+                 f"{plural(cfg.steps, 'step')} of (a) EP x DP and (b) replicated experts ...[/dim]")
     res = summarise(cfg, run_layout(cfg))
     print_report(console, cfg, res)
     doc = {

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser, doc_summary
+from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_json
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.haiscale.pipeline import Schedule
@@ -269,7 +269,7 @@ def print_table(console: Any, cfg: PPBenchConfig, rows: list[dict[str, Any]]) ->
 
     t = Table(title=f"p = {cfg.stages} stages, one per emulated node; Linear {cfg.width}x{cfg.width} x {cfg.layers} "
                     f"per rank; {cfg.rows} rows per micro-batch; Interleaved1F1B with v = {cfg.virtual}; "
-                    f"median of {cfg.steps} steps",
+                    f"median of {plural(cfg.steps, 'step')}",
               title_justify="left", show_edge=False, pad_edge=False)
     for col in ("schedule", "m", "step\nms", "F+B\nCPU ms", "bubble\nmeasured", "bubble\nreplay",
                 "bubble\ntheory", "stretch", "peak saved\nMiB per stage", "in flight per stage\n(theory)"):
@@ -335,7 +335,7 @@ def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None
     ax2.set_title(f"activation memory, m = {m_big}")
     ax2.grid(True, axis="y", alpha=0.3)
     ax2.legend(fontsize=7)
-    fig.suptitle(f"pipeline schedules, {p} ranks on {os.cpu_count()} cores (measured: shared cores; "
+    fig.suptitle(f"pipeline schedules, {plural(p, 'rank')} on {plural(os.cpu_count() or 0, 'core')} (measured: shared cores; "
                  f"replay: a device per rank)")
     save_figure(path, fig)
 

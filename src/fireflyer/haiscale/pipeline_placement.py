@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from fireflyer.cliutil import plural
 from fireflyer.errors import UserError, UserTypeError
 
 ACROSS_NODES = "across-nodes"
@@ -139,7 +140,7 @@ def _notes(nodes: tuple[tuple[int, ...], ...], pipelines: tuple[tuple[int, ...],
     notes = []
     if strategy == INSIDE_NODES:
         notes.append(
-            f"{len(nodes)} node(s) but pp_size={pp_size}: a pipeline cannot have each stage on its own node, "
+            f"{plural(len(nodes), 'node')} but pp_size={pp_size}: a pipeline cannot have each stage on its own node, "
             f"so pipelines are cut from consecutive ranks node by node (several stages share a node) and "
             f"the DP groups span nodes. For the paper's placement use at least pp_size nodes")
         return tuple(notes)

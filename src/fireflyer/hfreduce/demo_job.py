@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer.cliutil import plural
 
 
 def _timed_allreduce(x: torch.Tensor, group, iters: int) -> float:
@@ -32,7 +33,7 @@ def main() -> None:
     gloo = dist.new_group(backend="gloo")
     comm = dist.group.WORLD.comm
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"fireflyer hfreduce demo: hfreduce on {comm.num_nodes} emulated node(s) x {comm.local_size} ranks "
+    say(f"fireflyer hfreduce demo: hfreduce on {plural(comm.num_nodes, 'emulated node')} x {plural(comm.local_size, 'rank')} "
         f"(world {world}), chunks of {comm.config.chunk_bytes >> 10} KiB")
 
     # 1. Same answer as gloo, bitwise identical on every rank.
@@ -47,7 +48,7 @@ def main() -> None:
     dist.all_gather_object(digests, digest)
     err = (ours - ref).abs().max().item()
     say(f"  allreduce {args.mib} MiB fp32: max |hfreduce - gloo| = {err:.2e}; "
-        f"result digest identical on all {world} ranks: {len(set(digests)) == 1}")
+        f"result digest identical on all {plural(world, 'rank')}: {len(set(digests)) == 1}")
 
     # 2. Speed, in the same processes, one after the other.
     rows = []

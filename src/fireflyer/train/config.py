@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fireflyer.cliutil import plural
 from fireflyer.errors import UserError
 
 try:
@@ -179,7 +180,7 @@ class TrainConfig:
         self._check_order()
         if self.world_size % (self.pp * self.ep):
             raise UserError(f"pp x ep = {self.pp} x {self.ep} does not divide the world size {self.world_size} "
-                            f"({self.nodes} nodes x {self.ranks_per_node} ranks); data parallel takes the rest")
+                            f"({plural(self.nodes, 'node')} x {plural(self.ranks_per_node, 'rank')}); data parallel takes the rest")
         if self.pp > 1:
             if self.pp > self.layers:
                 raise UserError(f"pp ({self.pp}) is more than layers ({self.layers}): every stage needs a block")

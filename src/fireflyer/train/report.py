@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fireflyer.cliutil import plural
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.fsutil import atomic_write
 
@@ -42,7 +43,7 @@ def plot_losses(run: dict[str, Any], path: str | Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per character)")
     ax.set_title(f"fireflyer train: {cfg['layers']}-layer GPT, d={cfg['d_model']}, "
-                 f"{cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks", fontsize=10)
+                 f"{plural(cfg['nodes'], 'node')} x {plural(cfg['ranks_per_node'], 'rank')}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -64,24 +65,25 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
     lines = [
         "",
         f"fireflyer train: {status}",
-        (f"  model      {run['model']['parameters'] / 1e6:.2f} M parameters: {cfg['layers']} layers, "
-         f"d_model {cfg['d_model']}, {cfg['heads']} heads, context {cfg['context']}, "
-         f"{run['model']['vocab_size']} characters"),
-        (f"  world      {w['nodes']} nodes x {w['ranks_per_node']} ranks = {w['world_size']} ranks on {w['device']}, "
-         f"{w['threads_per_rank']} thread(s) per rank, haiscale DDP over hfreduce"),
+        (f"  model      {run['model']['parameters'] / 1e6:.2f} M parameters: {plural(cfg['layers'], 'layer')}, "
+         f"d_model {cfg['d_model']}, {plural(cfg['heads'], 'head')}, context {cfg['context']}, "
+         f"{plural(run['model']['vocab_size'], 'character')}"),
+        (f"  world      {plural(w['nodes'], 'node')} x {plural(w['ranks_per_node'], 'rank')} = "
+         f"{plural(w['world_size'], 'rank')} on {w['device']}, {plural(w['threads_per_rank'], 'thread')} per rank, "
+         f"haiscale DDP over hfreduce"),
         *_layout_lines(run),
         (f"  data       {data['train_tokens']:,} train / {data['val_tokens']:,} val characters of "
          f"{data['source']}, {data['tokens_per_step']:,} tokens per step"),
         (f"  records    {data['records']['train']:,} + {data['records']['val']:,} windows of {data['window']} tokens "
-         f"in {data['shards']['train'] + data['shards']['val']} shards ({data['hash'][:12]}); shard cache hit rate "
+         f"in {plural(data['shards']['train'] + data['shards']['val'], 'shard')} ({data['hash'][:12]}); shard cache hit rate "
          f"{data['cache_hit_rate']:.1%}, reader stall {data['stall_s']:.3f} s per rank"),
-        (f"  speed      {_si(t['tokens_per_s'])} tokens/s over {t['steps_this_run']} steps; "
+        (f"  speed      {_si(t['tokens_per_s'])} tokens/s over {plural(t['steps_this_run'], 'step')}; "
          f"allreduce {ar['gbps']:.2f} GB/s, {_bytes(ar['bytes_per_rank'])} per rank, "
          f"{ar['exposed_wait_s']:.1f} s exposed wait"),
     ]
     if loss:
         lines.append(f"  loss       train {loss[0]:.3f} (step 1) -> {_tail_mean(loss):.3f} "
-                     f"(mean of the last {min(10, len(loss))} steps)")
+                     f"(mean of the last {plural(min(10, len(loss)), 'step')})")
     if val:
         lines.append(f"             val {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})")
     resumed = f", resumed at step {run['resumed_from']}" if run["resumed_from"] is not None else ""
@@ -108,9 +110,10 @@ def _layout_lines(run: dict[str, Any]) -> list[str]:
     if m.get("kind") == "moe":
         e = run["experts"]
         per_step = sum(e["all_to_all_bytes"]) / len(e["all_to_all_bytes"])
-        lines.append(f"  experts    {m['experts']} routed of {m['expert_hidden']} + {m['shared_experts']} shared, "
-                     f"top-{m['top_k']}, {m['experts_per_rank']} per rank; imbalance "
-                     f"{_tail_mean(e['imbalance']):.2f} (mean of the last 10 steps); all-to-all "
+        lines.append(f"  experts    {plural(m['experts'], 'routed expert')} (hidden {m['expert_hidden']} each) + "
+                     f"{m['shared_experts']} shared, top-{m['top_k']}, {m['experts_per_rank']} per rank; imbalance "
+                     f"{_tail_mean(e['imbalance']):.2f} (mean of the last "
+                     f"{plural(min(10, len(e['imbalance'])), 'step')}); all-to-all "
                      f"{_bytes(per_step)} a step over all ranks")
     return lines
 

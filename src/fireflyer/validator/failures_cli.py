@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, plural
 from fireflyer.errors import UserError
 from fireflyer.fsutil import atomic_write
 from fireflyer.validator.failures import (
@@ -267,9 +267,11 @@ def render_text(rep: dict[str, Any]) -> str:
         out.append(f"{name:<12}{cells}{n['flash_cuts']:>7}{n['outages']:>7}{n['hours']:>10.1f}{_fmt_h(n['mtbf_hours']):>11}")
     out.append("")
     t, m, c = rep["total"], rep["mtbf"], rep["checkpoint"]
-    out.append(f"InfiniBand: {t['flash_cuts']} flash cuts (back up within {rep['ib_window_s']:g} s), {t['outages']} outages")
-    out.append(f"MTBF: {m['node_hours']:,.1f} node-hours / {m['interruptions']} job-stopping failures "
-               f"= {_fmt_h(m['per_node_hours'])} per node; a job on {m['job_nodes']} node(s): {_fmt_h(m['job_hours'])}")
+    out.append(f"InfiniBand: {plural(t['flash_cuts'], 'flash cut')} (back up within {rep['ib_window_s']:g} s), "
+               f"{plural(t['outages'], 'outage')}")
+    out.append(f"MTBF: {m['node_hours']:,.1f} node-hours / "
+               f"{plural(m['interruptions'], 'job-stopping failure')} "
+               f"= {_fmt_h(m['per_node_hours'])} per node; a job on {plural(m['job_nodes'], 'node')}: {_fmt_h(m['job_hours'])}")
     if c["young_interval_s"] is None:
         out.append(f"checkpoint: save cost {c['save_cost_s']:g} s ({c['save_cost_source']}); no failures, no interval")
     else:
