@@ -73,3 +73,11 @@ def test_every_user_facing_error_derives_from_the_one_root():
     # the standard bases they had stay, so every handler that caught them still does
     assert issubclass(SlurmError, RuntimeError) and issubclass(UnknownTask, LookupError)
     assert issubclass(AccountProblem, ValueError) and not issubclass(AccountProblem, UserError)
+
+
+@pytest.mark.parametrize("args", [["hfreduce"], ["hfreduce", "demo"], ["hfreduce", "trace"]], ids=" ".join)
+def test_hfreduce_help_is_plain_text(args):
+    done = fireflyer(*args, "--help")
+    assert done.returncode == 0, done.stderr
+    assert "``" not in done.stdout and ":mod:`" not in done.stdout and ":func:`" not in done.stdout, done.stdout
+    assert done.stdout.startswith("usage: fireflyer hfreduce")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 
 
 def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) 
         from fireflyer.hfreduce import trace_report
 
         return trace_report.main(argv[1:])
-    p = ArgumentParser(prog="fireflyer hfreduce", description=__doc__)
+    p = ArgumentParser(prog="fireflyer hfreduce", description=doc_summary(__doc__))
     p.add_argument("action", choices=["clean", "demo", "trace"],
                    help="clean: remove stale /dev/shm arenas and network namespaces; demo: hfreduce vs gloo on "
                         "emulated nodes; trace DIR: which rank a failed or hung job waited for, from its "

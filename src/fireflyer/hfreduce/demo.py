@@ -8,13 +8,13 @@ against gloo, times both, and trains a tiny model with torch DDP over hfreduce.
 
 from __future__ import annotations
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 from fireflyer.launch import LocalJob, run_local
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="fireflyer hfreduce demo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="fireflyer hfreduce demo", description=doc_summary(__doc__))
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--mib", type=int, default=32, help="allreduce size per rank in MiB (default 32)")

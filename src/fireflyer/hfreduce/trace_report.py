@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 from fireflyer.hfreduce.flight import DIR_ENV, FORMAT, FORMAT_VERSION, JSON_PREFIX, JSON_SUFFIX
 
@@ -410,7 +410,7 @@ def _row_text(row: dict) -> str:
 
 # ---------------------------------------------------------------------- command
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(prog="fireflyer hfreduce trace", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="fireflyer hfreduce trace", description=doc_summary(__doc__))
     p.add_argument("dir", metavar="DIR", help=f"the folder of the dumps (${DIR_ENV})")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     args = p.parse_args(argv)
