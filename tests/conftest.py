@@ -1,5 +1,6 @@
 """Suite-wide settings: flight recorder dumps from failing test collectives go to the session's tmp, not /tmp,
-and the training records ``fireflyer train`` builds go there too, not to the user's ~/.cache."""
+and the training records ``fireflyer train`` builds go there too, not to the user's ~/.cache. Every process the
+suite starts carries the session's mark (fireflyer.lifetime), and whatever of them is left at its end is killed."""
 
 from __future__ import annotations
 
@@ -20,3 +21,16 @@ def _data_cache_in_tmp(tmp_path_factory):
     if "FIREFLYER_DATA_CACHE" not in os.environ:  # ranks, launched jobs and platform tasks inherit it
         os.environ["FIREFLYER_DATA_CACHE"] = str(tmp_path_factory.mktemp("data-cache"))
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_process_outlives_the_suite():
+    from fireflyer import lifetime
+
+    mark = os.environ.get(lifetime.MARK)
+    if not mark:  # before any process starts: ranks, fork servers, daemons and launched jobs inherit it
+        mark = os.environ[lifetime.MARK] = lifetime.child_mark()
+    yield
+    left = lifetime.sweep(mark)
+    if left:
+        print(f"\nthe suite left {len(left)} process(es) running; killed: {left}")

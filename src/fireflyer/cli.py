@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Sequence
 
 from fireflyer.errors import FireflyerError, UserError
+from fireflyer.lifetime import Stopped, owning
 
 
 BENCHES = {
@@ -29,7 +30,8 @@ def _bench(rest: list[str]) -> int:
         return 0 if rest else 2
     if rest[0] not in BENCHES:
         raise UserError(f"unknown benchmark part {rest[0]!r}; choose one of: {', '.join(BENCHES)}")
-    return importlib.import_module(BENCHES[rest[0]]).main(rest[1:])
+    with owning():  # the peers, workers and torchrun agents a benchmark starts end with it
+        return importlib.import_module(BENCHES[rest[0]]).main(rest[1:])
 
 
 def _train(rest: list[str]) -> int:
@@ -65,7 +67,8 @@ def _hfreduce(rest: list[str]) -> int:
     if rest and rest[0] == "demo":
         from fireflyer.hfreduce import demo
 
-        return demo.main(rest[1:])
+        with owning():
+            return demo.main(rest[1:])
     from fireflyer.hfreduce import admin
 
     def namespaces() -> list[str]:  # clean: the emulated nodes' stale namespaces (testing wing)
@@ -138,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fireflyer {command}: interrupted", file=sys.stderr)
         return 130
+    except Stopped as exc:  # SIGINT, SIGTERM or SIGHUP to a command that stops what it started first
+        print(f"fireflyer {command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except FireflyerError as exc:  # the root of every error a user can cause; anything else is a bug
         print(f"fireflyer {command}: error: {exc}", file=sys.stderr)
         return 1

@@ -5,7 +5,8 @@
 with its own ``FIREFLYER_NODE_ID``, so hfreduce sees N nodes and ranks get the usual
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``. Node 0's output
 goes to this terminal (so rank 0 can draw a progress bar); everything else, node 0's
-stderr included, is kept in ``log_dir/node{i}.log``. Nothing can hang: past ``timeout`` every agent and rank is killed.
+stderr included, is kept in ``log_dir/node{i}.log``. Nothing can hang: past ``timeout`` every agent and rank is
+stopped, and none outlives the launcher, however it ends (:mod:`fireflyer.lifetime`).
 
 Starters that spawn ranks themselves (the test harness's LocalCluster, the platform's local
 ranks, the benchmarks) build each rank's environment with :func:`rank_env`, the one place
@@ -14,6 +15,7 @@ that names those variables; a rank reads its place back with :func:`this_rank`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from fireflyer import lifetime
 from fireflyer.errors import FireflyerError, TimedOut, UserError
 from fireflyer.ports import free_port
 
@@ -49,6 +52,9 @@ class LocalJob:
     """Where each node's output is kept (``node{i}.log``). Default: a fresh temporary directory."""
     quiet: bool = False
     """Send node 0's output to the log only, not to this terminal."""
+    grace: float = lifetime.DEFAULT_GRACE
+    """Seconds the ranks get to finish what is in flight (a checkpoint save) when the job is stopped
+    (a stop signal, the timeout) before they are killed."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -57,6 +63,8 @@ class LocalJob:
             raise UserError("target is empty: give a script or '-m module' for torchrun to run")
         if not self.timeout > 0:
             raise UserError(f"timeout must be positive seconds, got {self.timeout}")
+        if not 0 <= self.grace <= 3600:
+            raise UserError(f"grace must be 0 to 3600 seconds, got {self.grace}")
 
     @property
     def world_size(self) -> int:
@@ -125,7 +133,14 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def run_local(job: LocalJob) -> Path:
-    """Run ``job`` to completion and return its log directory; raise LaunchFailed or TimeoutError."""
+    """Run ``job`` to completion and return its log directory; raise LaunchFailed, TimedOut or Stopped.
+
+    The job's processes end when this call ends, whichever way it ends (see
+    :mod:`fireflyer.lifetime`): every agent and rank carries the job's mark; a stop signal
+    (SIGINT, SIGTERM, SIGHUP) or the timeout sends SIGTERM to the agents, which forward it to
+    their ranks, and after ``job.grace`` seconds what is left is killed; the agents follow this
+    process if it is killed outright (SIGTERM on its death), and the ranks their agent (SIGKILL).
+    """
     log_dir = Path(job.log_dir or tempfile.mkdtemp(prefix="fireflyer-job-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -133,34 +148,47 @@ def run_local(job: LocalJob) -> Path:
     # One secret for the whole job, in every rank's environment: hfreduce keys its links and
     # arena with it, so it never has to sit in the rendezvous store.
     secret = os.environ.get(JOB_SECRET) or job.env.get(JOB_SECRET) or secrets.token_hex(32)
+    mark = lifetime.child_mark()
     procs: list[subprocess.Popen] = []
     outputs = []
-    try:
-        for node in range(job.nodes):
-            env = dict(os.environ)
-            # torchrun gives each rank the rest of rank_env's variables; the node is this launcher's to name.
-            env.update({NODE_ID: node_name(node), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
-            env.update(job.env)
-            env[JOB_SECRET] = secret
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run",
-                f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",
-                "--master-addr=127.0.0.1", f"--master-port={port}",
-                *job.target,
-            ]
-            out = open(log_dir / f"node{node}.log", "w")
-            outputs.append(out)
-            to_terminal = node == 0 and not job.quiet
-            procs.append(subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL,
-                stdout=None if to_terminal else out, stderr=out,
-                start_new_session=True,
-            ))
-        _wait(procs, job.timeout)
-    finally:
-        _kill(procs)
-        for out in outputs:
-            out.close()
+    with lifetime.stop_signals() as stops:
+        try:
+            for node in range(job.nodes):
+                env = dict(os.environ)
+                # torchrun gives each rank the rest of rank_env's variables; the node is this launcher's to name.
+                env.update({NODE_ID: node_name(node), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+                env.update(job.env)
+                env.update({JOB_SECRET: secret, lifetime.MARK: mark, lifetime.GRACE: f"{job.grace:g}"})
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run",
+                    f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",
+                    "--master-addr=127.0.0.1", f"--master-port={port}",
+                    # the agent's wait between its SIGTERM to the ranks and its SIGKILL
+                    f"--shutdown-timeout={math.ceil(job.grace) + 1}",
+                    # each rank dies with its agent: python -m fireflyer.lifetime TARGET... becomes python TARGET...
+                    "-m", "fireflyer.lifetime", *job.target,
+                ]
+                out = open(log_dir / f"node{node}.log", "w")
+                outputs.append(out)
+                to_terminal = node == 0 and not job.quiet
+                procs.append(subprocess.Popen(
+                    cmd, env=env, stdin=subprocess.DEVNULL,
+                    stdout=None if to_terminal else out, stderr=out,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches this process, which stops the job in order
+                    preexec_fn=lifetime.tied_to_me(signal.SIGTERM),
+                ))
+            _wait(procs, job.timeout)
+        except BaseException as exc:  # a stop signal, the timeout, or an error here: the job ends first
+            why = f"{lifetime.signal_name(exc.signum)}" if isinstance(exc, lifetime.Stopped) else \
+                "timeout" if isinstance(exc, TimedOut) else type(exc).__name__
+            _stop(procs, job.grace, stops, why)
+            raise
+        finally:
+            stops.armed = False  # a signal from here on must not cut the clean-up short
+            _kill(procs)
+            lifetime.sweep(mark)
+            for out in outputs:
+                out.close()
     failed = [(node, p.returncode) for node, p in enumerate(procs) if p.returncode != 0]
     if failed:
         node, code = failed[0]
@@ -182,6 +210,26 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
             while any(p.poll() is None for p in procs) and time.monotonic() < grace:
                 time.sleep(0.1)
             return
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float, stops: lifetime.StopRequests, why: str) -> None:
+    """SIGTERM to every agent (each forwards it to its ranks), then wait up to ``grace`` + 3 s for them to end.
+
+    A second stop signal cuts the wait short; :func:`_kill` and the sweep do the rest.
+    """
+    running = [p for p in procs if p.poll() is None]
+    if not running:
+        return
+    print(f"fireflyer: stopping the job ({why}): its ranks have {grace:g} s to finish a checkpoint in flight"
+          + (", a second Ctrl-C stops it at once" if why == "SIGINT" else ""), file=sys.stderr, flush=True)
+    for p in running:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace + 3  # the agents' own SIGKILL comes at grace + 1
+    while any(p.poll() is None for p in running) and time.monotonic() < deadline and not stops.hurry:
         time.sleep(0.05)
 
 

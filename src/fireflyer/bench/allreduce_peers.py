@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from fireflyer.bench.allreduce_report import Layout, LayoutResult
+from fireflyer import lifetime
 from fireflyer.launch import rank_env
 from fireflyer.ports import free_port
 
@@ -412,7 +413,7 @@ def start_sets(cfg: Any, lay: Layout, tmp: str, control: str, link: Any,
     def popen(st: ProcessSet, rank: int, argv: list[str], env: dict[str, str], node: int | None = None) -> None:
         log = open(st.log(rank), "wb")
         kw: dict[str, Any] = dict(env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=lifetime.tied_to_me(signal.SIGTERM))
         try:
             st.procs.append(link.popen(node, argv, **kw) if node is not None else subprocess.Popen(argv, **kw))
         finally:

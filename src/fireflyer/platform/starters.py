@@ -12,10 +12,12 @@ the variables every rank of an attempt shares.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Callable
 
+from fireflyer import lifetime
 from fireflyer.launch import rank_env, threads_per_rank
 from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
@@ -50,7 +52,8 @@ def _rank_command(launch: Launch, adir: AttemptDir) -> list[str]:
 
 def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
     """Start every rank on this machine, each emulated node telling its ranks apart by name."""
-    base = {**os.environ, **task_env(launch, adir)}
+    # the ranks' grace on a stop is the supervisor's: SIGTERM, kill_grace seconds, then SIGKILL
+    base = {**os.environ, **task_env(launch, adir), lifetime.GRACE: f"{launch.timeouts.kill_grace:g}"}
     if "OMP_NUM_THREADS" not in launch.env:  # every emulated node shares this machine's cores
         base["OMP_NUM_THREADS"] = str(threads_per_rank(launch.world_size))
     procs: Procs = []
@@ -61,7 +64,7 @@ def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
                                       local_world_size=launch.ranks_per_node, node=node,
                                       master_addr="127.0.0.1", master_port=launch.master_port)}
             proc = subprocess.Popen(_rank_command(launch, adir), env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=lifetime.tied_to_me(signal.SIGTERM))
             procs.append((f"rank{rank}", proc))
     return procs
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from fireflyer import lifetime
 from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
@@ -183,15 +184,20 @@ class Supervisor:
         prolog = self._prologs()
         if prolog is not None:
             return prolog
+        # every process of the attempt carries one mark (the starter passes this process's environment on),
+        # so whatever a rank started, in a session of its own too, is swept when the ranks are stopped
+        mark = os.environ[lifetime.MARK] = lifetime.child_mark()
         try:
             self.procs = self.starter(self.launch, self.adir)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             self.procs = []
+            lifetime.sweep(mark)
             return StopCode.INIT_FAILED | StopCode.UNSCHEDULABLE, f"ranks could not start: {exc}", []
         try:
             code, detail = self._watch()
         finally:
             self._stop_ranks()
+            lifetime.sweep(mark)
         return code, detail, []
 
 

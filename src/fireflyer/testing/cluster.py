@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from fireflyer import lifetime
 from fireflyer.launch import JOB_SECRET, rank_env
 from fireflyer.ports import free_port
 from fireflyer.errors import UserError
@@ -54,6 +55,9 @@ def _context() -> Any:
 
 def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox,
                host_store: bool = True, parent_env: dict | None = None) -> None:
+    # The fork server is this rank's parent, and it exits with the test process: so does the rank, even when
+    # the test process is killed outright (its mark, for a sweep, is the fork server's: see fireflyer.lifetime).
+    lifetime.die_with_parent(signal.SIGKILL)
     if parent_env is not None:  # the fork server's environment is the one it started with: take the parent's now
         os.environ.clear()
         os.environ.update(parent_env)

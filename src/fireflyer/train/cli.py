@@ -30,6 +30,7 @@ examples:
   fireflyer train                                  # the demo: configs/demo.toml, 2 nodes x 2 ranks
   fireflyer train my.toml --steps 600 --out runs/long
   fireflyer train --out runs/long --resume         # continue from the latest saved state there
+  fireflyer train --out runs/long --overwrite      # delete the run there and start afresh
   fireflyer train --data my-texts/ --out runs/mine # train on a folder of .txt files (UTF-8)
   fireflyer train --preset moe                     # a small DeepSeekMoE: EP=2 in each node x DP=2 across
   fireflyer train --preset moe --pp 2              # ... as 2 pipeline stages, one per node, EP=2 in each
@@ -54,6 +55,9 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest state saved in the out directory; without CONFIG, "
                         "the saved run's config is used")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the earlier run in the out directory (its checkpoints, results and logs) and "
+                        "start afresh; without it, an out directory that holds a run is refused")
     fields = p.add_argument_group("config fields (override CONFIG)")
     docs = _field_docs()
     for f in dataclasses.fields(TrainConfig):
@@ -72,11 +76,15 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
             raise UserError(f"give CONFIG or --preset, not both (got {args.config!r} and --preset {args.preset})")
         args.config = str(builtin_config(args.preset))
     overrides = {name: getattr(args, name) for name in FIELD_NAMES if getattr(args, name) is not None}
+    if args.resume and args.overwrite:
+        raise UserError("give --resume (continue the run in the out directory) or --overwrite (delete it), not both")
     if in_platform_task():
         from fireflyer.train.job import run_managed
 
-        return run_managed(args.config, overrides, resume=args.resume)
-    cfg, resume_from = resolve(args.config, overrides, resume=args.resume)
+        return run_managed(args.config, overrides, resume=args.resume, overwrite=args.overwrite)
+    # `fireflyer demo` run again replaces its own earlier run; any other run in the way is refused
+    cfg, resume_from = resolve(args.config, overrides, resume=args.resume, overwrite=args.overwrite,
+                               replace_same=prog == "fireflyer demo")
     if cfg.device == "cuda":
         import torch
 

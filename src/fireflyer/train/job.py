@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer import lifetime
 from fireflyer.errors import UserError
 from fireflyer.launch import this_rank, threads_per_rank
+from fireflyer.lifetime import Stopped
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.env import injected_failure
 from fireflyer.train.trainer import COLLECTIVE_TIMEOUT, Placement, Trainer
@@ -49,34 +53,61 @@ def place(cfg: TrainConfig) -> Placement:
                      node=me.node, device=device, threads=threads)
 
 
+def train(trainer_of: Callable[[], Trainer], announce: Callable[[Trainer], None] | None = None) -> Trainer:
+    """Build the trainer and run it; a stop signal (:func:`fireflyer.lifetime.graceful`) lets its save in flight commit.
+
+    The :class:`~fireflyer.lifetime.Stopped` goes on up once the save in flight has been
+    persisted (and, on rank 0, committed), or has failed; the grace past which the process
+    exits regardless was armed with the signal.
+    """
+    trainer = None
+    try:
+        trainer = trainer_of()
+        try:
+            if announce is not None:
+                announce(trainer)
+            trainer.run()
+        finally:
+            trainer.close()
+        return trainer
+    except Stopped:
+        if trainer is not None:
+            try:
+                trainer.ckpt.wait()
+            except Exception:  # noqa: BLE001 - the stop is what is reported; a failed save is simply not committed
+                pass
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fireflyer.train.job", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="resolved config JSON written by 'fireflyer train'")
     p.add_argument("--resume", type=int, default=None, help="committed step to continue from")
     args = p.parse_args(argv)
+    lifetime.graceful()  # SIGTERM from the agent: finish the save in flight, then go
     cfg = TrainConfig.from_json(args.config)
     where = place(cfg)
-    dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
     try:
-        trainer = Trainer(cfg, where, resume=args.resume,
-                          fail_at=injected_failure(where.rank))
+        dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
         try:
-            trainer.run()
+            train(lambda: Trainer(cfg, where, resume=args.resume, fail_at=injected_failure(where.rank)))
         finally:
-            trainer.close()
-    finally:
-        dist.destroy_process_group()
+            dist.destroy_process_group()
+    except Stopped as exc:
+        print(f"rank {where.rank}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     return 0
 
 
-def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
+def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite: bool = False) -> int:
     """``fireflyer train`` as a platform task: this process is one rank the platform started.
 
     The platform gives every rank torchrun's environment, so there is nothing to launch:
     the ranks join one hfreduce group, rank 0 readies the out directory and shares the
     resolved config, and all train. A later attempt of the task's chain (after a suspend
     or a restart) continues from the newest committed checkpoint in the out directory;
-    a first attempt starts afresh unless ``--resume`` is given. A suspend command is
+    a first attempt starts afresh unless ``--resume`` is given, and is refused where the out
+    directory holds another run, unless ``--overwrite`` is given. A suspend command is
     answered by saving the current step and stopping (``Trainer(managed=True)``).
     """
     import time
@@ -89,6 +120,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
     from fireflyer.train.config import builtin_config, read_toml
     from fireflyer.train.files import write_json
 
+    lifetime.graceful()  # the platform stops a task's ranks with SIGTERM, then SIGKILL: the save in flight commits
     overrides = {**overrides, "nodes": client.nnodes(), "ranks_per_node": this_rank().local_world_size}
     rank = client.rank()
     dist.init_process_group("hfreduce", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
@@ -99,7 +131,9 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
                 out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
                     TrainConfig.from_toml(builtin_config("demo")).out
                 go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
-                cfg, resume_from = resolve(config, overrides, resume=go_on)
+                # a later attempt of the chain may replace what an earlier one left without a checkpoint
+                cfg, resume_from = resolve(config, overrides, resume=go_on,
+                                           overwrite=overwrite or client.attempt() > 0)
                 write_json(cfg.out_dir / "config.json", cfg.to_dict())
                 box = [(cfg.to_dict(), resume_from, None)]
             except (UserError, ValueError) as exc:
@@ -116,13 +150,9 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool) -> int:
                   f"{cfg.nodes} node(s) x {cfg.ranks_per_node} rank(s), steps {first}-{cfg.stop_at or cfg.steps}, "
                   f"out {cfg.out_dir}/", flush=True)
         t0 = time.monotonic()
-        trainer = Trainer(cfg, where, resume=resume_from, fail_at=injected_failure(where.rank), managed=True)
-        if rank == 0:
-            print(f"fireflyer train: {trainer.data.prepared.summary()}", flush=True)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
+        train(lambda: Trainer(cfg, where, resume=resume_from, fail_at=injected_failure(where.rank), managed=True),
+              announce=(lambda t: print(f"fireflyer train: {t.data.prepared.summary()}", flush=True))
+              if rank == 0 else None)
         if rank == 0:
             run = report.load_run(cfg.out_dir)
             png = report.plot_losses(run, cfg.out_dir / "loss.png")

@@ -16,11 +16,14 @@ from fireflyer.fsutil import make_dirs
 from fireflyer.train.config import TrainConfig, builtin_config, check_resumable, read_toml
 
 
-def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> tuple[TrainConfig, int | None]:
+def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool, overwrite: bool = False,
+            replace_same: bool = False) -> tuple[TrainConfig, int | None]:
     """The run's config and, with ``resume``, the committed step to continue from; readies the out directory.
 
-    A fresh run clears an earlier run's state and results in the out directory. With
-    ``resume`` and no CONFIG, the saved run's own config is the base (its ``stop_at`` dropped).
+    A fresh run never deletes another: an out directory that holds an earlier run is refused,
+    unless ``overwrite`` (``--overwrite``) says to delete it, or ``replace_same`` (``fireflyer
+    demo``) and the earlier run had exactly this config. With ``resume`` and no CONFIG, the
+    saved run's own config is the base (its ``stop_at`` dropped).
     """
     base = read_toml(config) if config else None
     out_flag = overrides.get("out") or (base or {}).get("out")
@@ -29,7 +32,11 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> t
     if not resume:
         cfg = TrainConfig.from_dict({**(base or read_toml(builtin_config("demo"))), **overrides},
                                     source=config or "demo.toml")
-        start_afresh(cfg.out_dir)
+        earlier = earlier_run(cfg.out_dir)
+        if earlier and not overwrite and not (replace_same and _same_config(cfg)):
+            raise UserError(f"{cfg.out_dir}/ holds an earlier run ({', '.join(earlier)}); continue it with --resume, "
+                            "delete it and start afresh with --overwrite, or give another --out")
+        start_afresh(cfg.out_dir, earlier)
         return cfg, None
     from fireflyer.train import state as saved  # imports torch
 
@@ -52,14 +59,42 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool) -> t
     return cfg, step
 
 
-def start_afresh(out: Path) -> None:
-    """Clear an earlier run's saved state and results from ``out`` and make sure it exists."""
+RUN_FILES = ("ckpt", "state", "config.json", "run.json", "loss.png", "logs")
+"""What a run leaves in its out directory (``state`` is the saved-state folder of an older format)."""
+
+
+def earlier_run(out: Path) -> list[str]:
+    """What of an earlier run ``out`` holds, for a message (``ckpt/ (step 200)``, ``run.json``); empty if none."""
     from fireflyer.train import state as saved
 
-    if saved.clear_states(out):
-        print(f"note: starting afresh in {out}/; the earlier run's saved state there was removed "
-              "(--resume continues a run instead)")
-    shutil.rmtree(out / "state", ignore_errors=True)  # states of the format before the checkpoint manager
-    for name in ("run.json", "loss.png"):
-        (out / name).unlink(missing_ok=True)
+    found = []
+    for name in RUN_FILES:
+        path = out / name
+        if name == "ckpt" and path.is_dir() and any(path.iterdir()):
+            step = saved.latest_step(out)
+            found.append(f"ckpt/ (step {step})" if step is not None else "ckpt/ (no committed step)")
+        elif name != "ckpt" and (path.is_file() or (path.is_dir() and any(path.iterdir()))):
+            found.append(name + ("/" if path.is_dir() else ""))
+    return found
+
+
+def _same_config(cfg: TrainConfig) -> bool:
+    """Whether the run in ``cfg.out_dir`` was started with exactly ``cfg`` (its ``config.json``)."""
+    try:
+        return TrainConfig.from_json(str(cfg.out_dir / "config.json")).to_dict() == cfg.to_dict()
+    except (OSError, ValueError):
+        return False
+
+
+def start_afresh(out: Path, earlier: list[str] | None = None) -> None:
+    """Delete an earlier run's saved state, results and logs from ``out`` (saying what went) and make sure it exists."""
+    earlier = earlier_run(out) if earlier is None else earlier
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if earlier:
+        print(f"note: starting afresh in {out}/; the earlier run's {', '.join(earlier)} were deleted")
     make_dirs(out)
