@@ -102,3 +102,54 @@ def test_an_unreadable_file_is_a_user_error(tmp_path):
     (d / "x.txt").write_text("")
     with pytest.raises(failures_cli.UserError, match="no \\*.log files"):
         failures_cli.main([str(d)])
+
+
+def _event_hours(analysis) -> dict[str, list[float]]:
+    """Each node's event times on their own clock, in hours: what the timeline draws."""
+    out: dict[str, list[float]] = {}
+    for e in analysis.xid_events:
+        out.setdefault(e.node, []).append(e.time / 3600)
+    for i in analysis.incidents:
+        out.setdefault(i.node, []).append(i.down / 3600)
+    return out
+
+
+def test_without_boot_time_or_year_the_timeline_spans_each_node_s_own_events(synth):
+    """No --boot-time/--year: dmesg stays on the boot clock and a journal's year is a guess from its file's
+    date (years from the dmesg -T log's), so each node counts from its own first event and the axis spans
+    the events, not the years between two clocks."""
+    from fireflyer.validator.failures import analyse
+    from fireflyer.validator.timeline import timeline_axis
+
+    out, _ = synth
+    analysis = analyse(failures_cli.read_logs([str(out)], node=None, boot_time=None, year=None))
+    assert analysis.clocks == {"boot", "wall"}
+    axis = timeline_axis(analysis, aligned=False)
+    widest = max(max(h) - min(h) for h in _event_hours(analysis).values())
+    lo, hi = axis.xlim
+    assert -0.05 * widest - 0.1 <= lo <= 0 and widest <= hi <= 1.05 * widest + 0.1, (axis.xlim, widest)
+    for e in analysis.xid_events:
+        assert lo <= axis.hours(e.node, e.time, e.clock) <= hi
+    assert "each node's first event" in axis.label and "--boot-time and --year" in axis.label
+
+
+def test_with_boot_time_and_year_the_nodes_share_one_wall_clock(synth):
+    from fireflyer.validator.failures import analyse
+    from fireflyer.validator.timeline import SHARED, timeline_axis
+
+    out, truth = synth
+    analysis = analyse(failures_cli.read_logs([str(out)], node=None, boot_time=failures_cli._iso(truth["boot_time"]),
+                                              year=truth["year"]))
+    axis = timeline_axis(analysis, aligned=True)
+    assert set(axis.origins) == {SHARED} and axis.label.startswith("hours since 2023-") and not axis.own_clock
+    every = [h for hs in _event_hours(analysis).values() for h in hs]
+    span = max(every) - min(every)
+    assert axis.xlim[0] <= 0 and span <= axis.xlim[1] <= 1.05 * span + 0.1
+
+
+def test_plot_without_boot_time_or_year_through_the_cli(synth, tmp_path):
+    out, _ = synth
+    png = tmp_path / "timeline.png"
+    done = fireflyer(str(out), "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -42,6 +42,7 @@ from fireflyer.validator.failures import (
     xid_table,
     young_daly_interval,
 )
+from fireflyer.validator.timeline import plot_timeline
 from fireflyer.validator.xid import XidClass, lookup
 
 CHECKPOINT_JSON = Path("benchmarks/results/checkpoint.json")
@@ -280,52 +281,6 @@ def render_text(rep: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-# ---------------------------------------------------------------- plot
-
-_COLOURS = {XidClass.NVLINK: "tab:red", XidClass.SOFTWARE: "tab:blue", XidClass.GPU_ECC: "tab:orange",
-            XidClass.UNCORRECTABLE: "tab:purple", XidClass.GSP: "tab:brown", XidClass.UNCLASSIFIED: "tab:gray",
-            XidClass.UNKNOWN: "black"}
-
-
-def plot_timeline(analysis: Analysis, path: Path) -> None:
-    """Draw every Xid and IB incident on one row per node (matplotlib's Agg canvas), written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    names = list(analysis.nodes)
-    row = {n: i for i, n in enumerate(names)}
-    wall = [e.time for e in analysis.xid_events if e.clock == "wall"] + [i.down for i in analysis.incidents if i.clock == "wall"]
-    origin = min(wall) if wall else 0.0
-
-    def hours(t: float, clock: str) -> float:
-        return (t - origin) / 3600.0 if clock == "wall" else t / 3600.0
-
-    fig = Figure(figsize=(11, 1.2 + 0.35 * max(1, len(names))))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for cls in XidClass:
-        evs = [e for e in analysis.xid_events if lookup(e.code).xid_class is cls]
-        if evs:
-            ax.scatter([hours(e.time, e.clock) for e in evs], [row[e.node] for e in evs], s=80, marker="|", linewidths=0.8,
-                       color=_COLOURS[cls], label=f"{cls.value} ({len(evs)})")
-    for flash, marker, label in ((True, "x", "IB flash cut"), (False, "v", "IB outage")):
-        incs = [i for i in analysis.incidents if i.flash is flash]
-        if incs:
-            ax.scatter([hours(i.down, i.clock) for i in incs], [row[i.node] + 0.3 for i in incs], s=30,
-                       marker=marker, color="green" if flash else "black", label=f"{label} ({len(incs)})")
-    ax.set_yticks(range(len(names)), names)
-    ax.set_ylim(-0.7, len(names) - 0.3)
-    start = datetime.fromtimestamp(origin, timezone.utc).strftime("%Y-%m-%d %H:%M") if wall else ""
-    clocks = sorted(analysis.clocks)
-    ax.set_xlabel(f"hours since {start} UTC" if clocks == ["wall"] else
-                  "hours since boot" if clocks == ["boot"] else f"hours (wall clock since {start}; boot-clock logs since boot)")
-    ax.set_title("Xid and InfiniBand events per node")
-    if ax.get_legend_handles_labels()[0]:  # nothing to name on a quiet log
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    fig.tight_layout()
-    atomic_write(str(path), lambda f: fig.savefig(f, format="png", dpi=110))
-
-
 # ---------------------------------------------------------------- synthetic logs
 
 def _write_text(path: Path, text: str) -> None:
@@ -380,7 +335,8 @@ def main(argv: list[str], *, synthesize: Synthesizer | None = None) -> int:
     rep = report(analysis, logs, save_cost_s=cost, save_cost_source=source, job_nodes=args.job_nodes, window_s=args.window)
     if args.plot is not None:
         try:
-            plot_timeline(analysis, args.plot)
+            # without --boot-time or --year the logs' clocks may not agree: each node then keeps its own
+            plot_timeline(analysis, args.plot, aligned=args.boot_time is not None or args.year is not None)
         except OSError as exc:
             raise UserError(f"cannot write plot {args.plot}: {exc.strerror or exc}") from None
     print(json.dumps(rep, indent=2) if args.json else render_text(rep))
