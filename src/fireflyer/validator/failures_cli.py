@@ -247,7 +247,7 @@ def render_text(rep: dict[str, Any]) -> str:
     out = []
     clock = {"boot": "seconds since boot (no --boot-time)", "wall": "wall clock", "mixed": "mixed: some logs on the "
              "boot clock (give --boot-time)", "none": "none"}[rep["clock"]]
-    out.append(f"{len(rep['logs'])} log(s), {rep['lines']} lines: {rep['total']['events']} Xid events, "
+    out.append(f"{plural(len(rep['logs']), 'log')}, {plural(rep['lines'], 'line')}: {rep['total']['events']} Xid events, "
                f"{rep['noise']} other lines, {rep['malformed']} malformed lines skipped; times: {clock}")
     out.append("")
     out.append(f"{'class':<14}{'Xid':>5}{'count':>8}{'%':>8}{'paper %':>9}  {'action':<12}{'NVIDIA action':<28}fatal")
