@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from datetime import timedelta
 
 import numpy as np
@@ -146,6 +147,31 @@ def test_a_flipped_bit_is_named_and_load_falls_back(tmp_path):
     assert torch.equal(state["w"], torch.full((1000,), 1.0))
     with pytest.raises(CorruptCheckpoint, match="checksum"):
         mgr.load(step=2)
+
+
+@pytest.mark.parametrize("how", ["copied", "renamed"])
+def test_a_step_folder_holding_another_step_is_damaged(tmp_path, how):
+    """``cp -r step_0000000100/* step_0000000200/`` (or a folder renamed): the files are intact, but
+    their commit marker and manifest record step 100, so step 200 is damaged, never step 100's state
+    under step 200's name."""
+    mgr = CheckpointManager(tmp_path, keep_last=3, rank=0, world_size=1)
+    for s in (100, 200):
+        mgr.save(s, {"w": torch.full((8,), float(s)), "step": s}, blocking=True)
+    older, newer = step_dir(str(tmp_path), 100), step_dir(str(tmp_path), 200)
+    if how == "copied":
+        for name in os.listdir(older):
+            shutil.copy2(os.path.join(older, name), os.path.join(newer, name))
+        newest, recorded = 200, 100
+    else:  # the newest folder renamed to a later step
+        os.rename(newer, step_dir(str(tmp_path), 300))
+        newest, recorded = 300, 200
+    assert mgr.latest() == newest
+    with pytest.warns(UserWarning, match=f"step {newest} is damaged.*records step {recorded}, not {newest}"):
+        state = mgr.load()
+    assert state["step"] == 100 and torch.equal(state["w"], torch.full((8,), 100.0))  # the intact one before
+    with pytest.raises(CheckpointError, match=f"step {newest}: .* records step {recorded}, not {newest}"):
+        mgr.load(step=newest)
+    assert mgr.load(step=100)["step"] == 100
 
 
 def test_truncation_and_missing_files_are_detected(tmp_path):

@@ -166,6 +166,24 @@ def _run_json(cfg: TrainConfig) -> dict:
     }
 
 
+def test_resume_skips_a_step_folder_that_holds_an_older_step(tmp_path):
+    """``cp -r step_0000000020/* step_0000000030/``: --resume (load_state) warns and takes step 20 itself,
+    never step 20's state as if it were step 30; asking for step 30 is refused naming both."""
+    import shutil
+
+    mgr = state.manager(tmp_path, rank=0, world_size=1)
+    for step in (20, 30):
+        mgr.save(step, state.payload(step, model={"w": torch.full((2,), float(step))}), blocking=True)
+    older, newer = state.ckpt_dir(tmp_path) / "step_0000000020", state.ckpt_dir(tmp_path) / "step_0000000030"
+    for f in older.iterdir():
+        shutil.copy2(f, newer / f.name)
+    assert state.latest_step(tmp_path) == 30
+    with pytest.warns(UserWarning, match="step 30 is damaged.*records step 20, not 30"):
+        assert state.load_state(tmp_path)["step"] == 20
+    with pytest.raises(UserError, match="cannot resume.*step 30: .*records step 20, not 30"):
+        state.load_state(tmp_path, 30)
+
+
 def test_report_plot_and_summary(tmp_path):
     run = _run_json(TrainConfig(steps=3, warmup_steps=1))
     png = report.plot_losses(run, tmp_path / "loss.png")

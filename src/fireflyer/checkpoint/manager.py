@@ -7,7 +7,8 @@ dtype and CRC-32. Rank 0 commits the checkpoint once every rank's part is on dis
 writes the manifest, then the ``COMMIT`` marker (temporary file, fsync, rename,
 fsync of the directory). ``load()`` only trusts committed checkpoints, verifies every
 byte it reads, and falls back to the previous committed checkpoint, with a warning,
-when one is damaged.
+when one is damaged; a step folder whose commit marker and manifest record another step
+(another step's files copied into it) is damaged too.
 
 Layout::
 
@@ -479,8 +480,9 @@ class CheckpointManager:
     def load(self, step: int | None = None) -> Any:
         """The saved state of ``step`` (default: the newest committed one that is intact).
 
-        A damaged checkpoint is named in a warning and the previous committed one is tried;
-        with an explicit ``step``, damage raises CorruptCheckpoint instead.
+        A damaged checkpoint (bytes that fail their checks, or a folder whose commit marker and
+        manifest record another step) is named in a warning and the previous committed one is
+        tried; with an explicit ``step``, damage raises CorruptCheckpoint instead.
         """
         if step is not None:
             if step not in self._committed():
@@ -509,8 +511,10 @@ class CheckpointManager:
             raise CorruptCheckpoint(f"step {step}: cannot read its commit marker or manifest ({exc})") from None
         if not isinstance(commit, dict) or hashlib.sha256(raw).hexdigest() != commit.get("manifest_sha256"):
             raise CorruptCheckpoint(f"step {step}: {MANIFEST} does not match its commit marker")
+        _check_step(step, commit.get("step"), f"{os.path.basename(d)}/{COMMIT}")
         try:
             manifest = json.loads(raw)
+            _check_step(step, manifest.get("step"), f"{os.path.basename(d)}/{MANIFEST}")
             version = manifest.get("format", 1)
             if version not in (1, FORMAT):
                 raise CheckpointError(f"step {step} has manifest format {version!r}; this fireflyer reads formats "
@@ -553,6 +557,14 @@ class CheckpointManager:
                 "this checkpoint yourself, load it with CheckpointManager(..., allow_pickle=True), which reads it "
                 "through an unpickler that refuses every class not allowlisted, and save it again")
         return allowlist.loads(blob, allowed | allowlist.LEGACY, what=path)
+
+
+def _check_step(step: int, recorded: Any, what: str) -> None:
+    """A step folder must hold its own step: files copied in whole from another step's folder (or a folder
+    renamed) carry that step in their commit marker and manifest, and would load as the wrong state."""
+    if type(recorded) is not int or recorded != step:
+        raise CorruptCheckpoint(f"step {step}: {what} records step {recorded!r}, not {step}: the folder holds "
+                                f"another step's checkpoint (copied or renamed into it?)")
 
 
 def _read(path: str) -> bytes:
