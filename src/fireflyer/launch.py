@@ -221,8 +221,9 @@ def _stop(procs: list[subprocess.Popen], grace: float, stops: lifetime.StopReque
     running = [p for p in procs if p.poll() is None]
     if not running:
         return
-    print(f"fireflyer: stopping the job ({why}): its ranks have {grace:g} s to finish a checkpoint in flight"
-          + (", a second Ctrl-C stops it at once" if why == "SIGINT" else ""), file=sys.stderr, flush=True)
+    if why.startswith("SIG"):  # a user's stop is answered at once; a timeout or an error says so in its own line
+        print(f"fireflyer: stopping the job ({why}): its ranks have {grace:g} s to finish a checkpoint in flight"
+              + (", a second Ctrl-C stops it at once" if why == "SIGINT" else ""), file=sys.stderr, flush=True)
     for p in running:
         try:
             os.killpg(p.pid, signal.SIGTERM)

@@ -61,6 +61,9 @@ from fireflyer.errors import TimedOut, UsageError, UserError
 
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 COMMIT = "COMMIT"
+PERSIST_DELAY_ENV = "FIREFLYER_CHECKPOINT_PERSIST_DELAY"
+"""Fault injection: seconds each save's background part waits once its step folder exists, before it writes
+(tests stop a run while a save is in flight with it). Unset, or 0, in any real run."""
 MANIFEST = "manifest.json"
 FORMAT = 2
 """Manifest format: 2 has a JSON skeleton (``rankNNNNN.skeleton.json``); 1 (no ``format`` key) a pickled one."""
@@ -363,6 +366,7 @@ class CheckpointManager:
             os.makedirs(d, exist_ok=True)
             if os.path.exists(os.path.join(d, COMMIT)):
                 raise CheckpointError(f"step {step} is already committed in {d}; steps must increase")
+            _injected_delay()
             me = f"rank{self.rank:05d}"
             entries = shard.write(os.path.join(d, f"{me}.safetensors"), tensors, threads=self.config.threads,
                                   chunk_bytes=self.config.chunk_bytes)
@@ -575,3 +579,13 @@ def _read(path: str) -> bytes:
         raise CorruptCheckpoint(f"{path} is missing or unreadable ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         return f.read()
+
+
+def _injected_delay() -> None:
+    """Sleep for ``FIREFLYER_CHECKPOINT_PERSIST_DELAY`` seconds (fault injection; 0 to 60, else ignored)."""
+    try:
+        delay = float(os.environ.get(PERSIST_DELAY_ENV) or 0)
+    except ValueError:
+        return
+    if 0 < delay <= 60:
+        time.sleep(delay)

@@ -108,7 +108,7 @@ class FastDoor:
             error = self._failures.fail(exc)
             jobs.running = None
             self._flight.failed(seq, str(error))
-            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C stays Ctrl-C; the group has failed all the same
+            if not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C, a stop a stop; the group has failed all the same
                 raise
             raise fresh(error) from None
         finally:

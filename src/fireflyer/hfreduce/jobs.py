@@ -211,11 +211,14 @@ class Jobs:
             error = self._failures.fail(exc)
             self.running = None
             self._flight.failed(job.seq, str(error))
+            if job.future is not None:
+                job.future.set_exception(fresh(error))
+            # Ctrl-C stays Ctrl-C, and a stop signal a stop (fireflyer.lifetime.Stopped): what interrupts the
+            # caller's thread is not the collective's failure to report, though the group has failed all the same
+            if not isinstance(exc, Exception) and threading.current_thread() is threading.main_thread():
+                raise
             if job.future is None:  # run in the caller's thread: the caller raises it
-                if isinstance(exc, KeyboardInterrupt):  # Ctrl-C stays Ctrl-C; the group has failed all the same
-                    raise
                 raise fresh(error) from None
-            job.future.set_exception(fresh(error))
         else:
             self.running = None
             self._flight.completed(job.seq)

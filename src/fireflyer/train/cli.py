@@ -105,7 +105,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     print(f"fireflyer train: {data.summary()}", flush=True)
     t0 = time.monotonic()
     run_local(LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,
-                       timeout=cfg.timeout, log_dir=str(out / "logs")))
+                       timeout=cfg.timeout, grace=cfg.stop_grace, log_dir=str(out / "logs")))
     wall = time.monotonic() - t0
     run = report.load_run(out)
     png = report.plot_losses(run, out / "loss.png")

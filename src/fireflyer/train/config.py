@@ -124,6 +124,9 @@ class TrainConfig:
     """End this run after this step, as a preemption would; the schedule still spans `steps`, and --resume continues."""
     timeout: float = 600.0
     """Seconds before the whole job is stopped; collectives time out well before it."""
+    stop_grace: float = 10.0
+    """Seconds the ranks get to finish a checkpoint save in flight when the run is stopped (Ctrl-C, SIGTERM,
+    --timeout) before they are killed."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -144,6 +147,8 @@ class TrainConfig:
         for name in ("lr", "bucket_cap_mb", "timeout"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.stop_grace <= 3600:
+            raise UserError(f"stop_grace must be 0 to 3600 seconds, got {self.stop_grace}")
         if self.d_model % self.heads:
             raise UserError(f"heads ({self.heads}) must divide d_model ({self.d_model})")
         if self.warmup_steps > self.steps:
@@ -368,7 +373,7 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     if clashes:
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
-    ignored = {"stop_at", "out", "timeout", "data_cache"}
+    ignored = {"stop_at", "out", "timeout", "stop_grace", "data_cache"}
     if saved_world != cfg.world_size:  # a canonical run on a new layout: these may change with the global batch kept
         ignored |= {"nodes", "ranks_per_node", "batch_per_rank", "micro_batches"}
     return [name for name in FIELD_NAMES

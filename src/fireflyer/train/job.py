@@ -54,11 +54,12 @@ def place(cfg: TrainConfig) -> Placement:
 
 
 def train(trainer_of: Callable[[], Trainer], announce: Callable[[Trainer], None] | None = None) -> Trainer:
-    """Build the trainer and run it; a stop signal (:func:`fireflyer.lifetime.graceful`) lets its save in flight commit.
+    """Build the trainer and run it; however the run ends, a save in flight is finished first.
 
-    The :class:`~fireflyer.lifetime.Stopped` goes on up once the save in flight has been
-    persisted (and, on rank 0, committed), or has failed; the grace past which the process
-    exits regardless was armed with the signal.
+    A stop signal (:func:`fireflyer.lifetime.graceful`) or a failure, here or a peer's, leaves
+    the save in flight to be persisted (and, on rank 0, committed) before the error goes on up:
+    waited for here, in the main thread, within the stop's grace, and not at interpreter exit,
+    where its writer threads could no longer start.
     """
     trainer = None
     try:
@@ -70,11 +71,11 @@ def train(trainer_of: Callable[[], Trainer], announce: Callable[[Trainer], None]
         finally:
             trainer.close()
         return trainer
-    except Stopped:
+    except BaseException:
         if trainer is not None:
             try:
-                trainer.ckpt.wait()
-            except Exception:  # noqa: BLE001 - the stop is what is reported; a failed save is simply not committed
+                trainer.ckpt.wait(timeout=lifetime.grace_from_env())
+            except Exception:  # noqa: BLE001 - the stop or the failure is what is reported; this save is simply lost
                 pass
         raise
 
