@@ -184,6 +184,46 @@ def die_with_parent(sig: int = signal.SIGKILL, *, parent: int | None = None) -> 
     return True
 
 
+def die_with(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to this process when process ``pid`` (not necessarily the parent) ends.
+
+    For a process whose parent is not its owner: a rank forked by a fork server, which outlives
+    the test process that owns the rank. A daemon thread waits on a pidfd (Linux 5.3+), which
+    wakes the moment ``pid`` ends and cannot be fooled by a reused pid; elsewhere it polls. If
+    ``pid`` is already gone, ``sig`` is sent at once.
+    """
+    def signal_me() -> None:
+        os.kill(os.getpid(), sig)
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        signal_me()
+        return
+    except (AttributeError, OSError):  # no pidfd here: poll
+        def poll() -> None:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    signal_me()
+                    return
+                except PermissionError:
+                    pass
+                time.sleep(0.5)
+
+        threading.Thread(target=poll, name=f"die-with-{pid}", daemon=True).start()
+        return
+
+    def wait() -> None:
+        import select
+
+        select.select([fd], [], [])  # readable once the process has ended
+        signal_me()
+
+    threading.Thread(target=wait, name=f"die-with-{pid}", daemon=True).start()
+
+
 def tied_to_me(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A ``Popen(preexec_fn=...)`` that makes the child get ``sig`` when this process dies, even by SIGKILL."""
     me = os.getpid()

@@ -5,8 +5,10 @@ the losses of a run that was never interrupted."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,39 @@ def test_a_preempted_training_run_resumes_to_the_same_losses(tmp_path):
     managed = json.loads((tmp_path / "managed" / "run.json").read_text())
     assert managed["history"]["loss"] == straight["history"]["loss"]  # bit for bit
     assert managed["history"]["val"] == straight["history"]["val"]
+
+
+def test_a_training_task_stopped_by_its_user_leaves_nothing_and_resumes_bitwise(tmp_path, monkeypatch):
+    """``fireflyer stop`` on a task running ``fireflyer train``: within the platform's kill grace plus 5 s no
+    process of the task is left (by the mark every process of it carries) nor a /dev/shm segment, and the run
+    then resumes with the uninterrupted run's losses bit for bit."""
+    from fireflyer import lifetime
+    from fireflyer.checkpoint.manager import committed_steps
+
+    run = ["train", "--preset", "tiny", "--steps", "3000", "--save-every", "10"]
+    mark = lifetime.child_mark()
+    monkeypatch.setenv(lifetime.MARK, mark)  # the daemon, its supervisors and the tasks' ranks are marked below it
+    shm_before = set(os.listdir("/dev/shm"))
+    out = tmp_path / "managed"
+    p = LivePlatform(tmp_path / "home", "--nodes", "2")
+    try:
+        platform = set(lifetime.marked(mark))  # the daemon itself
+        task = p.submit(sys.executable, "-m", "fireflyer", *run, "--out", str(out), nodes=2, name="train")
+        p.wait("a committed checkpoint", lambda: committed_steps(str(out / "ckpt")), timeout=180)
+        t0 = time.monotonic()
+        p.cli("stop", str(task))
+        done = p.wait_state(task, "finished", timeout=60)
+        grace = 5.0  # the platform's kill grace (Timeouts.kill_grace)
+        while set(lifetime.marked(mark)) - platform and time.monotonic() < t0 + grace + 5:
+            time.sleep(0.1)
+        assert set(lifetime.marked(mark)) - platform == set(), "a process of the task is left"
+    finally:
+        p.close()
+    assert "stopped by its user" in done["attempts"][-1]["detail"], done
+    assert not {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith(("fireflyer", "torch"))}
+    last = committed_steps(str(out / "ckpt"))[-1]
+    run_cli(*run, "--out", str(tmp_path / "straight"), "--stop-at", str(last + 2), timeout=180)
+    run_cli("train", "--out", str(out), "--resume", "--stop-at", str(last + 2), timeout=180)
+    resumed = json.loads((out / "run.json").read_text())["history"]
+    straight = json.loads((tmp_path / "straight" / "run.json").read_text())["history"]
+    assert resumed["loss"] == straight["loss"] and resumed["lr"] == straight["lr"]

@@ -54,10 +54,11 @@ def _context() -> Any:
 
 
 def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: int, port: int, env: dict, inbox, outbox,
-               host_store: bool = True, parent_env: dict | None = None) -> None:
-    # The fork server is this rank's parent, and it exits with the test process: so does the rank, even when
-    # the test process is killed outright (its mark, for a sweep, is the fork server's: see fireflyer.lifetime).
-    lifetime.die_with_parent(signal.SIGKILL)
+               host_store: bool = True, parent_env: dict | None = None, owner: int | None = None) -> None:
+    # The fork server is this rank's parent, and it outlives the test process (the ranks hold its lifeline), so the
+    # rank follows its owner instead, even one killed outright (its mark, for a sweep, is the fork server's).
+    if owner is not None:
+        lifetime.die_with(owner, signal.SIGKILL)
     if parent_env is not None:  # the fork server's environment is the one it started with: take the parent's now
         os.environ.clear()
         os.environ.update(parent_env)
@@ -153,7 +154,7 @@ class LocalCluster:
         p = self._mp.Process(
             target=_rank_main,
             args=(rank, self.world_size, node, local, size, self._port, self._env, inbox, outbox, self.store is None,
-                  dict(os.environ)),
+                  dict(os.environ), os.getpid()),
             daemon=True,
         )
         p.start()
