@@ -225,3 +225,22 @@ def test_the_demo_replaces_its_own_earlier_run_only(tmp_path):
     with pytest.raises(ValueError, match="holds an earlier run"):
         resolve(None, {"out": str(out)}, resume=False, replace_same=True)  # another run there: refused
     assert TrainConfig.from_json(str(out / "config.json")).steps == 9000
+
+
+def test_a_resume_past_a_damaged_newest_step_saves_that_step_again(baseline):
+    # the newest step is damaged: --resume falls back to the one before, sets the damaged one aside and saves it anew
+    out = baseline.root / "baseline"
+    steps = committed_steps(str(ckpt(out)))
+    newest, before = steps[-1], steps[-2]
+    assert newest == BASELINE
+    shard = ckpt(out) / f"step_{newest:010d}" / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    done = fireflyer("train", "--out", str(out), "--resume", "--stop-at", str(BASELINE), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed at step {before}" in done.stdout
+    assert f"set aside as step_{newest:010d}.damaged" in done.stdout
+    assert (ckpt(out) / f"step_{newest:010d}.damaged").is_dir()
+    assert committed_steps(str(ckpt(out)))[-1] == newest
+    assert losses(out)["loss"] == baseline.history["loss"][:BASELINE]

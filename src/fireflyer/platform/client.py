@@ -26,6 +26,7 @@ the process (HAI's local simulation). This module imports no torch until it must
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable, NoReturn
@@ -133,6 +134,10 @@ def go_suspend(*, timeout: float = 60.0) -> NoReturn:
         raise UsageError("go_suspend() outside a platform task: nothing would stop or resume this process "
                            f"(set {SIMULATE_ENV}=SECONDS to try the protocol locally)")
     adir.raise_flag("can_suspend", f"rank {rank()} pid {os.getpid()} {time.time():.3f}")
+    try:  # the state is saved: the platform's SIGTERM ends this process as it is, with nothing left to finish
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread: whatever handler the job set stays
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     deadline = time.monotonic() + timeout

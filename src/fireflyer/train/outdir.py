@@ -54,9 +54,36 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool, over
         raise UserError(f"{where} is already at step {step}; raise --steps (or --stop-at) to train further")
     if changed:
         print(f"note: resuming with changed {', '.join(changed)}")
+    set_aside_newer(out, step)
     for name in ("run.json", "loss.png"):
         (cfg.out_dir / name).unlink(missing_ok=True)
     return cfg, step
+
+
+def set_aside_newer(out: str | Path, step: int) -> list[str]:
+    """Rename the committed step folders newer than ``step`` (the newest intact one, resumed from) to ``NAME.damaged``.
+
+    They were damaged (load fell back past them), so the resumed run will save those steps
+    again; renamed, not deleted: what they hold is kept for a look, and the new saves do not
+    find a step already committed.
+    """
+    from fireflyer.checkpoint.manager import step_dir
+    from fireflyer.train import state as saved
+
+    root = saved.ckpt_dir(out)
+    moved = []
+    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if not path.name[5:].isdigit() or int(path.name[5:]) <= step or not (path / "COMMIT").is_file():
+            continue  # an uncommitted folder is simply written over when its step is saved again
+        aside = Path(step_dir(str(root), int(path.name[5:])) + ".damaged")
+        n = 1
+        while aside.exists():
+            aside, n = aside.with_name(f"{path.name}.damaged{n}"), n + 1
+        path.rename(aside)
+        moved.append(aside.name)
+    if moved:
+        print(f"note: resuming from step {step}; the newer step folders were set aside as {', '.join(moved)}")
+    return moved
 
 
 RUN_FILES = ("ckpt", "state", "config.json", "run.json", "loss.png", "logs")
