@@ -166,7 +166,9 @@ def test_a_stopped_run_leaves_nothing_behind_and_resumes_bitwise(how, when, base
         assert target in committed, (target, committed)
     last = committed[-1]
     # --resume continues with the uninterrupted run's bits
-    done = fireflyer("train", "--out", str(out), "--resume", "--stop-at", str(last + 2), timeout=300)
+    # (the saved config's timeout is the stopped run's: a timed-out run is resumed with a longer one)
+    done = fireflyer("train", "--out", str(out), "--resume", "--stop-at", str(last + 2), "--timeout", "600",
+                     timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     resumed, straight = losses(out), baseline.upto(last + 2)
     assert resumed["loss"] == straight["loss"][:last + 2]

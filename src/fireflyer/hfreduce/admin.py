@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fireflyer.cliutil import ArgumentParser, doc_summary
+from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 
 
 def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) -> int:
@@ -33,5 +33,5 @@ def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) 
             names = namespaces() or []
         except (OSError, RuntimeError):
             names = []
-    print(f"removed {len(removed)} stale arena(s) and {len(names)} stale namespace(s)")
+    print(f"removed {plural(len(removed), 'stale arena')} and {plural(len(names), 'stale namespace')}")
     return 0

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fireflyer.cliutil import ArgumentParser, doc_summary
+from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 from fireflyer.errors import UserError
 from fireflyer.hfreduce.flight import DIR_ENV, FORMAT, FORMAT_VERSION, JSON_PREFIX, JSON_SUFFIX
 
@@ -324,7 +324,7 @@ def render(a: dict) -> list[tuple[str, str]]:
     dumps = a["dumps"]
     times = [d["dumped_at_ns"] for d in dumps]
     span = _clock(min(times)) + (f" to {_clock(max(times))}" if max(times) - min(times) >= 1e9 else "")
-    lines.append((f"hfreduce flight recorder: {len(dumps)} dump(s) in {a['dir']}, written {span}", "bold"))
+    lines.append((f"hfreduce flight recorder: {plural(len(dumps), 'dump')} in {a['dir']}, written {span}", "bold"))
     reasons: dict[str, list[int]] = {}
     for d in dumps:
         reasons.setdefault(d["reason"], []).append(d["rank"])

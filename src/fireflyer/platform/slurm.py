@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fireflyer.cliutil import plural
 from fireflyer.errors import FireflyerError, UserError
 from fireflyer.platform.accounts import Account
 from fireflyer.platform.executor import Launch
@@ -142,7 +143,7 @@ class SlurmExecutor:
         flag = shlex.quote(str(adir.flag("suspend")))
         tmp = shlex.quote(str(adir.control / ".suspend")) + ".$$"  # hidden: only the exact flag name counts
         about = (f"fireflyer task {launch.task_id} ({launch.name!r}, chain {launch.chain_id}, "
-                 f"attempt {launch.attempt}) on {len(launch.nodes)} node(s)")
+                 f"attempt {launch.attempt}) on {plural(len(launch.nodes), 'node')}")
         return textwrap.dedent(f"""\
             #!/bin/sh
             # {about}

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, plural
 from fireflyer.errors import UserError
 from fireflyer.platform import env as names
 from fireflyer.platform.api import ENV_PASSED, MAX_TASK_ID, Api, ApiError, PlatformApi, Unavailable, open_home
@@ -122,7 +122,7 @@ def submit(argv: list[str]) -> int:
             if daemon_pid(api.home) is None:
                 print(f"note: no daemon runs for {api.home.root}; the task waits until 'fireflyer platform start'",
                       file=sys.stderr)
-    return emit(args.json, t, lambda: f"submitted task {t['id']} ({t['name']}): {t['nodes']} node(s), "
+    return emit(args.json, t, lambda: f"submitted task {t['id']} ({t['name']}): {plural(t['nodes'], 'node')}, "
                                       f"priority {t['priority']}, group {t['group']}")
 
 
@@ -164,8 +164,8 @@ def describe(argv: list[str]) -> int:
 
     def render() -> str:
         head = [f"task {d['id']} ({d['name']}): {d['outcome']}",
-                f"  user {d['user']}, group {d['group']}, priority {d['priority']}, {d['nodes']} node(s) x "
-                f"{d['ranks_per_node']} rank(s), whole-life state {d['whole_life_state']}",
+                f"  user {d['user']}, group {d['group']}, priority {d['priority']}, {plural(d['nodes'], 'node')} x "
+                f"{plural(d['ranks_per_node'], 'rank')}, whole-life state {d['whole_life_state']}",
                 f"  command: {' '.join(d['command'])}"]
         if d.get("logs"):
             head.append(f"  logs: {d['logs']}")

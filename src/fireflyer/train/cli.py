@@ -17,7 +17,7 @@ import inspect
 import time
 from functools import lru_cache
 
-from fireflyer.cliutil import ArgumentParser
+from fireflyer.cliutil import ArgumentParser, plural
 from fireflyer.errors import UserError
 from fireflyer.train import report
 from fireflyer.train.config import DEVICES, FIELD_NAMES, MODELS, ORDERS, TrainConfig, builtin_config
@@ -100,7 +100,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     target = ["-m", "fireflyer.train.job", "--config", str(config_path)]
     if resume_from is not None:
         target += ["--resume", str(resume_from)]
-    print(f"fireflyer train: {cfg.nodes} node(s) x {cfg.ranks_per_node} rank(s), steps "
+    print(f"fireflyer train: {plural(cfg.nodes, 'node')} x {plural(cfg.ranks_per_node, 'rank')}, steps "
           f"{_step_range(cfg, resume_from)}, out {out}/ (logs in {out / 'logs'}/)", flush=True)
     print(f"fireflyer train: {data.summary()}", flush=True)
     t0 = time.monotonic()

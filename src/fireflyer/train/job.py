@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
+from fireflyer.cliutil import plural
 from fireflyer import lifetime
 from fireflyer.errors import UserError
 from fireflyer.launch import this_rank, threads_per_rank
@@ -148,7 +149,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
         if rank == 0:
             first = 1 if resume_from is None else resume_from + 1
             print(f"fireflyer train: platform task {client.chain_id()} attempt {client.attempt()}: "
-                  f"{cfg.nodes} node(s) x {cfg.ranks_per_node} rank(s), steps {first}-{cfg.stop_at or cfg.steps}, "
+                  f"{plural(cfg.nodes, 'node')} x {plural(cfg.ranks_per_node, 'rank')}, steps {first}-{cfg.stop_at or cfg.steps}, "
                   f"out {cfg.out_dir}/", flush=True)
         t0 = time.monotonic()
         train(lambda: Trainer(cfg, where, resume=resume_from, fail_at=injected_failure(where.rank), managed=True),
