@@ -5,6 +5,7 @@ suite starts carries the session's mark (fireflyer.lifetime), and whatever of th
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -31,6 +32,25 @@ def _no_process_outlives_the_suite():
     if not mark:  # before any process starts: ranks, fork servers, daemons and launched jobs inherit it
         mark = os.environ[lifetime.MARK] = lifetime.child_mark()
     yield
-    left = lifetime.sweep(mark)
+    left = [pid for pid in lifetime.marked(mark) if not _multiprocessing_helper(pid)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     if left:
         print(f"\nthe suite left {len(left)} process(es) running; killed: {left}")
+
+
+def _multiprocessing_helper(pid: int) -> bool:
+    """This process's own fork server and resource tracker: they end with it (killed now, the tracker would be
+    started anew at exit and complain about every semaphore it never saw)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (OSError, ValueError, IndexError):
+        return False
+    return parent == os.getpid() and (b"multiprocessing.forkserver" in cmdline
+                                      or b"multiprocessing.resource_tracker" in cmdline)
