@@ -17,6 +17,7 @@ import time
 import pytest
 
 from fireflyer import lifetime
+from fireflyer.testing.waiting import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,16 +33,6 @@ def gone(mark: str, within: float) -> list[int]:
 def python(code: str, mark: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, lifetime.MARK: mark},
                             stdin=subprocess.DEVNULL, **kw)
-
-
-def wait_until(pred, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout:.0f}s")
 
 
 def test_marks_nest_and_a_sweep_kills_what_is_under_its_mark_only():

@@ -31,6 +31,7 @@ from fireflyer import lifetime  # noqa: E402
 from fireflyer.hfreduce.errors import HFReduceError  # noqa: E402
 from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce  # noqa: E402
 from fireflyer.ports import free_port  # noqa: E402
+from fireflyer.testing.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -67,16 +68,6 @@ def rows(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(pred, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout:.0f}s")
-
-
 def finish(*procs: subprocess.Popen, timeout: float = 180.0) -> None:
     for p in procs:
         try:
@@ -95,7 +86,7 @@ def straight_sha(tmp_path: Path, lighthouse: str) -> str:
 
 def test_a_late_replica_heals_from_a_live_one_and_both_end_with_the_same_weights(tmp_path, lighthouse):
     a = replica("a", lighthouse, tmp_path)
-    wait_for(lambda: len(rows(tmp_path, "a")) >= 3)
+    wait_until(lambda: len(rows(tmp_path, "a")) >= 3, timeout=120)
     b = replica("b", lighthouse, tmp_path)
     finish(a, b)
     ra, rb = rows(tmp_path, "a"), rows(tmp_path, "b")
@@ -107,12 +98,12 @@ def test_a_late_replica_heals_from_a_live_one_and_both_end_with_the_same_weights
 
 def test_a_replica_killed_mid_run_leaves_the_survivor_training_and_its_restart_heals(tmp_path, lighthouse):
     a, b = replica("a", lighthouse, tmp_path), replica("b", lighthouse, tmp_path)
-    wait_for(lambda: any(r["participants"] == 2 for r in rows(tmp_path, "a")))
+    wait_until(lambda: any(r["participants"] == 2 for r in rows(tmp_path, "a")), timeout=120)
     b.kill()
     b.wait()
     killed_at = time.time()
     # the survivor goes on in a quorum of one: the kill costs seconds, not a restart
-    after = wait_for(lambda: [r for r in rows(tmp_path, "a") if r["t"] > killed_at and r["participants"] == 1])
+    after = wait_until(lambda: [r for r in rows(tmp_path, "a") if r["t"] > killed_at and r["participants"] == 1], timeout=120)
     assert after[0]["t"] - killed_at < 30
     b2 = replica("b", lighthouse, tmp_path)  # restarted: it heals from a over the network
     finish(a, b2)
