@@ -53,11 +53,12 @@ def shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def start(out: Path, *extra: str, mark: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(out: Path, *extra: str, mark: str, env: dict[str, str] | None = None, stdout=subprocess.DEVNULL
+          ) -> subprocess.Popen:
     """``fireflyer train`` in a session of its own (its process group is what a terminal's Ctrl-C reaches)."""
     return subprocess.Popen([sys.executable, "-m", "fireflyer.cli", "train", *RUN, "--out", str(out), *extra],
                             env={**os.environ, lifetime.MARK: mark, **(env or {})}, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def wait_for(what, *, timeout: float = 180.0, proc: subprocess.Popen | None = None):
@@ -100,11 +101,14 @@ def baseline(tmp_path_factory) -> Baseline:
     (ckpt(out) / "step_0000000005" / "COMMIT").write_text("{}")
     (out / "run.json").write_text("{}")
     t0 = time.monotonic()
-    p = start(out, "--stop-at", str(BASELINE), "--overwrite", mark=lifetime.child_mark())
+    printed = root / "baseline.out"
+    with open(printed, "w") as stdout:
+        p = start(out, "--stop-at", str(BASELINE), "--overwrite", mark=lifetime.child_mark(), stdout=stdout)
     first_commit = wait_for(lambda: [s for s in committed_steps(str(ckpt(out))) if s != 5], proc=p)
     first_commit_s = time.monotonic() - t0
     assert first_commit[0] == 10 and not (out / "run.json").exists(), "--overwrite deleted the earlier run"
     assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
+    assert "the earlier run's ckpt/ (step 5), run.json were deleted" in printed.read_text()
     history = losses(out)
     assert len(history["loss"]) == BASELINE
     return Baseline(root, first_commit_s, history)
@@ -213,20 +217,17 @@ def test_overwrite_deletes_the_earlier_run_and_says_what_went(tmp_path, capsys):
     assert "ckpt/ (step 200), config.json, logs/ were deleted" in capsys.readouterr().out
 
 
-def test_the_demo_replaces_its_own_earlier_run_only(tmp_path):
-    from fireflyer.train.config import TrainConfig
-
-    out = tmp_path / "demo"
-    cfg, _ = resolve(None, {"out": str(out)}, resume=False)  # a fresh folder: nothing to refuse
-    fake_run(out)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict()))
-    again, _ = resolve(None, {"out": str(out)}, resume=False, replace_same=True)  # the same demo: replaced
-    assert again.to_dict() == cfg.to_dict() and not ckpt(out).exists()
-    fake_run(out)
-    (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "steps": 9000}))
-    with pytest.raises(ValueError, match="holds an earlier run"):
-        resolve(None, {"out": str(out)}, resume=False, replace_same=True)  # another run there: refused
-    assert TrainConfig.from_json(str(out / "config.json")).steps == 9000
+def test_the_demo_replaces_its_own_earlier_run_only(tmp_path, capsys):
+    demo = ["demo", "--preset", "tiny", "--steps", "2", "--save-every", "0", "--out", str(tmp_path / "demo")]
+    first = fireflyer(*demo)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = fireflyer(*demo)  # the same demo again: its earlier run is replaced, and the note says so
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "were deleted" in again.stdout and (tmp_path / "demo" / "run.json").exists()
+    # another run there (a changed config): refused like any fireflyer train, nothing deleted
+    assert cli.main([*demo[:4], "3", *demo[5:]]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert (tmp_path / "demo" / "run.json").exists()
 
 
 def test_a_resume_past_a_damaged_newest_step_saves_that_step_again(baseline):

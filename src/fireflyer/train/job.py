@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
-from fireflyer.cliutil import plural
 from fireflyer import lifetime
+from fireflyer.cliutil import plural
 from fireflyer.errors import UserError
 from fireflyer.launch import this_rank, threads_per_rank
 from fireflyer.lifetime import Stopped

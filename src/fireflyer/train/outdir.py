@@ -67,18 +67,16 @@ def set_aside_newer(out: str | Path, step: int) -> list[str]:
     again; renamed, not deleted: what they hold is kept for a look, and the new saves do not
     find a step already committed.
     """
-    from fireflyer.checkpoint.manager import step_dir
+    from fireflyer.checkpoint.manager import committed_steps, step_dir
     from fireflyer.train import state as saved
 
-    root = saved.ckpt_dir(out)
+    root = str(saved.ckpt_dir(out))
     moved = []
-    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
-        if not path.name[5:].isdigit() or int(path.name[5:]) <= step or not (path / "COMMIT").is_file():
-            continue  # an uncommitted folder is simply written over when its step is saved again
-        aside = Path(step_dir(str(root), int(path.name[5:])) + ".damaged")
-        n = 1
+    for newer in (s for s in committed_steps(root) if s > step):  # uncommitted ones are written over when saved again
+        path = Path(step_dir(root, newer))
+        aside, n = path.with_name(path.name + ".damaged"), 1
         while aside.exists():
-            aside, n = aside.with_name(f"{path.name}.damaged{n}"), n + 1
+            aside, n = path.with_name(f"{path.name}.damaged{n}"), n + 1
         path.rename(aside)
         moved.append(aside.name)
     if moved:

@@ -18,7 +18,6 @@ checkpoint falls back to the one before it with a warning. The two newest are ke
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +59,3 @@ def load_state(out: str | Path, step: int | None = None) -> dict[str, Any]:
 
 def payload(step: int, **parts: Any) -> dict[str, Any]:
     return {"format": FORMAT, "step": step, **parts}
-
-
-def clear_states(out: str | Path) -> int:
-    """Remove every saved state under ``out`` (a fresh run starts); returns how many committed ones there were."""
-    d = ckpt_dir(out)
-    n = len(committed_steps(str(d)))
-    shutil.rmtree(d, ignore_errors=True)
-    return n
