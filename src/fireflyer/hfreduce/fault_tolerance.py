@@ -20,6 +20,7 @@ without it raises ImportError naming the extra.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 try:
@@ -49,8 +50,6 @@ class ProcessGroupHFReduce(ProcessGroupWrapper):
         self._config = config
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        import dataclasses
-
         base = self._config if self._config is not None else HFReduceConfig.from_env()
         config = dataclasses.replace(base, timeout=self._timeout.total_seconds())
         # torchft names each member by its rank inside its own replica group (all 0 for one-rank groups): the
