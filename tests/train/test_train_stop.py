@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.multiproc
 RUN = ["--preset", "tiny", "--steps", "3000", "--save-every", "10", "--eval-interval", "8"]
 """A run that cannot end by itself within a test: saved every 10 steps of about 10 ms."""
 GRACE = 10.0
-SAVE_DELAY = "2"
+SAVE_DELAY = "3"
 """Seconds each save's background part waits ("during a save"): well within the grace."""
 BASELINE = 400
 CODES = {"sigint": 130, "sigterm": 143, "sigkill": -signal.SIGKILL, "timeout": 1}
@@ -42,11 +43,18 @@ def ckpt(out: Path) -> Path:
 
 
 def in_flight(out: Path) -> int | None:
-    """A step whose folder exists but is not committed yet, newer than every committed one."""
+    """A step, newer than a committed one, that every rank holds back (the fault injection's line in both
+    nodes' logs) and that is not committed yet: a save in flight on all ranks, not on the first one only."""
     done = committed_steps(str(ckpt(out)))
-    steps = sorted(int(p.name.split("_")[1]) for p in ckpt(out).glob("step_*")) if ckpt(out).is_dir() else []
-    newer = [s for s in steps if s not in done and (not done or s > done[-1])]
-    return newer[0] if newer and done else None
+    if not done:
+        return None
+    held = []
+    for node in (0, 1):
+        log = out / "logs" / f"node{node}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        held.append({int(m) for m in re.findall(r"holds its part of step (\d+) back", text)})
+    both = [s for s in held[0] & held[1] if s > done[-1] and s not in done]
+    return min(both) if both else None
 
 
 def shm() -> set[str]:

@@ -41,6 +41,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -366,7 +367,7 @@ class CheckpointManager:
             os.makedirs(d, exist_ok=True)
             if os.path.exists(os.path.join(d, COMMIT)):
                 raise CheckpointError(f"step {step} is already committed in {d}; steps must increase")
-            _injected_delay()
+            _injected_delay(step, self.rank)
             me = f"rank{self.rank:05d}"
             entries = shard.write(os.path.join(d, f"{me}.safetensors"), tensors, threads=self.config.threads,
                                   chunk_bytes=self.config.chunk_bytes)
@@ -581,11 +582,15 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _injected_delay() -> None:
-    """Sleep for ``FIREFLYER_CHECKPOINT_PERSIST_DELAY`` seconds (fault injection; 0 to 60, else ignored)."""
+def _injected_delay(step: int, rank: int) -> None:
+    """Sleep for ``FIREFLYER_CHECKPOINT_PERSIST_DELAY`` seconds before writing this rank's part (fault
+    injection; 0 to 60, else ignored), saying so on stderr: the line is also how a test knows that
+    every rank has the save in flight."""
     try:
         delay = float(os.environ.get(PERSIST_DELAY_ENV) or 0)
     except ValueError:
         return
     if 0 < delay <= 60:
+        print(f"checkpoint: rank {rank} holds its part of step {step} back {delay:g} s ({PERSIST_DELAY_ENV})",
+              file=sys.stderr, flush=True)
         time.sleep(delay)
