@@ -13,7 +13,8 @@ one module each:
 * ``node_stage.py``  stage-in, reduce and stage-out through the arena, in Python or the compiled core;
 * ``trees.py``       the inter-node stage (rail ranks with several nodes);
 * ``fast_door.py``   small one-node allreduces as one call of the compiled core;
-* ``exchange.py``    send/recv, all_to_all, gather and scatter.
+* ``exchange.py``    send/recv, all_to_all, gather and scatter;
+* ``watch.py``       across nodes, news of a failure for every rank, and each rank's position for a timeout's diagnosis.
 
 Local ranks talk through the arena, nodes over authenticated TCP links. Every wait has a
 deadline, a dead local peer is noticed by its pid, a dead remote one by its closed
@@ -59,6 +60,7 @@ from fireflyer.hfreduce.canonical import layout_problem
 from fireflyer.hfreduce.topology import Layout, binomial_links, tree_links
 from fireflyer.hfreduce.transport import Listener
 from fireflyer.hfreduce.trees import TreeStage
+from fireflyer.hfreduce.watch import Watch
 
 from fireflyer.hfreduce.core import CORE as _core  # None without a built core: the Python reference runs
 
@@ -98,6 +100,7 @@ class Communicator:
         self._node_stage: NodeStage | None = None
         self._trees: TreeStage | None = None
         self._door: FastDoor | None = None
+        self._watch: Watch | None = None
         self.exchange: Exchange | None = None  # send/recv, all_to_all, gather, scatter (exchange.py)
         self.flight = FlightRecorder(rank=rank, world_size=world_size, group_name=group_name or "0",
                                      global_ranks=list(global_ranks) if global_ranks else list(range(world_size)))
@@ -141,6 +144,14 @@ class Communicator:
                                 deadline=deadline)
         self.exchange = for_communicator(self)
         self._failures.on_failure(lambda error, _text: self.exchange.fail(error))
+        if self.num_nodes > 1:
+            flight, failures = self.flight, self._failures
+            self._watch = Watch(rank=self.rank, world_size=self.world_size, store=self._store, members=self.members,
+                                pids=self._pids, progress=lambda: (flight.in_flight(), flight.settled),
+                                position=lambda: self._jobs.seq, died=lambda r: failures.peer_died(r, None),
+                                adopt=failures.fail)
+            failures.attach(self._watch)
+            self._watch.start()
 
     def _rendezvous(self, node: str) -> float:
         """Learn the group from the store: its layout, its key and every rank's pid; returns the setup deadline."""
@@ -268,6 +279,11 @@ class Communicator:
         """
         return self._jobs.run_now(plan)
 
+    def number(self, plan: Plan) -> int:
+        """Give a collective that runs off the engine (``spread.py``) the group's next number, and enter it
+        in the flight recorder as the engine would enter ``plan``; returns the number."""
+        return self._jobs.number_plan(plan)
+
     def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
         """``dist.all_reduce`` of a small contiguous CPU tensor on one node, as one call of the core.
 
@@ -394,6 +410,9 @@ class Communicator:
         self._node_stage.stop()
 
     def _teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self.exchange is not None:
             self.exchange.close()
         if self._trees is not None:

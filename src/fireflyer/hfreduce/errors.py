@@ -6,6 +6,10 @@ from fireflyer.errors import FireflyerError
 class HFReduceError(FireflyerError, RuntimeError):
     """A collective failed. The process group is unusable afterwards: tear it down and restart the job."""
 
+    #: True when another rank found this error and this rank only passed it on (:func:`error_from_text`):
+    #: its diagnosis, and telling the other ranks, were that rank's work.
+    relayed: bool = False
+
 
 class PeerFailure(HFReduceError):
     """A peer rank died, closed its connections, or aborted."""
@@ -40,9 +44,9 @@ def error_to_text(exc: HFReduceError) -> str:
 def error_from_text(text: str, default: type[HFReduceError] = PeerFailure) -> HFReduceError:
     """Rebuild an error passed on by another rank, keeping its class."""
     name, sep, msg = text.partition("|")
-    if sep and name in _BY_NAME:
-        return _BY_NAME[name](msg)
-    return default(text)
+    error = _BY_NAME[name](msg) if sep and name in _BY_NAME else default(text)
+    error.relayed = True
+    return error
 
 
 def fresh(error: BaseException) -> BaseException:
@@ -57,4 +61,6 @@ def fresh(error: BaseException) -> BaseException:
     except Exception:  # noqa: BLE001 - a class with an unusual constructor: hand out the original
         return error
     copy.__cause__ = error.__cause__
+    if getattr(error, "relayed", False):
+        copy.relayed = True
     return copy

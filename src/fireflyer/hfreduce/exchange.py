@@ -23,6 +23,11 @@ Failures follow the engine's rules: every wait has a deadline (the group's timeo
 the call's), a dead local peer is noticed by its pid and a remote one by its closed
 connection, the first failure fails the whole group (the communicator's ``_fail``,
 which calls :meth:`Exchange.fail`), and a failed group fails every later call at once.
+
+The flight recorder sees every call: an all-to-all, gather or scatter takes the group's
+next collective number (the engine's numbering, so every rank gives it the same one), a
+send or a receive a point-to-point record; when the group fails, each call still in
+flight notes there whom it was waiting on.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce.config import read_int, route_address
 from fireflyer.hfreduce.endpoints import Inbox, Outbox
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, error_to_text, fresh
+from fireflyer.hfreduce.flight import FlightRecorder, dtype_name, trace_of
 from fireflyer.hfreduce.mailbox import Mailboxes
 from fireflyer.hfreduce.progress import drive
 from fireflyer.hfreduce.topology import Layout
@@ -119,13 +125,16 @@ class Exchange:
     group publishes a listening address). The host communicator hands in what it knows:
     the layout, the peers' pids, the store, the group's secret, and three hooks: its
     group timeout, a ``check`` that raises if the group has failed or a local peer died,
-    and ``fail``, which records a failure group-wide and returns the error to raise.
+    and ``fail``, which records a failure group-wide and returns the error to raise. With a
+    ``flight`` recorder and ``number`` (the engine's :meth:`~fireflyer.hfreduce.jobs.Jobs.number`)
+    every call is recorded.
     """
 
     def __init__(self, *, rank: int, layout: Layout, pids: list[int], store, secret: bytes, host: str,
                  timeout: Callable[[], float], describe: Callable[[int], str], check: Callable[[], None],
                  fail: Callable[[BaseException], HFReduceError], name: str, private: bool = True,
-                 setup_timeout: float = 60.0) -> None:
+                 setup_timeout: float = 60.0, flight: FlightRecorder | None = None,
+                 number: Callable[[Callable[[int], None]], int] | None = None) -> None:
         self.rank = rank
         self.world_size = layout.world_size
         self.describe = describe
@@ -137,6 +146,8 @@ class Exchange:
         self._timeout = timeout
         self._host_check = check
         self._host_fail = fail
+        self._flight = flight if number is not None else None
+        self._number = number
         node = layout.node_of(rank)
         self._members = layout.nodes[node]
         # Reentrant: a call that completes at once (to itself) settles under it, and its callbacks may post more.
@@ -178,7 +189,7 @@ class Exchange:
         data = source_bytes(tensor)
         dig = digest(Kind.P2P, tensor.dtype, tensor.numel())
         return self._start(f"send to rank {dst}", (P2P, tag), timeout, [tensor], [],
-                           sends=[(dst, data, dig)], recvs=[])
+                           sends=[(dst, data, dig)], recvs=[], trace=("send", [tensor], [], dst))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, timeout: float | None = None) -> Op:
         self._peer(src, "receive from")
@@ -186,7 +197,7 @@ class Exchange:
         data = dest_bytes(tensor, finish)
         dig = digest(Kind.P2P, tensor.dtype, tensor.numel())
         return self._start(f"recv from rank {src}", (P2P, tag), timeout, [tensor], finish,
-                           sends=[], recvs=[(src, data, dig)])
+                           sends=[], recvs=[(src, data, dig)], trace=("recv", [tensor], [], src))
 
     def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *,
                    timeout: float | None = None, sync: bool = False) -> Op:
@@ -200,7 +211,8 @@ class Exchange:
         finish: list = []
         recv = [(dest_bytes(o, finish), digest(Kind.ALL_TO_ALL, o.dtype, o.numel())) for o in outputs]
         send = [(source_bytes(t), digest(Kind.ALL_TO_ALL, t.dtype, t.numel())) for t in inputs]
-        return self._all_to_all("all_to_all", recv, send, list(outputs), finish, timeout, sync)
+        return self._all_to_all("all_to_all", recv, send, list(outputs), finish, timeout, sync,
+                                (list(inputs), list(outputs)))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None,
                           input_splits: list[int] | None, *, timeout: float | None = None, sync: bool = False) -> Op:
@@ -213,10 +225,12 @@ class Exchange:
         finish: list = []
         src, dst = source_bytes(input), dest_bytes(output, finish)
         send, recv = _pieces(src, rows_in, input), _pieces(dst, rows_out, output)
-        return self._all_to_all("all_to_all_single", recv, send, [output], finish, timeout, sync)
+        return self._all_to_all("all_to_all_single", recv, send, [output], finish, timeout, sync,
+                                ([input], [output]))
 
     def _all_to_all(self, name: str, recv: list, send: list, result: list[torch.Tensor],
-                    finish: list[Callable[[], None]], timeout: float | None, sync: bool) -> Op:
+                    finish: list[Callable[[], None]], timeout: float | None, sync: bool,
+                    tensors: tuple[list, list]) -> Op:
         me = self.rank
         (mine_in, want), (mine_out, have) = recv[me], send[me]
         if want != have or mine_in.numel() != mine_out.numel():
@@ -225,7 +239,8 @@ class Exchange:
         mine_in.copy_(mine_out)
         return self._start(name, None, timeout, result, finish,
                            sends=[(r, *send[r]) for r in range(self.world_size) if r != me],
-                           recvs=[(r, *recv[r]) for r in range(self.world_size) if r != me], drive_here=sync)
+                           recvs=[(r, *recv[r]) for r in range(self.world_size) if r != me], drive_here=sync,
+                           trace=("all_to_all", *tensors, None))
 
     def gather(self, outputs: list[torch.Tensor] | None, tensor: torch.Tensor, root: int, *,
                timeout: float | None = None, sync: bool = False) -> Op:
@@ -234,13 +249,15 @@ class Exchange:
         dig = digest(Kind.GATHER, tensor.dtype, tensor.numel(), root)
         if me != root:
             return self._start("gather", None, timeout, [tensor], [],
-                               sends=[(root, source_bytes(tensor), dig)], recvs=[], drive_here=sync)
+                               sends=[(root, source_bytes(tensor), dig)], recvs=[], drive_here=sync,
+                               trace=("gather", [tensor], [], None))
         finish: list = []
         recv_bytes = [dest_bytes(o, finish) for o in outputs]
         recv_bytes[me].copy_(source_bytes(tensor))
         recvs = [(r, recv_bytes[r], digest(Kind.GATHER, outputs[r].dtype, outputs[r].numel(), root))
                  for r in range(w) if r != me]
-        return self._start("gather", None, timeout, list(outputs), finish, sends=[], recvs=recvs, drive_here=sync)
+        return self._start("gather", None, timeout, list(outputs), finish, sends=[], recvs=recvs, drive_here=sync,
+                           trace=("gather", [tensor], list(outputs), None))
 
     def scatter(self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, root: int, *,
                 timeout: float | None = None, sync: bool = False) -> Op:
@@ -251,11 +268,12 @@ class Exchange:
         if me != root:
             dig = digest(Kind.SCATTER, tensor.dtype, tensor.numel(), root)
             return self._start("scatter", None, timeout, [tensor], finish, sends=[], recvs=[(root, out, dig)],
-                               drive_here=sync)
+                               drive_here=sync, trace=("scatter", [], [tensor], None))
         out.copy_(source_bytes(inputs[me]))
         sends = [(r, source_bytes(inputs[r]), digest(Kind.SCATTER, inputs[r].dtype, inputs[r].numel(), root))
                  for r in range(w) if r != me]
-        return self._start("scatter", None, timeout, [tensor], finish, sends=sends, recvs=[], drive_here=sync)
+        return self._start("scatter", None, timeout, [tensor], finish, sends=sends, recvs=[], drive_here=sync,
+                           trace=("scatter", list(inputs), [tensor], None))
 
     # -- keyed calls, for collectives built of several steps (spread.py) --------------------
     def reserve(self, count: int) -> int:
@@ -269,13 +287,15 @@ class Exchange:
             self._collectives += count
             return first
 
-    def post(self, name: str, *, sends: list, recvs: list, timeout: float | None = None) -> Op:
+    def post(self, name: str, *, sends: list, recvs: list, timeout: float | None = None,
+             record: int | None = None) -> Op:
         """One call of transfers that each carry their own key: ``(peer, key, data, digest)`` tuples.
 
         Sends go from ``data`` as it is when the channel reaches them (keep it unchanged until the
         call is done); receives land in ``data``. Returns at once; the call's future completes when
-        every transfer has, as :meth:`isend`'s does."""
-        return self._start(name, None, timeout, [], [], sends=sends, recvs=recvs, keyed=True)
+        every transfer has, as :meth:`isend`'s does. ``record``: the collective (its number) this
+        call is a step of, whose flight record notes whom the call waits on if the group fails."""
+        return self._start(name, None, timeout, [], [], sends=sends, recvs=recvs, keyed=True, record=record)
 
     # -- plumbing --------------------------------------------------------------------------
     def _peer(self, peer: int, what: str) -> None:
@@ -288,16 +308,21 @@ class Exchange:
 
     def _start(self, name: str, key: tuple[int, int] | None, timeout: float | None, result: list[torch.Tensor],
                finish: list[Callable[[], None]], *, sends: list, recvs: list, drive_here: bool = False,
-               keyed: bool = False) -> Op:
+               keyed: bool = False, trace: tuple | None = None, record: int | None = None) -> Op:
         """Post a call's transfers to their channels, in this rank's order, and return the call.
 
         ``drive_here`` (a synchronous call): the caller moves the transfers on the channels it
         can claim itself, before returning; the rest go to the channels' threads. ``keyed``:
         each of ``sends`` and ``recvs`` is ``(peer, key, data, digest)`` (:meth:`post`).
+        ``trace``: ``(op, inputs, outputs, peer)`` to enter the call in the flight recorder as
+        (its own record); ``record``: the record of the collective it is a step of.
         """
         if timeout is not None and not timeout > 0:
             raise UserError(f"a timeout must be positive seconds, got {timeout}")
         limit = timeout or self._timeout()
+        owned = trace is not None and self._flight is not None
+        if owned:
+            record = self._enter(trace, limit)
         claimed_out: list = []
         claimed_in: list = []
         with self._lock:
@@ -307,6 +332,10 @@ class Exchange:
                 key = (COLLECTIVE, self._collectives)
                 self._collectives += 1
             op = Op(op_id, name, time.monotonic() + limit, limit, result, finish, self._forget)
+            op.record = record
+            if owned:
+                self._flight.started(record)
+                op.on_settled = self._settled
             error = self._refusal()
             if error is None:
                 me = self._me
@@ -338,6 +367,25 @@ class Exchange:
             drive(self, op, claimed_out, claimed_in)
         op.done(None)  # completes a call with nothing to move (world size 1, or all of it local)
         return op
+
+    def _enter(self, trace: tuple, timeout: float) -> int:
+        """Enter a call in the flight recorder: a send or a receive as such, a collective under the group's
+        next number; returns its record key."""
+        op, ins, outs, peer = trace
+        if op in ("send", "recv"):
+            t = ins[0]
+            return self._flight.record_p2p(op, peer, sizes=[list(t.shape)], dtypes=[dtype_name(t.dtype)],
+                                           timeout_s=timeout)
+        (in_sizes, in_dtypes), (out_sizes, out_dtypes) = trace_of(ins), trace_of(outs)
+        return self._number(lambda seq: self._flight.record(seq, op, input_sizes=in_sizes, input_dtypes=in_dtypes,
+                                                            output_sizes=out_sizes, output_dtypes=out_dtypes,
+                                                            timeout_s=timeout))
+
+    def _settled(self, op: Op, error: str | None) -> None:
+        if error is None:
+            self._flight.completed(op.record)
+        else:
+            self._flight.failed(op.record, error)
 
     def _refusal(self) -> BaseException | None:
         """Why no new call may start now (the group failed, or is closed), or None."""
@@ -414,6 +462,7 @@ class Exchange:
                 return
             self._error = error
             ops = list(self._ops.values())
+        self._note_waits(ops)
         for op in ops:
             op.fail(error)
         text = error_to_text(error)
@@ -423,6 +472,20 @@ class Exchange:
             box.stop(failed=True)
         if self._box is not None:
             self._box.wake_all()
+
+    def _note_waits(self, ops: list[Op]) -> None:
+        """In the flight recorder, whom each call still in flight was waiting on (the group is failing)."""
+        if self._flight is None:
+            return
+        waits: dict[int, tuple[set[int], list[str]]] = {}
+        for op in ops:
+            if op.record is not None:
+                peers, what = waits.setdefault(op.record, (set(), []))
+                peers.update(op.peers())
+                what += op.waiting_on()
+        for record, (peers, what) in waits.items():
+            if peers:
+                self._flight.waiting(record, sorted(peers), "; ".join(sorted(set(what))))
 
     def time_out(self, seq: int, what: str, seconds: float) -> HFReduceError:
         """A caller's ``wait(timeout)`` expired on call ``seq``: fail the group with a timeout naming whom it waited for."""
@@ -483,4 +546,4 @@ def for_communicator(comm) -> Exchange:
                     host=route_address(comm.config) if comm.num_nodes > 1 else "127.0.0.1",
                     timeout=lambda: comm.config.timeout, describe=comm.describe, check=comm._check,
                     fail=comm._fail, name=f"{NAME_PREFIX}{job}-x{comm.node}-{os.getpid()}", private=private,
-                    setup_timeout=comm.config.timeout)
+                    setup_timeout=comm.config.timeout, flight=comm.flight, number=comm._jobs.number)

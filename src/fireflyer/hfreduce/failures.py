@@ -8,9 +8,16 @@ into the job's store, where a rank that only saw a closed connection (a symptom)
 the root cause. Every wait calls :meth:`Failures.check`, which raises what the rank, its
 node or a dead local peer (noticed by its pid) has to say.
 
+Across nodes a group also has a watch (:mod:`~fireflyer.hfreduce.watch`, :meth:`Failures.attach`):
+the first error is published through it, every rank with a collective in flight fails with
+it at once, and the others with their next call.
+
 Diagnosis: the engine's threads note whom they block on right now (:meth:`Failures.waiting`),
 so a timeout names the culprit rather than a peer's symptom and the flight recorder shows
-it; on failure the recorder is dumped in the background.
+it; on failure the recorder is dumped in the background. A timeout found on this rank (not
+passed on by another) is first checked against the other ranks' positions (through the
+watch): a rank that never called the collective is the one it names, not a live rank that
+was relaying for it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
     import torch.distributed
 
     from fireflyer.hfreduce.arena import Arena
+    from fireflyer.hfreduce.watch import Watch
 
 
 class Collective(Protocol):
@@ -53,6 +61,7 @@ class Collective(Protocol):
 
 _log = logging.getLogger("fireflyer.hfreduce")
 _LIVENESS = 0.05  # seconds between checks that the local peers' processes still exist
+_PATIENCE = 1.0  # seconds a timed-out rank waits for the other ranks' positions before it names a culprit
 
 
 class Failures:
@@ -78,6 +87,7 @@ class Failures:
         self._lock = threading.Lock()
         self._stages: list[Callable[[HFReduceError, str], None]] = []
         self._last_liveness = 0.0
+        self._watch: Watch | None = None
         # What each engine thread is blocked on right now: thread id -> (seq, group ranks, what).
         self._waits: dict[int, tuple[int, list[int], str]] = {}
 
@@ -90,9 +100,14 @@ class Failures:
         """Have ``tell(error, text)`` pass this rank's first failure on (``text``: the error as sent)."""
         self._stages.append(tell)
 
+    def attach(self, watch: "Watch") -> None:
+        """Publish failures through the group's watch (several nodes), and take the news it brings."""
+        self._watch = watch
+
     def detach(self) -> None:
-        """Forget the arena (it is being unmapped): from now on failures stay on this rank."""
+        """Forget the arena (it is being unmapped) and the watch: from now on failures stay on this rank."""
         self._arena = None
+        self._watch = None
 
     # ------------------------------------------------------------------ propagation
     def fail(self, exc: BaseException) -> HFReduceError:
@@ -101,6 +116,8 @@ class Failures:
             exc = HFReduceError(f"hfreduce {self._describe(self.rank)}: {type(exc).__name__}: {exc}")
         if getattr(exc, "secondary", False):
             exc = self._root_cause(exc)
+        if isinstance(exc, CollectiveTimeout) and not exc.relayed and self._error is None:
+            exc = self._blame(exc)
         if self._error is None:
             self._publish_root_cause(exc)  # first writer wins, so a primary cause seen earlier stays
         with self._lock:
@@ -124,6 +141,9 @@ class Failures:
         arena = self._arena
         if arena is not None and arena.aborted():
             raise error_from_text(arena.abort_message(), HFReduceError)
+        watch = self._watch
+        if watch is not None and watch.pending is not None:  # news that came while this rank was idle
+            raise fresh(watch.pending)
         now = time.monotonic()
         if now - self._last_liveness > _LIVENESS:
             self._last_liveness = now
@@ -174,6 +194,12 @@ class Failures:
         return result[0] if result else None
 
     def _publish_root_cause(self, exc: HFReduceError) -> None:
+        watch = self._watch
+        if watch is not None:
+            if not exc.relayed:  # a relayed error is in the store already
+                watch.publish(error_to_text(exc))
+            return
+
         def put() -> None:
             try:
                 self._store.compare_set("error", "", error_to_text(exc))
@@ -181,6 +207,40 @@ class Failures:
                 pass
 
         threading.Thread(target=put, daemon=True).start()
+
+    def _blame(self, timeout: CollectiveTimeout) -> HFReduceError:
+        """A collective timed out here: if a rank never called it, the error names that rank.
+
+        Every rank's watch answers how many of the group's collectives its rank has called. The
+        oldest collective in flight here that some rank has not called is the one everyone waits
+        for, and those ranks are the culprits; where every rank that answered has called them all,
+        the ranks that did not answer are. Otherwise the timeout keeps its own words (whom this
+        rank's threads waited on). Without a watch (one node, where every wait is on the culprit
+        itself) it is left as it is.
+        """
+        flying = self._flight.open_collectives()
+        if self._watch is None or not flying:
+            return timeout
+        answers, silent = self._watch.positions(_PATIENCE)
+        if self._error is not None:  # another rank's report came meanwhile
+            return timeout
+        me = self._describe(self.rank)
+        for seq, op in flying:
+            late = [r for r, called in sorted(answers.items()) if called <= seq]
+            if late:
+                who = "; ".join(f"{self._describe(r)} never called it ("
+                                + (f"the last collective it called is #{answers[r] - 1})" if answers[r] else
+                                   "it has called none of the group's collectives)") for r in late)
+                self._flight.waiting(seq, late, "ranks that never called it")
+                return CollectiveTimeout(f"{op} (#{seq}) did not finish within its timeout on {me}: {who}")
+        if silent and answers:
+            seq, op = flying[0]
+            who = ", ".join(self._describe(r) for r in silent)
+            self._flight.waiting(seq, silent, "ranks that did not answer")
+            return CollectiveTimeout(
+                f"{op} (#{seq}) did not finish within its timeout on {me}: every rank that answered had called it, "
+                f"but {who} did not answer (dead, stopped, or hung outside hfreduce)")
+        return timeout
 
     # ------------------------------------------------------------------ whom the threads wait on
     def waiting(self, seq: int, ranks: list[int], what: str) -> None:

@@ -78,14 +78,21 @@ PROFILING_NAMES = {
     "reduce_scatter": "nccl:reduce_scatter",
     "barrier": "nccl:barrier",
     "all_to_all": "nccl:all_to_all",
+    "gather": "nccl:gather",
+    "scatter": "nccl:scatter",
+    "send": "nccl:send",
+    "recv": "nccl:recv",
 }
 """The engine's collective names, and the ``profiling_name`` torch's analyzer matches on. It only
 knows the ``nccl:`` (and a few other vendors') prefix. It checks that an all_gather's
 ``output_sizes[0]`` is world_size times its input, and a reduce_scatter's input world_size times
-its output: record the whole flat buffer on that side."""
+its output: record the whole flat buffer on that side. A send or a receive is named with its
+two group ranks, as torch's analyzer parses them: ``nccl:send 0->1``, ``nccl:recv 1<-0``."""
+P2P_OPS = ("send", "recv")
 
 SCHEDULED, STARTED, COMPLETED = "scheduled", "started", "completed"
 _MAX_FRAMES = 32
+_MAX_OPEN = 100_000
 
 
 def capacity_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -156,21 +163,26 @@ def trace_of(tensors: list) -> tuple[list[list[int]], list[str]]:
 class _Entry:
     """One collective as this rank saw it. Mutated only under its recorder's lock."""
 
-    __slots__ = ("record_id", "seq", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes",
+    __slots__ = ("record_id", "seq", "p2p_seq", "peer", "op", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes",
                  "timeout_ms", "created_ns", "started_ns", "completed_ns", "failed_ns", "waiting_on",
                  "waiting_for", "waiting_since_ns", "error", "thread_id", "thread_name", "frames")
 
     def __init__(self, record_id: int, seq: int, op: str, input_sizes: list, input_dtypes: list,
-                 output_sizes: list, output_dtypes: list, timeout_ms: int, frames: list | None) -> None:
-        self.reset(record_id, seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes, timeout_ms, frames)
+                 output_sizes: list, output_dtypes: list, timeout_ms: int, frames: list | None,
+                 p2p_seq: int = 0, peer: int = -1) -> None:
+        self.reset(record_id, seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes, timeout_ms, frames,
+                   p2p_seq, peer)
 
     def reset(self, record_id: int, seq: int, op: str, input_sizes: list, input_dtypes: list,
-              output_sizes: list, output_dtypes: list, timeout_ms: int, frames: list | None) -> None:
+              output_sizes: list, output_dtypes: list, timeout_ms: int, frames: list | None,
+              p2p_seq: int = 0, peer: int = -1) -> None:
         """Make this entry a new collective's (the ring reuses its entries: a collective then
         leaves no new long-lived object behind, which would bring on the cycle collector's full
         passes, tens of ms each in a process that holds torch)."""
         self.record_id = record_id
-        self.seq = seq
+        self.seq = seq  # a send or receive: the group's last collective when it was posted (torch's convention)
+        self.p2p_seq = p2p_seq  # a send or receive: its number among this rank's (from 1); 0 for a collective
+        self.peer = peer
         self.op = op
         self.input_sizes = input_sizes
         self.input_dtypes = input_dtypes
@@ -198,7 +210,13 @@ class FlightRecorder:
     Per collective, with ``seq`` its 0-based sequence number in the group (the same on every
     rank): :meth:`record` when it is queued, :meth:`started`, :meth:`waiting` whenever it blocks
     on peers, then :meth:`completed` or :meth:`failed`. Calls for a ``seq`` the buffer no
-    longer holds are ignored. The recorder keeps the lists it is given; do not mutate them.
+    longer holds are ignored. A send or a receive is entered by :meth:`record_p2p`, whose
+    returned key stands for ``seq`` in those calls. The recorder keeps the lists it is given;
+    do not mutate them.
+
+    It also knows, even with recording off, which collectives are in flight on this rank
+    (:meth:`in_flight`, :meth:`open_collectives`) and how many it has settled (:attr:`settled`):
+    what a timeout's diagnosis and the group's watch (:mod:`~fireflyer.hfreduce.watch`) read.
     """
 
     def __init__(self, *, rank: int, world_size: int, global_ranks: list[int], group_name: str,
@@ -224,7 +242,10 @@ class FlightRecorder:
         self._lock = threading.Lock()
         self._ring: list[_Entry | None] = [None] * capacity
         self._next = 0
-        self._by_seq: dict[int, _Entry] = {}
+        self._by_seq: dict[int, _Entry] = {}  # a collective's seq, or minus a send's or receive's p2p number
+        self._open: dict[int, str] = {}  # keys recorded and not yet settled, oldest first -> op
+        self._p2p = 0
+        self.settled = 0  # records completed or failed so far
         self._recorded = 0
         self._last = {SCHEDULED: -1, STARTED: -1, COMPLETED: -1}
         self._file: _RankFile | None = None
@@ -256,26 +277,64 @@ class FlightRecorder:
     def record(self, seq: int, op: str, *, input_sizes: list[list[int]], input_dtypes: list[str],
                output_sizes: list[list[int]], output_dtypes: list[str], timeout_s: float) -> None:
         """Collective ``seq`` was queued on this rank (state "scheduled")."""
-        if not self.capacity:
-            return
-        if op not in PROFILING_NAMES:
-            raise UserError(f"unknown collective {op!r}; the flight recorder knows {', '.join(PROFILING_NAMES)}")
-        args = (next(self._file.ids), seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes,
-                int(timeout_s * 1000), _frames(sys._getframe(1)) if self._stack else None)
+        if op not in PROFILING_NAMES or op in P2P_OPS:
+            raise UserError(f"unknown collective {op!r}; the flight recorder knows "
+                            f"{', '.join(o for o in PROFILING_NAMES if o not in P2P_OPS)}")
+        self._enter(seq, seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes, timeout_s)
+
+    def record_p2p(self, op: str, peer: int, *, sizes: list[list[int]], dtypes: list[str], timeout_s: float) -> int:
+        """A send to (``op="send"``) or a receive from group rank ``peer`` was posted on this rank; returns the
+        key that stands for its ``seq`` in :meth:`started`, :meth:`waiting`, :meth:`completed` and :meth:`failed`."""
+        if op not in P2P_OPS:
+            raise UserError(f"a point-to-point record is a send or a recv, not {op!r}")
         with self._lock:
+            self._p2p += 1
+            number, last = self._p2p, self._last[SCHEDULED]
+        self._enter(-number, max(0, last), op, sizes, dtypes, sizes, dtypes, timeout_s, number, peer)
+        return -number
+
+    def _enter(self, key: int, seq: int, op: str, input_sizes: list, input_dtypes: list, output_sizes: list,
+               output_dtypes: list, timeout_s: float, p2p_seq: int = 0, peer: int = -1) -> None:
+        if not self.capacity:
+            with self._lock:
+                self._opened(key, op)
+            return
+        args = (next(self._file.ids), seq, op, input_sizes, input_dtypes, output_sizes, output_dtypes,
+                int(timeout_s * 1000), _frames(sys._getframe(2)) if self._stack else None, p2p_seq, peer)
+        with self._lock:
+            self._opened(key, op)
             i = self._next
             e = self._ring[i]
             if e is None:
                 e = self._ring[i] = _Entry(*args)
             else:
-                if self._by_seq.get(e.seq) is e:
-                    del self._by_seq[e.seq]
+                old = -e.p2p_seq if e.p2p_seq else e.seq
+                if self._by_seq.get(old) is e:
+                    del self._by_seq[old]
                 e.reset(*args)
             self._next = i + 1 if i + 1 < self.capacity else 0
-            self._by_seq[seq] = e
+            self._by_seq[key] = e
             self._recorded += 1
-            if seq > self._last[SCHEDULED]:
+            if not p2p_seq and seq > self._last[SCHEDULED]:
                 self._last[SCHEDULED] = seq
+
+    def _opened(self, key: int, op: str) -> None:  # under the lock
+        self._open[key] = op
+        if len(self._open) > _MAX_OPEN:  # a record nobody settles must not make it grow for ever
+            del self._open[next(iter(self._open))]
+
+    def _closed(self, key: int) -> None:  # under the lock
+        if self._open.pop(key, None) is not None:
+            self.settled += 1
+
+    def in_flight(self) -> int:
+        """How many recorded collectives, sends and receives have not yet completed or failed on this rank."""
+        return len(self._open)
+
+    def open_collectives(self) -> list[tuple[int, str]]:
+        """``(seq, op)`` of the collectives (not sends or receives) in flight on this rank, oldest first."""
+        with self._lock:
+            return [(k, op) for k, op in self._open.items() if k >= 0]
 
     def started(self, seq: int) -> None:
         with self._lock:
@@ -295,17 +354,19 @@ class FlightRecorder:
 
     def completed(self, seq: int) -> None:
         with self._lock:
+            self._closed(seq)
             e = self._by_seq.get(seq)
             if e is not None and e.completed_ns is None:
                 self._start(e)
                 e.completed_ns = time.time_ns()
                 e.waiting_on, e.waiting_for, e.waiting_since_ns = (), None, None
-                if seq > self._last[COMPLETED]:
+                if not e.p2p_seq and seq > self._last[COMPLETED]:
                     self._last[COMPLETED] = seq
 
     def failed(self, seq: int, error: str) -> None:
         """Collective ``seq`` failed here; whom it was waiting on is kept, for the diagnosis."""
         with self._lock:
+            self._closed(seq)
             e = self._by_seq.get(seq)
             if e is not None and e.failed_ns is None:
                 e.failed_ns = time.time_ns()
@@ -314,7 +375,7 @@ class FlightRecorder:
     def _start(self, e: _Entry) -> None:
         if e.started_ns is None:
             e.started_ns = time.time_ns()
-            if e.seq > self._last[STARTED]:
+            if not e.p2p_seq and e.seq > self._last[STARTED]:
                 self._last[STARTED] = e.seq
 
     # ------------------------------------------------------------------ reading and dumping
@@ -362,9 +423,9 @@ class FlightRecorder:
             "thread_name": e.thread_name or _thread_name(e.thread_id),
             "thread_id": str(e.thread_id),
             "collective_seq_id": e.seq,
-            "p2p_seq_id": 0,
+            "p2p_seq_id": e.p2p_seq,
             "op_id": e.seq,
-            "profiling_name": PROFILING_NAMES[e.op],
+            "profiling_name": _profiling_name(e, self.rank),
             "time_created_ns": e.created_ns,
             # torch's analyzer indexes sizes[0]; a collective always has at least one tensor.
             "input_sizes": [list(s) for s in e.input_sizes] or [[]],
@@ -377,13 +438,14 @@ class FlightRecorder:
             # torch: "a retired but not completed event has timed out"; ours failed.
             "retired": e.completed_ns is not None or e.failed_ns is not None,
             "timeout_ms": e.timeout_ms,
-            "is_p2p": False,
+            "is_p2p": bool(e.p2p_seq),
             "frames": [{"name": n, "filename": f, "line": ln} for n, f, ln in e.frames or ()],
         }
         if e.completed_ns is not None and e.started_ns is not None:
             d["duration_ms"] = (e.completed_ns - e.started_ns) / 1e6  # wall time here, not a GPU event's
         d.update({
             "op": e.op,
+            "peer": e.peer if e.p2p_seq else None,
             "group_rank": self.rank,
             "waiting_on": list(e.waiting_on),
             "waiting_on_global": [self.global_ranks[r] for r in e.waiting_on if 0 <= r < self.world_size],
@@ -395,8 +457,16 @@ class FlightRecorder:
         return d
 
 
-_EXTRAS = ("op", "group_rank", "waiting_on", "waiting_on_global", "waiting_for", "waiting_since_ns", "error",
+_EXTRAS = ("op", "peer", "group_rank", "waiting_on", "waiting_on_global", "waiting_for", "waiting_since_ns", "error",
            "time_failed_ns")
+
+
+def _profiling_name(e: _Entry, rank: int) -> str:
+    if e.op == "send":
+        return f"{PROFILING_NAMES['send']} {rank}->{e.peer}"
+    if e.op == "recv":
+        return f"{PROFILING_NAMES['recv']} {rank}<-{e.peer}"
+    return PROFILING_NAMES[e.op]
 
 
 def _thread_name(ident: int) -> str:

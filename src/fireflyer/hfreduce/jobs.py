@@ -175,6 +175,24 @@ class Jobs:
             self._exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
         return seq
 
+    def number(self, record: Callable[[int], None]) -> int:
+        """The next number of the group's collectives, for one that runs off the engine (across nodes by
+        the exchange, or an all-to-all, gather or scatter): ``record(seq)`` enters it in the flight recorder
+        under the lock, so the numbers follow the order of the calls, as the engine's own do."""
+        with self._submit_lock:
+            seq = self.seq
+            self.seq += 1
+            record(seq)
+        return seq
+
+    def number_plan(self, plan: Plan) -> int:
+        """:meth:`number` for a collective the engine would run as ``plan``, recorded as it would record it."""
+        def record(seq: int) -> None:
+            plan.seq = seq
+            self._record_plan(seq, plan)
+
+        return self.number(record)
+
     def release(self) -> None:
         """The collective a caller ran itself is over (its outcome settled): later ones may run."""
         self._exec_lock.release()
@@ -226,7 +244,9 @@ class Jobs:
                 job.future.set_result(job.plan.result)
 
     def _record(self, job: Job) -> None:
-        plan = job.plan
+        self._record_plan(job.seq, job.plan)
+
+    def _record_plan(self, seq: int, plan: Plan) -> None:
         trace = plan.trace
         if trace is None:  # the direct API: sizes as torch's analyzer expects them, from the flat buffer
             desc, w = plan.desc, self.world_size
@@ -234,7 +254,7 @@ class Jobs:
             dtype = [str(desc.dtype).replace("torch.", "")]
             ins, outs = {Kind.ALLGATHER: (part, whole), Kind.REDUCE_SCATTER: (whole, part)}.get(desc.kind, (whole, whole))
             trace = (ins, dtype, outs, dtype)
-        self._flight.record(job.seq, plan.desc.kind.name.lower(), input_sizes=trace[0], input_dtypes=trace[1],
+        self._flight.record(seq, plan.desc.kind.name.lower(), input_sizes=trace[0], input_dtypes=trace[1],
                             output_sizes=trace[2], output_dtypes=trace[3],
                             timeout_s=plan.timeout or self._timeout())
 

@@ -139,7 +139,7 @@ def _through_exchange(comm: "Communicator", job: "Job", input: torch.Tensor, out
         sends.append((r, key, piece_in, digest(Digest.ALL_TO_ALL, torch.uint8, n_in)))
         recvs.append((r, key, piece_out, digest(Digest.ALL_TO_ALL, torch.uint8, n_out)))
     op = ex.post("all_to_all_single", sends=sends, recvs=recvs,
-                 timeout=max(1e-3, job.deadline - time.monotonic()))
+                 timeout=max(1e-3, job.deadline - time.monotonic()), record=job.seq)
     give_up = job.deadline + 2.0  # the exchange's own deadline ends the call first
     while not op.future.done():
         if check_unless(comm._check, op.future.done):  # it finished first: a failure after is not this call's

@@ -148,6 +148,8 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         A canonical group's reduce-scatters stay on the engine, whose sums follow the canonical tree."""
         summing = any(p.desc.kind == Kind.REDUCE_SCATTER for p in plans)
         keep = summing and self.comm.config.order == "canonical"
+        if not keep and len(plans) == 1:  # the flight recorder's sizes, as the engine's path records them
+            plans[0].trace = (*trace_of(inputs), *trace_of(outputs))
         across = None if keep else spread.work(self.comm, plans, result, opts, what)
         if across is not None:
             return across

@@ -35,7 +35,9 @@ handed on, or reduced, while the next one is still on the wire.
 Each collective is one :class:`Flow` of exchange calls whose keys it reserves on the
 caller's thread, so calls posted later, from callbacks, still match on every rank. It
 has one deadline (the call's timeout, or the group's); a failed call fails the group,
-and the flow's future carries the error, so a dead peer raises from ``wait()``.
+and the flow's future carries the error, so a dead peer raises from ``wait()``. It takes
+the group's next collective number, as the engine's collectives do, and the flight
+recorder follows it from its start to its end (and whom its calls wait on, if it fails).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce import kernels
 from fireflyer.hfreduce.config import read, read_int
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, fresh
+from fireflyer.hfreduce.flight import FlightRecorder
 from fireflyer.hfreduce.reduce import Kind
 from fireflyer.hfreduce.reduce import Op, Plan, acc_dtype
 from fireflyer.hfreduce.topology import Layout
@@ -114,7 +117,8 @@ class Flow:
     :class:`~fireflyer.hfreduce.work.HFReduceWork` (``time_out``, ``alive``).
     """
 
-    def __init__(self, ex, layout: Layout, name: str, timeout: float, result: list[torch.Tensor]) -> None:
+    def __init__(self, ex, layout: Layout, name: str, timeout: float, result: list[torch.Tensor],
+                 flight: FlightRecorder | None = None, record: int | None = None) -> None:
         self.ex = ex
         self.layout = layout
         self.me = ex.rank
@@ -132,6 +136,8 @@ class Flow:
         self._open = 1  # calls and steps not done yet; 1: the set-up on the caller's thread
         self._ops: list = []
         self._error: BaseException | None = None
+        self._flight = flight if record is not None else None
+        self.record = record  # its number in the group's collectives (and flight record), if it has one
 
     # -- building ---------------------------------------------------------------------------
     def keys(self, count: int) -> int:
@@ -153,12 +159,14 @@ class Flow:
         with self._lock:
             self._open += 1
             self.cross_bytes += cross
-        op = self.ex.post(self.name, sends=sends, recvs=recvs, timeout=left)
+        op = self.ex.post(self.name, sends=sends, recvs=recvs, timeout=left, record=self.record)
         self._ops.append(op)
         op.future.add_done_callback(lambda fut: self._settle(fut, then))
 
     def start(self, build: Callable[["Flow"], None]) -> "Flow":
         """Run ``build`` (which posts the first calls) on the caller's thread; the flow is then under way."""
+        if self._flight is not None:
+            self._flight.started(self.record)
         try:
             build(self)
         except BaseException as exc:  # noqa: BLE001 - a half-posted collective leaves the ranks out of step
@@ -187,6 +195,8 @@ class Flow:
             self._error = exc
         if own:  # this rank's own step failed: the peers must learn it too
             exc = self.ex.failed(exc)
+        if self._flight is not None:
+            self._flight.failed(self.record, str(exc))
         self.future.set_exception(fresh(exc) if isinstance(exc, HFReduceError) else exc)
 
     def _close_one(self) -> None:
@@ -196,6 +206,8 @@ class Flow:
         if not last:
             return
         _count(self.cross_bytes)
+        if self._flight is not None:
+            self._flight.completed(self.record)
         settle(self.future, self.name, self.finish, self._result)
 
     # -- the Work's hooks ---------------------------------------------------------------------
@@ -457,7 +469,7 @@ class _Watch:
 def start(comm, ex, plan: Plan, name: str, timeout: float | None) -> Flow:
     """The spread flow of one collective the engine would run as ``plan`` (already checked by
     :mod:`~fireflyer.hfreduce.collectives`, whose flat views and write-backs it reuses)."""
-    flow = Flow(ex, comm.layout, name, timeout or comm.config.timeout, [])
+    flow = Flow(ex, comm.layout, name, timeout or comm.config.timeout, [], comm.flight, comm.number(plan))
     kind = plan.desc.kind
     if kind == Kind.ALLGATHER:
         (_, mine), (_, out) = plan.sources[0], plan.sinks[0]
@@ -486,6 +498,8 @@ def work(comm, plans: list[Plan], result: list[torch.Tensor], opts, what: str) -
     if ex is None:
         return None
     timeout = seconds(getattr(opts, "timeout", None))
+    for p in plans:
+        p.timeout = timeout
     flows = [start(comm, ex, p, what, timeout) for p in plans]
     return HFReduceWork(_Watch(flows), [f.future for f in flows], result, seqs=[f.first_key for f in flows],
                         what=what)

@@ -5,7 +5,9 @@ never the pickles beside them: a trace file is data, not code. Per process group
 which ranks dumped and which did not (a rank without a dump is the prime suspect: dead, or hung
 outside hfreduce), the first collective that not every rank completed, each rank's state there
 and whom it waited on, the rank(s) the waits end at, and any collective whose op, sizes or
-dtypes differ across ranks at the same sequence number. Ranks are global ranks.
+dtypes differ across ranks at the same sequence number. Sends and receives are not collectives
+(each rank numbers its own); where every collective completed, the ones still pending and the
+peers they waited on are reported instead. Ranks are global ranks.
 
 :func:`load` checks the files, :func:`analyse` is pure (dumps in, plain data out),
 :func:`render` makes the text.
@@ -162,7 +164,8 @@ def _group(name: str, info: dict, dumps: list[dict]) -> dict:
     missing = [r for r in members if r not in by_rank]
     seqs: dict[int, dict[int, dict]] = {}  # rank -> seq -> entry
     for r, d in by_rank.items():
-        seqs[r] = {e["collective_seq_id"]: e for e in d["entries"] if e["process_group"][0] == name}
+        seqs[r] = {e["collective_seq_id"]: e for e in d["entries"]
+                   if e["process_group"][0] == name and not e.get("is_p2p")}
     every = sorted({s for es in seqs.values() for s in es})
     span = {r: (min(es), max(es)) if es else None for r, es in seqs.items()}
 
@@ -178,9 +181,12 @@ def _group(name: str, info: dict, dumps: list[dict]) -> dict:
     out: dict[str, Any] = {
         "name": name, "desc": info.get("desc", ""), "world_size": len(members), "ranks": members,
         "dumped": sorted(by_rank), "missing": missing, "first_incomplete": None, "waited_for": [],
-        "wait_cycle": [], "mismatches": _mismatches(seqs, every),
+        "wait_cycle": [], "mismatches": _mismatches(seqs, every), "p2p_pending": [],
     }
     if first is None:
+        out["p2p_pending"] = _p2p_pending(name, members, by_rank)
+        if out["p2p_pending"]:
+            out["waited_for"], out["wait_cycle"] = _waited_for(_p2p_rows(members, by_rank, out["p2p_pending"]))
         return out
 
     rows = []
@@ -209,6 +215,30 @@ def _group(name: str, info: dict, dumps: list[dict]) -> dict:
     return out
 
 
+def _p2p_pending(name: str, members: list[int], by_rank: dict[int, dict]) -> list[dict]:
+    """The sends and receives of group ``name`` that did not complete, per dumped rank (peers as global ranks)."""
+    pending = []
+    for r in sorted(by_rank):
+        for e in by_rank[r]["entries"]:
+            if e["process_group"][0] != name or not e.get("is_p2p") or e["state"] == "completed":
+                continue
+            peer = e.get("peer")
+            pending.append({"rank": r, "op": e["op"], "peer": members[peer] if _is_int(peer) and
+                            0 <= peer < len(members) else None, "state": "failed" if e.get("error") else e["state"],
+                            "error": e.get("error")})
+    return pending
+
+
+def _p2p_rows(members: list[int], by_rank: dict[int, dict], pending: list[dict]) -> list[dict]:
+    """Rows as :func:`_waited_for` reads them: each rank waits on the peers of its pending sends and receives."""
+    rows = []
+    for r in members:
+        peers = sorted({p["peer"] for p in pending if p["rank"] == r and p["peer"] is not None})
+        state = "no dump" if r not in by_rank else "started" if peers else "completed"
+        rows.append({"rank": r, "state": state, "waiting_on": peers, "last_completed": None, "error": None})
+    return rows
+
+
 def _waited_for(rows: list[dict]) -> tuple[list[dict], list[int]]:
     """Follow who waits on whom at the stuck collective to where the waits end.
 
@@ -234,11 +264,13 @@ def _waited_for(rows: list[dict]) -> tuple[list[dict], list[int]]:
             reach.add(r)
             todo.extend(edges.get(r, []))
     ends = sorted(r for r in reach if r not in edges)
-    missing = [row["rank"] for row in rows if row["state"] == "no dump"]
-    if missing and not any(by_rank[r]["state"] == "no dump" for r in ends if r in by_rank):
+    late = ("no dump", "not reached", "scheduled")
+    behind = [row["rank"] for row in rows if row["state"] in late]
+    if behind and not any(by_rank[r]["state"] in late for r in ends if r in by_rank):
         # The live ranks' waits go round among themselves (each waits on a neighbour that is
-        # itself stuck) while some rank left no dump at all: that rank is the suspect.
-        return [_suspect(by_rank.get(r), r, sorted(waited_by.get(r, ()))) for r in missing], []
+        # itself stuck, or relays for the late one) while some rank left no dump at all or never
+        # reached the collective: that rank is the suspect, not a cycle.
+        return [_suspect(by_rank.get(r), r, sorted(waited_by.get(r, ()))) for r in behind], []
     cycle = [] if ends else sorted(reach)
     return [_suspect(by_rank.get(r), r, sorted(waited_by.get(r, ()))) for r in ends], cycle
 
@@ -343,7 +375,20 @@ def render(a: dict) -> list[tuple[str, str]]:
         else:
             lines.append((head, "bold"))
         fi = g["first_incomplete"]
-        if fi is None:
+        if fi is None and g["p2p_pending"]:
+            lines.append(("  every dumped rank completed every collective it recorded; sends and receives still "
+                          "pending:", "bold"))
+            for p in g["p2p_pending"][:_ROW_CAP]:
+                way = "to" if p["op"] == "send" else "from"
+                error = f"; error: {p['error']}" if p["error"] else ""
+                lines.append((f"    rank {p['rank']:<7} {p['op']} {way} rank {p['peer']}: {p['state']}{error}", ""))
+            if len(g["p2p_pending"]) > _ROW_CAP:
+                lines.append((f"    ... and {len(g['p2p_pending']) - _ROW_CAP} more (--json lists them)", ""))
+            lead = "everyone waited for" if len(g["waited_for"]) == 1 else "the waits end at"
+            for s in g["waited_for"]:
+                by = f"; waited on directly by {_who(s['waited_on_by'])}" if s["waited_on_by"] else ""
+                lines.append((f"  => {lead} rank {s['rank']}: {s['why']}{by}", "bold red"))
+        elif fi is None:
             lines.append(("  every dumped rank completed every collective it recorded", "green"))
             if g["missing"]:
                 lines.append((f"  look at {_who(g['missing'])}: its log, or whether its process still exists",

@@ -151,6 +151,8 @@ class Op:
         self._pending: set[Transfer] = set()
         self._lock = threading.Lock()
         self.settled = False
+        self.record: int | None = None  # the flight record of the call, or of the collective it is a step of
+        self.on_settled: Callable[["Op", str | None], None] | None = None  # told once: None, or the error
 
     def add(self, tr: Transfer) -> None:
         self._pending.add(tr)
@@ -159,6 +161,11 @@ class Op:
         """``["receiving from rank 2", "sending to rank 3"]``: what is left, for timeout messages."""
         with self._lock:
             return sorted({f"{'sending to' if tr.send else 'receiving from'} rank {tr.peer}" for tr in self._pending})
+
+    def peers(self) -> set[int]:
+        """The peers of the transfers not done yet."""
+        with self._lock:
+            return {tr.peer for tr in self._pending}
 
     def done(self, tr: Transfer | None) -> None:
         """Transfer ``tr`` is done (None: just check); the last one completes the call."""
@@ -171,6 +178,8 @@ class Op:
         if not last:
             return
         self._forget(self)
+        if self.on_settled is not None:  # before the future: its callbacks may look at the record
+            self.on_settled(self, None)
         settle(self.future, self.name, self._finish, self._result)
 
     def fail(self, error: BaseException) -> None:
@@ -179,6 +188,8 @@ class Op:
                 return
             self.settled = True
         self._forget(self)
+        if self.on_settled is not None:
+            self.on_settled(self, str(error))
         self.future.set_exception(fresh(error))
 
 
