@@ -40,7 +40,7 @@ def parse_counts(text: str, what: str = "--gpus") -> list[int]:
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if not args or args[0] not in ("plan", "simulate"):
-        raise UserError("usage: fireflyer plan ... | fireflyer simulate allreduce|placement ...")
+        raise UserError("usage: fireflyer plan ... | fireflyer simulate allreduce|placement|paper|goodput ...")
     if args[0] == "plan":
         return plan_main(args[1:])
     return simulate_main(args[1:])
@@ -85,10 +85,11 @@ def plan_main(argv: list[str]) -> int:
 
 def simulate_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fireflyer simulate allreduce|placement|paper [options]\n"
+        print("usage: fireflyer simulate allreduce|placement|paper|goodput [options]\n"
               "  allreduce  time, algbw and busbw against GPU count\n"
               "  placement  HAI's zone-aware placement against a naive one\n"
               "  paper      every reproduced figure of the paper, model next to paper\n"
+              "  goodput    checkpoint-restart against fault-tolerant training as failures grow with GPU count\n"
               "Run 'fireflyer simulate allreduce --help' for the options.")
         return 0 if argv else 2
     if argv[0] == "allreduce":
@@ -97,7 +98,11 @@ def simulate_main(argv: list[str]) -> int:
         return _placement_main(argv[1:])
     if argv[0] == "paper":
         return _paper_main(argv[1:])
-    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement or paper")
+    if argv[0] == "goodput":  # the failure model lives with the failure data, in the validator
+        from fireflyer.validator import goodput_cli
+
+        return goodput_cli.main(argv[1:])
+    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement, paper or goodput")
 
 
 def _paper_main(argv: list[str]) -> int:
