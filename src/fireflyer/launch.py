@@ -55,6 +55,11 @@ class LocalJob:
     grace: float = lifetime.DEFAULT_GRACE
     """Seconds the ranks get to finish what is in flight (a checkpoint save) when the job is stopped
     (a stop signal, the timeout) before they are killed."""
+    replicas: bool = False
+    """Each node a job of its own (torchrun with one node, its own rendezvous): the nodes are replica groups that
+    find each other through torchft's Lighthouse, and one node's failure leaves the others running."""
+    max_restarts: int = 0
+    """``replicas``: times each node's agent restarts the node's ranks when one of them fails."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -65,6 +70,8 @@ class LocalJob:
             raise UserError(f"timeout must be positive seconds, got {self.timeout}")
         if not 0 <= self.grace <= 3600:
             raise UserError(f"grace must be 0 to 3600 seconds, got {self.grace}")
+        if not 0 <= self.max_restarts <= 1000:
+            raise UserError(f"max_restarts must be 0 to 1000, got {self.max_restarts}")
 
     @property
     def world_size(self) -> int:
@@ -159,10 +166,14 @@ def run_local(job: LocalJob) -> Path:
                 env.update({NODE_ID: node_name(node), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
                 env.update(job.env)
                 env.update({JOB_SECRET: secret, lifetime.MARK: mark, lifetime.GRACE: f"{job.grace:g}"})
+                if job.replicas:  # a job of its own: one node, its own store, restarted on a failure
+                    place = ["--nnodes=1", "--node-rank=0", f"--master-port={free_port()}",
+                             f"--max-restarts={job.max_restarts}", "--monitor-interval=0.1"]
+                else:
+                    place = [f"--nnodes={job.nodes}", f"--node-rank={node}", f"--master-port={port}"]
                 cmd = [
-                    sys.executable, "-m", "torch.distributed.run",
-                    f"--nnodes={job.nodes}", f"--node-rank={node}", f"--nproc-per-node={job.ranks_per_node}",
-                    "--master-addr=127.0.0.1", f"--master-port={port}",
+                    sys.executable, "-m", "torch.distributed.run", *place,
+                    f"--nproc-per-node={job.ranks_per_node}", "--master-addr=127.0.0.1",
                     # the agent's wait between its SIGTERM to the ranks and its SIGKILL
                     f"--shutdown-timeout={math.ceil(job.grace) + 1}",
                     # each rank dies with its agent: python -m fireflyer.lifetime TARGET... becomes python TARGET...
@@ -177,7 +188,7 @@ def run_local(job: LocalJob) -> Path:
                     start_new_session=True,  # a terminal's Ctrl-C reaches this process, which stops the job in order
                     preexec_fn=lifetime.tied_to_me(signal.SIGTERM),
                 ))
-            _wait(procs, job.timeout)
+            _wait(procs, job.timeout, each_alone=job.replicas)
         except BaseException as exc:  # a stop signal, the timeout, or an error here: the job ends first
             why = f"{lifetime.signal_name(exc.signum)}" if isinstance(exc, lifetime.Stopped) else \
                 "timeout" if isinstance(exc, TimedOut) else type(exc).__name__
@@ -190,13 +201,13 @@ def run_local(job: LocalJob) -> Path:
             for out in outputs:
                 out.close()
     failed = [(node, p.returncode) for node, p in enumerate(procs) if p.returncode != 0]
-    if failed:
+    if failed and (not job.replicas or len(failed) == len(procs)):  # replicas: one that finished is enough
         node, code = failed[0]
         raise LaunchFailed(f"node {node} exited with code {code}: {_first_error(log_dir)} (logs in {log_dir})")
     return log_dir
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
+def _wait(procs: list[subprocess.Popen], timeout: float, *, each_alone: bool = False) -> None:
     deadline = time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]  # poll every agent, every time
@@ -204,8 +215,9 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
             return
         if time.monotonic() > deadline:
             raise TimedOut(f"the job did not finish within {timeout:.0f}s and was stopped")
-        # One failed node means the others will only wait for it: give them a moment, then stop them.
-        if any(code not in (None, 0) for code in codes):
+        # One failed node means the others will only wait for it: give them a moment, then stop them
+        # (unless the nodes are replicas, which go on without it).
+        if not each_alone and any(code not in (None, 0) for code in codes):
             grace = time.monotonic() + 10
             while any(p.poll() is None for p in procs) and time.monotonic() < grace:
                 time.sleep(0.1)

@@ -60,6 +60,11 @@ class ProcessGroupHFReduce(ProcessGroupWrapper):
         return HFReduceProcessGroup(store, rank, world_size, config=config,
                                     group_name=f"torchft-quorum-{self._quorum_id}", global_ranks=ranks)
 
+    @property
+    def quorum_id(self) -> int | None:
+        """The quorum this group was last configured for (None before the first)."""
+        return getattr(self, "_quorum_id", None)
+
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "torchft-hfreduce"
 

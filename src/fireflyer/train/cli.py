@@ -61,7 +61,11 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
     fields = p.add_argument_group("config fields (override CONFIG)")
     docs = _field_docs()
     for f in dataclasses.fields(TrainConfig):
-        kind = {"int": int, "float": float, "str": str}[str(f.type).split(" |")[0]]
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" |")[0]]
+        if kind is bool:  # a switch: --fault-tolerant
+            fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_const", const=True,
+                                default=None, help=docs.get(f.name, ""))
+            continue
         fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                             metavar=kind.__name__.upper(), help=docs.get(f.name, ""),
                             choices={"device": DEVICES, "model": MODELS, "order": ORDERS}.get(f.name))
@@ -104,13 +108,34 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
           f"{_step_range(cfg, resume_from)}, out {out}/ (logs in {out / 'logs'}/)", flush=True)
     print(f"fireflyer train: {data.summary()}", flush=True)
     t0 = time.monotonic()
-    run_local(LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,
-                       timeout=cfg.timeout, grace=cfg.stop_grace, log_dir=str(out / "logs")))
+    job = LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,
+                   timeout=cfg.timeout, grace=cfg.stop_grace, log_dir=str(out / "logs"))
+    if cfg.fault_tolerant:
+        _run_replicas(job, cfg)
+    else:
+        run_local(job)
     wall = time.monotonic() - t0
     run = report.load_run(out)
     png = report.plot_losses(run, out / "loss.png")
     print(report.summary(run, wall_s=wall, out=out, png=png))
     return 0
+
+
+def _run_replicas(job, cfg: TrainConfig) -> None:
+    """``--fault-tolerant``: torchft's Lighthouse, then each node as a replica group of its own, restarted by its
+    agent when its ranks die; the Lighthouse ends with the job."""
+    from fireflyer.launch import run_local
+    from fireflyer.train.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse
+
+    logs = cfg.out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    lighthouse, address = start_lighthouse(logs / "lighthouse.log")
+    try:
+        run_local(dataclasses.replace(job, replicas=True, max_restarts=cfg.max_restarts,
+                                      env={**job.env, LIGHTHOUSE_ENV: address}))
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
 
 
 def _step_range(cfg: TrainConfig, resume_from: int | None) -> str:

@@ -127,6 +127,11 @@ class TrainConfig:
     stop_grace: float = 10.0
     """Seconds the ranks get to finish a checkpoint save in flight when the run is stopped (Ctrl-C, SIGTERM,
     --timeout) before they are killed."""
+    fault_tolerant: bool = False
+    """Keep training through the loss of a node (torchft: each node a replica group, a quorum every step, a
+    restarted node healed from a live one); with order = canonical the steps keep their bits."""
+    max_restarts: int = 3
+    """fault_tolerant: how many times each node's agent restarts the node's ranks after they die."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -138,7 +143,7 @@ class TrainConfig:
         for name, cap in LIMITS.items():
             if getattr(self, name) > cap:
                 raise UserError(f"{name} must be at most {cap:,}, got {getattr(self, name):,}")
-        non_negative = ("shared_experts", "warmup_steps", "eval_interval", "save_every", "sample_tokens", "seed",
+        non_negative = ("max_restarts", "shared_experts", "warmup_steps", "eval_interval", "save_every", "sample_tokens", "seed",
                         "weight_decay", "bias_update_speed",
                         "grad_clip", "min_lr")
         for name in non_negative:
@@ -183,6 +188,7 @@ class TrainConfig:
                                 "expert-parallel group stays inside one node, where its all-to-all goes "
                                 "through shared memory")
         self._check_order()
+        self._check_fault_tolerant()
         if self.world_size % (self.pp * self.ep):
             raise UserError(f"pp x ep = {self.pp} x {self.ep} does not divide the world size {self.world_size} "
                             f"({plural(self.nodes, 'node')} x {plural(self.ranks_per_node, 'rank')}); data parallel takes the rest")
@@ -195,6 +201,19 @@ class TrainConfig:
             if self.microbatches < self.pp:
                 raise UserError(f"microbatches ({self.microbatches}) must be at least pp ({self.pp}) for the 1F1B "
                                 "schedule")
+
+    def _check_fault_tolerant(self) -> None:
+        """What --fault-tolerant needs: a replica of all the state on every node."""
+        if not self.fault_tolerant:
+            return
+        if self.nodes < 2:
+            raise UserError("fault_tolerant needs at least 2 nodes: each node is a replica of the model, and with "
+                            "a single replica there is nothing to train on while it is lost (use --nodes 2 or more)")
+        if self.pp > 1:
+            raise UserError(f"fault_tolerant cannot run a pipeline across nodes (pp = {self.pp}): each stage's "
+                            "weights live on one node only, so a lost node has no replica to heal from")
+        if self.model != "dense":
+            raise UserError("fault_tolerant covers the dense model for now; model = 'moe' is not fault-tolerant yet")
 
     def _check_order(self) -> None:
         """Gradient accumulation and the canonical order: what the layout must be for the run's bits to hold."""
@@ -294,7 +313,7 @@ OPTIONAL = frozenset({"stop_at"})
 LIMITS = {"nodes": 64, "ranks_per_node": 64, "experts": 4096, "shared_experts": 64, "expert_hidden": 65536,
           "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "micro_batches": 256, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
           "steps": 10**9, "batch_per_rank": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
-          "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9}
+          "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9, "max_restarts": 1000}
 """Upper bounds: beyond them a value is a typo, not a plan, and is refused before any rank starts."""
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -373,7 +392,7 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     if clashes:
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
-    ignored = {"stop_at", "out", "timeout", "stop_grace", "data_cache"}
+    ignored = {"stop_at", "out", "timeout", "stop_grace", "data_cache", "fault_tolerant", "max_restarts"}
     if saved_world != cfg.world_size:  # a canonical run on a new layout: these may change with the global batch kept
         ignored |= {"nodes", "ranks_per_node", "batch_per_rank", "micro_batches"}
     return [name for name in FIELD_NAMES

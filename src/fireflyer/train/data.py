@@ -150,11 +150,25 @@ class TrainingData:
         total = world_size * micro_batches
         self.micro = [rank * micro_batches + j for j in range(micro_batches)]
         """The global indices of this rank's micro-batches."""
-        common = dict(batch=batch // micro_batches, world_size=total, seed=seed, device=device)
-        self.splits = {name: [RecordBatches(prepared.dir / name, name=f"the {name} split of {prepared.source}",
-                                            rank=g, **common)  # type: ignore[arg-type]
-                              for g in self.micro]
-                       for name in ("train", "val")}
+        self._common = dict(batch=batch // micro_batches, world_size=total, seed=seed, device=device)
+        self._others: dict[tuple[str, int], RecordBatches] = {}
+        """Readers of other micro-batches, opened when first asked for (a fault-tolerant step's new share)."""
+        self.splits = {name: [self._open(name, g) for g in self.micro] for name in ("train", "val")}
+
+    def _open(self, name: str, g: int) -> RecordBatches:
+        return RecordBatches(self.prepared.dir / name, name=f"the {name} split of {self.prepared.source}",
+                             rank=g, **self._common)  # type: ignore[arg-type]
+
+    def micro_batch(self, split: str, g: int, *, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``g`` of the global batch (any ``g``, not only this rank's): of step ``at`` (1-based) in
+        ``"train"``, validation batch ``at`` in ``"val"``. The same windows whichever rank reads them."""
+        if not 0 <= g < self._common["world_size"]:
+            raise UserError(f"micro-batch {g} is outside the global batch of {self._common['world_size']}")
+        if g in self.micro:
+            reader = self.splits[split][self.micro.index(g)]
+        else:
+            reader = self._others.get((split, g)) or self._others.setdefault((split, g), self._open(split, g))
+        return reader.batch(at - 1 if split == "train" else at)
 
     @classmethod
     def open(cls, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device) -> TrainingData:
@@ -187,7 +201,7 @@ class TrainingData:
         return self.prepared.describe()
 
     def _readers(self) -> list[RecordBatches]:
-        return [m for split in self.splits.values() for m in split]
+        return [m for split in self.splits.values() for m in split] + list(self._others.values())
 
     def close(self) -> None:
         for s in self._readers():

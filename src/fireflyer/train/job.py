@@ -92,13 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
         try:
-            train(lambda: Trainer(cfg, where, resume=args.resume, fail_at=injected_failure(where.rank)))
+            if cfg.fault_tolerant:
+                train(lambda: _fault_tolerant(cfg, where, args.resume))
+            else:
+                train(lambda: Trainer(cfg, where, resume=args.resume, fail_at=injected_failure(where.rank)))
         finally:
             dist.destroy_process_group()
     except Stopped as exc:
         print(f"rank {where.rank}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     return 0
+
+
+def _fault_tolerant(cfg: TrainConfig, where, resume: int | None) -> Trainer:
+    """One replica group's rank; restarted by its agent, it starts from the newest checkpoint on disk (and a
+    live replica heals it to the quorum's step)."""
+    from fireflyer.train import state as saved
+    from fireflyer.train.ft_trainer import FaultTolerantTrainer, node_index
+
+    fail_at = injected_failure(node_index(where.node) * cfg.ranks_per_node + where.rank)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        fail_at = None  # an injected failure happens once
+        resume = saved.latest_step(cfg.out) if saved.latest_step(cfg.out) is not None else resume
+    return FaultTolerantTrainer(cfg, where, resume=resume, fail_at=fail_at)
 
 
 def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite: bool = False) -> int:

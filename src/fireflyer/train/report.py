@@ -55,7 +55,8 @@ def plot_losses(run: dict[str, Any], path: str | Path) -> Path:
 
 def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | None) -> str:
     """The end-of-run screen: model, world, speed, losses, files, and a sample of generated text."""
-    cfg, h, t, ar, w = run["config"], run["history"], run["timing"], run["allreduce"], run["world"]
+    cfg, h, t, ar, w = run["config"], run["history"], run["timing"], run.get("allreduce"), run["world"]
+    ft = run.get("fault_tolerance")
     loss = h["loss"]
     val = h["val"]
     status = "finished"
@@ -70,16 +71,17 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
          f"{plural(run['model']['vocab_size'], 'character')}"),
         (f"  world      {plural(w['nodes'], 'node')} x {plural(w['ranks_per_node'], 'rank')} = "
          f"{plural(w['world_size'], 'rank')} on {w['device']}, {plural(w['threads_per_rank'], 'thread')} per rank, "
-         f"haiscale DDP over hfreduce"),
+         + ("each node a torchft replica group over hfreduce" if ft else "haiscale DDP over hfreduce")),
         *_layout_lines(run),
+        *_fault_lines(ft),
         (f"  data       {data['train_tokens']:,} train / {data['val_tokens']:,} val characters of "
          f"{data['source']}, {data['tokens_per_step']:,} tokens per step"),
         (f"  records    {data['records']['train']:,} + {data['records']['val']:,} windows of {data['window']} tokens "
          f"in {plural(data['shards']['train'] + data['shards']['val'], 'shard')} ({data['hash'][:12]}); shard cache hit rate "
          f"{data['cache_hit_rate']:.1%}, reader stall {data['stall_s']:.3f} s per rank"),
-        (f"  speed      {_si(t['tokens_per_s'])} tokens/s over {plural(t['steps_this_run'], 'step')}; "
-         f"allreduce {ar['gbps']:.2f} GB/s, {_bytes(ar['bytes_per_rank'])} per rank, "
-         f"{ar['exposed_wait_s']:.1f} s exposed wait"),
+        (f"  speed      {_si(t['tokens_per_s'])} tokens/s over {plural(t['steps_this_run'], 'step')}"
+         + (f"; allreduce {ar['gbps']:.2f} GB/s, {_bytes(ar['bytes_per_rank'])} per rank, "
+            f"{ar['exposed_wait_s']:.1f} s exposed wait" if ar else "")),
     ]
     if loss:
         lines.append(f"  loss       train {loss[0]:.3f} (step 1) -> {_tail_mean(loss):.3f} "
@@ -98,6 +100,26 @@ def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | 
         body = text.strip("\n").splitlines()[:8]
         lines += [f"    | {line[:96]}".rstrip() for line in body]
     return "\n".join(lines)
+
+
+def _fault_lines(ft: dict[str, Any] | None) -> list[str]:
+    """A fault-tolerant run's failures: when, which node, the quorum change, the time to the next step."""
+    if not ft:
+        return []
+    failures, heals = ft.get("failures", []), ft.get("heals", [])
+    lines = [f"  faults     {plural(len(failures), 'failure')} survived, {plural(ft.get('redone_steps', 0), 'step')} "
+             f"redone, {plural(len(heals), 'heal')} from a live replica"
+             + (f", {plural(ft['dropped_micro_batches'], 'micro-batch', 'micro-batches')} dropped (order fast)"
+                if ft.get("dropped_micro_batches") else "")]
+    for f in failures:
+        lost = ", ".join(f.get("lost") or []) or "a replica"
+        took = f"{f['recovered_s']:.1f} s" if f.get("recovered_s") is not None else "-"
+        lines.append(f"             step {f['step']}: {lost} lost, {f['replicas_before']} -> {f['replicas_after']} "
+                     f"replicas, next step done {took} after the failure")
+    for hl in heals:
+        lines.append(f"             step {hl['step']}: {hl['replica']} healed, {_bytes(hl['bytes'])} in "
+                     f"{hl['seconds']:.1f} s")
+    return lines
 
 
 def _layout_lines(run: dict[str, Any]) -> list[str]:

@@ -326,6 +326,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ reporting
     def allreduce_gbps(self) -> float:
+        if self.ddp is None:  # a fault-tolerant run sums through torchft's group, not a DDP
+            return 0.0
         s = self.ddp.stats()
         return s["allreduce_bytes"] / s["allreduce_seconds"] / 1e9 if s["allreduce_seconds"] > 0 else 0.0
 
@@ -381,7 +383,7 @@ class Trainer:
     def _record(self, reader: dict[str, float], laid: dict[str, Any]) -> dict[str, Any]:
         cfg, w = self.cfg, self.where
         done = self.end_step - self.start_step
-        ddp = self.ddp.stats()
+        ddp = self.ddp.stats() if self.ddp is not None else None
         t0 = time.perf_counter()
         text = self.sample()
         return {
@@ -402,9 +404,9 @@ class Trainer:
             "timing": {**self.timing, "steps_this_run": done,
                        "tokens_per_s": done * cfg.tokens_per_step / self.timing["train_s"] if done else 0.0,
                        "sample_s": time.perf_counter() - t0},
-            "allreduce": {"bytes_per_rank": ddp["allreduce_bytes"], "seconds": ddp["allreduce_seconds"],
-                          "exposed_wait_s": ddp["wait_seconds"], "gbps": self.allreduce_gbps(),
-                          "buckets": ddp.get("buckets")},
+            **({"allreduce": {"bytes_per_rank": ddp["allreduce_bytes"], "seconds": ddp["allreduce_seconds"],
+                              "exposed_wait_s": ddp["wait_seconds"], "gbps": self.allreduce_gbps(),
+                              "buckets": ddp.get("buckets")}} if ddp is not None else {}),
             "sample": {"prompt": SAMPLE_PROMPT, "text": text},
         }
 
@@ -429,7 +431,8 @@ class Trainer:
                 "tokens": [{k: v["tokens"] for k, v in e["layers"].items()} for e in h]}
 
     def close(self) -> None:
-        self.ddp.close()
+        if self.ddp is not None:
+            self.ddp.close()
         self.data.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
