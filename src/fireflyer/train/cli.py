@@ -132,7 +132,7 @@ def _run_replicas(job, cfg: TrainConfig) -> None:
     lighthouse, address = start_lighthouse(logs / "lighthouse.log")
     try:
         run_local(dataclasses.replace(job, replicas=True, max_restarts=cfg.max_restarts,
-                                      env={**job.env, LIGHTHOUSE_ENV: address}))
+                                      env={"RUST_LOG": "warn", **job.env, LIGHTHOUSE_ENV: address}))
     finally:
         lighthouse.kill()
         lighthouse.wait()

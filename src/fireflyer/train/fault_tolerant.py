@@ -378,7 +378,8 @@ def start_lighthouse(log: Path, *, mark_env: dict[str, str] | None = None, wait_
     proc = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
                              "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
                              "--bind", f"127.0.0.1:{port}"],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env={**os.environ, **(mark_env or {})},
+                            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                            env={**os.environ, "RUST_LOG": "warn", **(mark_env or {})},
                             preexec_fn=lifetime.tied_to_me(signal.SIGKILL))
     out.close()
     deadline = time.monotonic() + wait_s
