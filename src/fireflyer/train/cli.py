@@ -127,15 +127,22 @@ def _run_replicas(job, cfg: TrainConfig) -> None:
     from fireflyer.launch import run_local
     from fireflyer.train.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse
 
+    import shutil
+    import tempfile
+
+    from fireflyer.train.ft_trainer import READY_ENV
+
     logs = cfg.out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    ready = tempfile.mkdtemp(prefix="fireflyer-ft-ready-")
     lighthouse, address = start_lighthouse(logs / "lighthouse.log")
     try:
         run_local(dataclasses.replace(job, replicas=True, max_restarts=cfg.max_restarts,
-                                      env={"RUST_LOG": "warn", **job.env, LIGHTHOUSE_ENV: address}))
+                                      env={"RUST_LOG": "warn", **job.env, LIGHTHOUSE_ENV: address, READY_ENV: ready}))
     finally:
         lighthouse.kill()
         lighthouse.wait()
+        shutil.rmtree(ready, ignore_errors=True)
 
 
 def _step_range(cfg: TrainConfig, resume_from: int | None) -> str:

@@ -55,6 +55,8 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HEARTBEAT_TIMEOUT_MS = 1500
 """A replica that has not heartbeated for this long is left out of the next quorum."""
 JOIN_TIMEOUT_MS = 1000
+_ID_BYTES = 64
+"""Room for a replica id in the quorum's exchange of ids."""
 """How long a quorum waits for the previous quorum's members before forming without them."""
 
 
@@ -259,10 +261,7 @@ class Replica:
         self.manager.start_quorum()
         healed = self.transport.received_bytes - before
         step = self.manager.current_step() + 1
-        if healed:
-            self.record.heals.append(asdict(Heal(step=step - 1, replica=self.replica_id, at=time.time(),
-                                                 bytes=healed, seconds=time.monotonic() - t0)))
-        replicas = self._participants()
+        replicas = self._participants(step, healed, time.monotonic() - t0 if healed else 0.0)
         if replicas is None:
             return None
         if tuple(replicas) != self._last_quorum:
@@ -313,18 +312,20 @@ class Replica:
         inner = getattr(e, "original_exception", e)
         return f"{type(inner).__name__}: {inner}" if inner is not None else "a peer left the quorum"
 
-    def _participants(self) -> list[str] | None:
-        """The live replica ids in quorum order, learnt over the new quorum's group when it changes."""
+    def _participants(self, step: int, healed: int, heal_s: float) -> list[str] | None:
+        """The live replica ids in quorum order, learnt over the new quorum's group when it changes, with the
+        heals of those that joined (each replica says what it received), recorded on every replica."""
         if self.manager.errored() is not None:
             return None
-        if self.pg.quorum_id == self._ids_of[0]:
+        if self.pg.quorum_id == self._ids_of[0] and not healed:
             return self._ids_of[1]
         n, rank = self.manager.num_participants(), self.manager.participating_rank()
         if rank is None:
             raise FireflyerError(f"{self.replica_id} is not in the quorum it just joined")
-        t = torch.zeros(n, 64, dtype=torch.uint8)
-        raw = self.replica_id.encode()[:64]
+        t = torch.zeros(n, _ID_BYTES + 16, dtype=torch.uint8)
+        raw = self.replica_id.encode()[:_ID_BYTES]
         t[rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        t[rank, _ID_BYTES:] = torch.tensor([float(healed), heal_s], dtype=torch.float64).view(torch.uint8)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         try:
@@ -332,7 +333,14 @@ class Replica:
         except Exception as exc:  # noqa: BLE001 - a peer lost: the step fails, the next quorum goes on
             self.manager.report_error(exc)
             return None
-        ids = [bytes(t[i][t[i] > 0].tolist()).decode() for i in range(n)]
+        ids = []
+        for i in range(n):
+            name = t[i, :_ID_BYTES]
+            ids.append(bytes(name[name > 0].tolist()).decode())
+            got, seconds = t[i, _ID_BYTES:].clone().view(torch.float64).tolist()
+            if got > 0:
+                self.record.heals.append(asdict(Heal(step=step - 1, replica=ids[-1], at=time.time(),
+                                                     bytes=int(got), seconds=seconds)))
         self._ids_of = (self.pg.quorum_id, ids)
         return ids
 

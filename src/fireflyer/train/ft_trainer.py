@@ -38,6 +38,8 @@ COLLECTIVE_TIMEOUT = 15.0
 """Seconds a cross-replica collective may wait; a lost replica is usually named within a second."""
 QUORUM_TIMEOUT = 60.0
 """Seconds a quorum (and a heal) may take."""
+READY_ENV = "FIREFLYER_FT_READY"
+"""A folder where each replica says it is built (``fireflyer train --fault-tolerant`` makes it fresh)."""
 
 
 def node_index(node: str) -> int:
@@ -57,11 +59,27 @@ class FaultTolerantTrainer(Trainer):
                                canonical=cfg.order == "canonical", state=self._live_state, load=self._load_live,
                                timeout=min(COLLECTIVE_TIMEOUT, cfg.timeout), quorum_timeout=min(QUORUM_TIMEOUT, cfg.timeout))
         self.replica.set_step(self.start_step)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            self._wait_for_replicas()
         self.writer = where.node
         """The replica that writes the checkpoint and run.json: the quorum's first."""
         self._open: dict[str, Any] | None = None
         """A failure not yet recovered from: its record, until the next committed step."""
         self._last_commit = time.time()
+
+    def _wait_for_replicas(self) -> None:
+        """A first start waits (up to the quorum timeout) for every configured replica to be built, so the first
+        quorum has them all rather than whichever started first; a restarted replica joins the live ones."""
+        ready = os.environ.get(READY_ENV)
+        if not ready:
+            return
+        if self.where.rank == 0:
+            folder = Path(ready)
+            (folder / self.where.node).touch()
+            deadline = time.monotonic() + min(QUORUM_TIMEOUT, self.cfg.timeout)
+            while len(list(folder.iterdir())) < self.cfg.nodes and time.monotonic() < deadline:
+                time.sleep(0.02)
+        dist.barrier()
 
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
@@ -95,7 +113,7 @@ class FaultTolerantTrainer(Trainer):
         mine, theirs = self.replica.record, state.get("record") or {}
         for name in ("failures", "quorums"):
             setattr(mine, name, list(theirs.get(name, [])))
-        mine.heals = list(theirs.get("heals", [])) + mine.heals
+        mine.heals = list(theirs.get("heals", []))
         mine.dropped_micro_batches = int(theirs.get("dropped_micro_batches", 0))
         mine.redone_steps = int(theirs.get("redone_steps", 0))
 
