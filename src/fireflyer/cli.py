@@ -18,6 +18,7 @@ BENCHES = {
     "pp": "fireflyer.bench.pp",
     "moe": "fireflyer.bench.moe",
     "checkpoint": "fireflyer.bench.checkpoint",
+    "recovery": "fireflyer.bench.recovery",
     "platform": "fireflyer.bench.platform",
     "fabric": "fireflyer.bench.fabric",
     "storage": "fireflyer.bench.storage",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fireflyer.errors import UserError
 from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
@@ -81,6 +82,27 @@ class FaultTolerantTrainer(Trainer):
                 time.sleep(0.02)
         dist.barrier()
 
+    def _restore(self, step: int) -> int:
+        """A first start loads ``step`` as any run does; a restarted node loads the newest checkpoint, which the
+        live replicas' saving may replace while it loads: the node's ranks then agree on the newer one."""
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            return super()._restore(step)
+        for _ in range(5):
+            try:
+                got, ok = super()._restore(step), 1
+            except UserError:
+                got, ok = 0, 0
+            flag = torch.tensor([ok], dtype=torch.int64)
+            dist.all_reduce(flag)
+            if int(flag.item()) == self.where.world_size:
+                return got
+            box = [saved.latest_step(self.cfg.out) if self.where.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                break
+            step = box[0]
+        raise UserError(f"the restarted {self.where.node} could not load a checkpoint from {saved.ckpt_dir(self.cfg.out)}")
+
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
         w, cfg = self.where, self.cfg
@@ -120,6 +142,12 @@ class FaultTolerantTrainer(Trainer):
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
         cfg, rank = self.cfg, self.where.rank
+        if self.start_step >= self.end_step:  # restarted after the live replicas finished the run: nothing left
+            if rank == 0:
+                print(f"{self.where.node}: the run finished (step {self.end_step} is committed) while this node "
+                      "restarted; nothing left to do", flush=True)
+            dist.barrier()
+            return {}
         if self.start_step == 0:
             self._evaluate(0)
         bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)

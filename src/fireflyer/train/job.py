@@ -113,7 +113,9 @@ def _fault_tolerant(cfg: TrainConfig, where, resume: int | None) -> Trainer:
     fail_at = injected_failure(node_index(where.node) * cfg.ranks_per_node + where.rank)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         fail_at = None  # an injected failure happens once
-        resume = saved.latest_step(cfg.out) if saved.latest_step(cfg.out) is not None else resume
+        box = [saved.latest_step(cfg.out) if where.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # the node's ranks start from one step
+        resume = box[0] if box[0] is not None else resume
     return FaultTolerantTrainer(cfg, where, resume=resume, fail_at=fail_at)
 
 
