@@ -19,25 +19,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_CELL = {"name": ""}
+from fireflyer.testing.cases.torch_faults import cell_name, join  # noqa: F401 - join: the rank's first call
+
 KINDS = ("broadcast", "all_gather", "all_gather_list", "reduce_scatter", "reduce_scatter_list", "all_to_all",
          "all_to_all_list", "all_reduce", "gather", "scatter", "send_recv")
-
-
-def join(ctx, cell: str, timeout: float, trace_dir: str | None = None) -> float:
-    """Every rank: a new default group for this cell, and one good all_reduce on it."""
-    import fireflyer.hfreduce  # noqa: F401 - registers the backend
-
-    if trace_dir is not None:  # read when the group's flight recorder is made
-        os.environ["FIREFLYER_HFREDUCE_TRACE_DIR"] = trace_dir
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _CELL["name"] = cell
-    dist.init_process_group("hfreduce", store=dist.PrefixStore(cell, ctx.store), rank=ctx.rank,
-                            world_size=ctx.world_size, timeout=timedelta(seconds=timeout))
-    t = torch.ones(4)
-    dist.all_reduce(t)
-    return t[0].item()
 
 
 def call(kind: str, n: int, root: int = 0, async_op: bool = False):
@@ -105,12 +90,12 @@ def killed(ctx, kind: str, victim: int, n: int, when: str, rounds: int = 50) -> 
     me = ctx.rank
     if me == victim:
         if when == "start":
-            ctx.store.set(f"{_CELL['name']}/killed_at", repr(time.time()))
+            ctx.store.set(f"{cell_name()}/killed_at", repr(time.time()))
             call(kind, n, async_op=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
         def die() -> None:
-            ctx.store.set(f"{_CELL['name']}/killed_at", repr(time.time()))
+            ctx.store.set(f"{cell_name()}/killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Timer(0.05, die).start()
@@ -119,15 +104,15 @@ def killed(ctx, kind: str, victim: int, n: int, when: str, rounds: int = 50) -> 
         report = _outcome(lambda: _finish(call(kind, n, async_op=True)))
         if report["raised"] is not None:
             break
-    ctx.store.wait([f"{_CELL['name']}/killed_at"], timedelta(seconds=60))
-    report["killed_at"] = float(ctx.store.get(f"{_CELL['name']}/killed_at").decode())
+    ctx.store.wait([f"{cell_name()}/killed_at"], timedelta(seconds=60))
+    report["killed_at"] = float(ctx.store.get(f"{cell_name()}/killed_at").decode())
     return _leave(report)
 
 
 def absent(ctx, kind: str, victim: int, n: int) -> dict:
     """``victim`` stays alive and in the group but never calls ``kind``, until the test releases it."""
     if ctx.rank == victim:
-        ctx.store.wait([f"{_CELL['name']}/release"], timedelta(seconds=120))
+        ctx.store.wait([f"{cell_name()}/release"], timedelta(seconds=120))
         return _leave({"victim": True})
     return _leave(_outcome(lambda: _finish(call(kind, n))))
 

@@ -47,8 +47,8 @@ _JOINED = re.compile(r"^step (\d+): (.+) joined;")
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryBenchConfig:
-    steps: int = 800
-    every: int = 200
+    steps: int = 1500
+    every: int = 300
     kills: int = 3
     save_every: int = 100
     nodes: int = 3
@@ -62,8 +62,8 @@ class RecoveryBenchConfig:
 
 def build_config(argv: list[str]) -> RecoveryBenchConfig:
     p = ArgumentParser(prog="fireflyer bench recovery", description=doc_summary(__doc__))
-    p.add_argument("--steps", type=int, default=800, help="steps of each training run (default 800)")
-    p.add_argument("--every", type=int, default=200, help="kill a node every this many steps (default 200)")
+    p.add_argument("--steps", type=int, default=1500, help="steps of each training run (default 1500)")
+    p.add_argument("--every", type=int, default=300, help="kill a node every this many steps (default 300)")
     p.add_argument("--kills", type=int, default=3, help="nodes killed in the fault-tolerant run (default 3)")
     p.add_argument("--save-every", type=int, default=100,
                    help="checkpoint interval in steps, of every run and of the checkpoint-restart model (default 100)")
@@ -73,7 +73,8 @@ def build_config(argv: list[str]) -> RecoveryBenchConfig:
     p.add_argument("--rejoin-wait", type=float, default=30.0,
                    help="seconds a kill waits for the last killed node to rejoin (default 30)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds one training run may take (default 240)")
-    p.add_argument("--work", default=None, help="where the runs' out directories go (default: a temporary one, removed)")
+    p.add_argument("--work", default=None,
+                   help="where the runs' out directories go (default: a temporary one, removed)")
     p.add_argument("--out", default="benchmarks/results", help="where recovery.json and recovery.png go")
     a = p.parse_args(argv)
     if a.nodes < 2:
@@ -279,7 +280,8 @@ def run(cfg: RecoveryBenchConfig, say=print) -> dict[str, Any]:
             for k in range(1, cfg.kills + 1):
                 node = f"node{1 + (k - 1) % (cfg.nodes - 1)}"
                 deadline = time.time() + cfg.timeout
-                while killed_run.last_step() < k * cfg.every and killed_run.proc.poll() is None and time.time() < deadline:
+                while (killed_run.last_step() < k * cfg.every and killed_run.proc.poll() is None
+                       and time.time() < deadline):
                     time.sleep(0.01)
                 if kills:  # let the last killed node rejoin first, so each kill is one failure
                     wait_until = time.time() + cfg.rejoin_wait
@@ -316,7 +318,8 @@ def run(cfg: RecoveryBenchConfig, say=print) -> dict[str, Any]:
     return {
         "bench_s": time.time() - t_bench,
         "step_time": {"plain_s": plain_step_s, "ft_s": step_time(clean), "ratio": step_time(clean) / plain_step_s},
-        "restart": {"resume_launch_to_first_step_s": restart_s, "resume_wall_s": resumed.steps()[-1][0] - resumed.launched,
+        "restart": {"resume_launch_to_first_step_s": restart_s,
+                    "resume_wall_s": resumed.steps()[-1][0] - resumed.launched,
                     "ft_launch_to_first_step_s": clean_run.steps()[0][0] - clean_run.launched},
         "kills": rec,
         "worst": {"kill_to_next_step_s": worst("kill_to_next_step_s"), "rejoin_s": worst("rejoin_s"),
@@ -372,9 +375,11 @@ def _print(r: dict[str, Any]) -> None:
         t.add_row("  rejoin (quorum) / + heal", f"{_fmt(k['rejoin_s'])} / {_fmt(k['rejoin_and_heal_s'])} "
                   f"({_fmt(k['heal_s'], 's', 3)}, {k['heal_bytes'] or 0:,} B)", "≤ 30 s",
                   _ok(None if k["rejoin_and_heal_s"] is None else k["rejoin_and_heal_s"] <= 30))
-    t.add_row("FT goodput (useful / wall)", f"{gp['ft_goodput'] * 100:.1f}% ({gp['useful_s']:.1f} / {gp['ft_wall_s']:.1f} s)",
+    t.add_row("FT goodput (useful / wall)",
+              f"{gp['ft_goodput'] * 100:.1f}% ({gp['useful_s']:.1f} / {gp['ft_wall_s']:.1f} s)",
               "≥ 90%", _ok(gp["ft_goodput"] >= 0.9))
-    t.add_row("checkpoint-restart goodput (model)", f"{gp['cr_goodput'] * 100:.1f}% (lost {gp['cr_lost_s']:.1f} s)", "", "")
+    t.add_row("checkpoint-restart goodput (model)", f"{gp['cr_goodput'] * 100:.1f}% (lost {gp['cr_lost_s']:.1f} s)",
+              "", "")
     f = gp["lost_time_saved_factor"]
     t.add_row("lost time: checkpoint-restart / FT", "FT lost nothing" if f is None else
               f"{f:.1f}x ({gp['cr_lost_s']:.1f} / {gp['ft_lost_s']:.1f} s)", "≥ 2x", _ok(f is None or f >= 2))
@@ -416,7 +421,7 @@ def _write_png(path: str, r: dict[str, Any]) -> None:
     ys = [len(q["replicas"]) for q in qs] + [len(qs[-1]["replicas"]) if qs else 0]
     b.step(xs, ys, where="post", color="#ff7f0e")
     b.set_ylabel("replicas")
-    b.set_xlabel("seconds since the killed run's launch")
+    b.set_xlabel("seconds since each run's launch")
     b.set_yticks(range(0, max(ys + [1]) + 1))
     b.grid(True, alpha=0.3)
     save_figure(path, fig)

@@ -25,6 +25,11 @@ BIG = 4 << 20  # elements: a collective that runs long enough to die in the midd
 _CELL = {"name": ""}
 
 
+def cell_name() -> str:
+    """The cell :func:`join` last made in this rank: the prefix of its keys in the store."""
+    return _CELL["name"]
+
+
 def join(ctx, cell: str, timeout: float, trace_dir: str | None = None) -> float:
     """Every rank: a new default group for this cell, and one good allreduce on it."""
     import fireflyer.hfreduce  # noqa: F401 - registers the backend
