@@ -37,6 +37,7 @@ examples:
   fireflyer train --order canonical               # 2 nodes x 2 ranks, each step's sums in one fixed tree ...
   fireflyer train --order canonical --nodes 1 --ranks-per-node 1 --batch-per-rank 64 --micro-batches 4
                                                    # ... and the same bits on one rank: 4 micro-batches of 16
+  fireflyer train --fault-tolerant --order canonical --nodes 3  # a lost node costs seconds, and the same bits
 """
 PRESETS = ("demo", "moe", "tiny")
 """The configs shipped in ``fireflyer/train/configs``."""
