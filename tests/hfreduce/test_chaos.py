@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the rank-side module, for this
 import hfreduce_chaos_ranks as C  # noqa: E402
 
 from fireflyer.hfreduce import trace_report  # noqa: E402
-from fireflyer.testing.cluster import LocalCluster  # noqa: E402
+from fireflyer.testing.cluster import ClusterPool, LocalCluster  # noqa: E402
 from fireflyer.testing.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -43,16 +43,9 @@ DETECTED: list[float] = []  # seconds from the kill to each survivor's error, pr
 
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory):
-    made: dict[str, LocalCluster] = {}
-
-    def get(layout: str) -> LocalCluster:
-        if layout not in made:
-            made[layout] = LocalCluster(LAYOUTS[layout], env=ENV, parent_store=True)
-        return made[layout]
-
-    yield get
-    for c in made.values():
-        c.close()
+    pool = ClusterPool(LAYOUTS, env=ENV)
+    yield pool.get
+    pool.close()
     if DETECTED:
         print(f"\ndetection after a kill: median {statistics.median(DETECTED):.3f} s, max {max(DETECTED):.3f} s "
               f"over {len(DETECTED)} survivors")

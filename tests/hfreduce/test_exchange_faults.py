@@ -17,7 +17,7 @@ import itertools
 import pytest
 
 from fireflyer.testing.cases import exchange as X
-from fireflyer.testing.cluster import LocalCluster
+from fireflyer.testing.cluster import ClusterPool
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,16 +36,9 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def clusters():
-    made: dict[str, LocalCluster] = {}
-
-    def get(layout: str) -> LocalCluster:
-        if layout not in made:
-            made[layout] = LocalCluster(LAYOUTS[layout], env=ENV, parent_store=True)
-        return made[layout]
-
-    yield get
-    for c in made.values():
-        c.close()
+    pool = ClusterPool(LAYOUTS, env=ENV)
+    yield pool.get
+    pool.close()
 
 
 @pytest.mark.parametrize("layout, what, victim", CELLS, ids=[f"{l}-{w}-rank{v}" for l, w, v in CELLS])

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from fireflyer.testing.cases import torch_faults as F
-from fireflyer.testing.cluster import LocalCluster
+from fireflyer.testing.cluster import ClusterPool, LocalCluster
 
 pytestmark = pytest.mark.multiproc
 
@@ -71,17 +71,9 @@ def _id(cell) -> str:
 
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory):
-    made: dict[str, LocalCluster] = {}
-    env = dict(ENV, FIREFLYER_HFREDUCE_TRACE_DIR=str(tmp_path_factory.mktemp("trace")))
-
-    def get(layout: str) -> LocalCluster:
-        if layout not in made:
-            made[layout] = LocalCluster(LAYOUTS[layout], env=env, parent_store=True)
-        return made[layout]
-
-    yield get
-    for c in made.values():
-        c.close()
+    pool = ClusterPool(LAYOUTS, env=dict(ENV, FIREFLYER_HFREDUCE_TRACE_DIR=str(tmp_path_factory.mktemp("trace"))))
+    yield pool.get
+    pool.close()
 
 
 def _run_cell(cluster: LocalCluster, fn, args: tuple, victim: int, fault: str, timeout: float) -> dict[int, dict]:

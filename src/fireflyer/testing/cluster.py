@@ -287,3 +287,26 @@ class LocalCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class ClusterPool:
+    """Clusters made on first use, one per named layout, closed together: ``pool.get("2x2")``.
+
+    For a test module whose cases share clusters (a module-scoped fixture yields ``pool.get``
+    and calls :meth:`close` after). Every cluster has the job's store in this process, so any
+    rank may be killed and respawned.
+    """
+
+    def __init__(self, layouts: dict[str, Sequence[int]], *, env: dict[str, str] | None = None) -> None:
+        self.layouts, self.env = layouts, env
+        self.made: dict[str, LocalCluster] = {}
+
+    def get(self, layout: str) -> LocalCluster:
+        if layout not in self.made:
+            self.made[layout] = LocalCluster(self.layouts[layout], env=self.env, parent_store=True)
+        return self.made[layout]
+
+    def close(self) -> None:
+        for c in self.made.values():
+            c.close()
+        self.made.clear()
