@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,17 +31,12 @@ from fireflyer.hfreduce.errors import HFReduceError  # noqa: E402
 from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce  # noqa: E402
 from fireflyer.ports import free_port  # noqa: E402
 from fireflyer.testing.waiting import wait_until  # noqa: E402
+from fireflyer.train.fault_tolerant import lighthouse_binary  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
 JOB = Path(__file__).parents[2] / "src" / "fireflyer" / "testing" / "jobs" / "ft_replica.py"
 STEPS = 30
-
-
-def lighthouse_binary() -> str:
-    found = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    assert os.path.exists(found), "torchft's wheel ships the Lighthouse as torchft_lighthouse"
-    return found
 
 
 @pytest.fixture

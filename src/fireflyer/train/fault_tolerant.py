@@ -64,6 +64,17 @@ class LighthouseFailed(FireflyerError, RuntimeError):
     """torchft's Lighthouse could not be started or found."""
 
 
+def node_index(node: str) -> int:
+    """``node2`` -> 2: an emulated node's place in the configured layout (its replica id)."""
+    digits = node.removeprefix("node")
+    return int(digits) if digits.isdigit() else 0
+
+
+def restarts() -> int:
+    """How many times this node's agent has restarted its ranks (torchrun's count; 0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 # ------------------------------------------------------------------ the pure core: who sums what
 def tree_blocks(total: int, parts: int) -> list[tuple[int, int]]:
     """Subtrees ``(start, size)`` of the canonical tree over ``total`` terms that cover it in order:
@@ -233,7 +244,6 @@ class Replica:
         dist.broadcast_object_list(box, src=0)
         self.transport = data_only_transport(timedelta(seconds=timeout), host)
         self.record = Record()
-        self._pending: dict[str, Any] | None = None
         self._last_quorum: tuple[str, ...] = ()
         self.pg = ProcessGroupHFReduce(timeout=timedelta(seconds=timeout))
         self._ids_of: tuple[int | None, list[str]] = (None, [])
@@ -277,7 +287,7 @@ class Replica:
             blocks, shares = micro_blocks(M, len(replicas) * R)
             dropped = 0
         else:
-            present = [int(_node_of(r)) * R + lr for r in replicas for lr in range(R)]
+            present = [node_index(r) * R + lr for r in replicas for lr in range(R)]
             blocks, shares = own_blocks(M, self.configured * R, present)
             dropped = M - sum(size for _, size in blocks)
         owner = [-1] * len(blocks)
@@ -353,11 +363,6 @@ class Replica:
                 self._store = None
 
 
-def _node_of(replica: str) -> str:
-    """``node3`` -> ``3``."""
-    return replica.removeprefix("node")
-
-
 # ------------------------------------------------------------------ the launcher's side
 def lighthouse_binary() -> str:
     """torchft's Lighthouse, as its wheel installs it beside this Python."""
@@ -373,7 +378,7 @@ def lighthouse_binary() -> str:
                            "pip install 'fireflyer[ft]' (torchft==0.2.0)")
 
 
-def start_lighthouse(log: Path, *, mark_env: dict[str, str] | None = None, wait_s: float = 15.0
+def start_lighthouse(log: Path, *, wait_s: float = 15.0
                      ) -> tuple[subprocess.Popen, str]:
     """Start torchft's Lighthouse on a free loopback port, tied to this process; its address once it answers."""
     import socket
@@ -387,7 +392,7 @@ def start_lighthouse(log: Path, *, mark_env: dict[str, str] | None = None, wait_
                              "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
                              "--bind", f"127.0.0.1:{port}"],
                             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                            env={**os.environ, "RUST_LOG": "warn", **(mark_env or {})},
+                            env={**os.environ, "RUST_LOG": "warn"},
                             preexec_fn=lifetime.tied_to_me(signal.SIGKILL))
     out.close()
     deadline = time.monotonic() + wait_s

@@ -28,7 +28,8 @@ from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import TrainingData
-from fireflyer.train.fault_tolerant import Failure, Replica, StepPlan, micro_blocks, tree_over_blocks
+from fireflyer.train.fault_tolerant import (Failure, Replica, StepPlan, micro_blocks, node_index, restarts,
+                                            tree_over_blocks)
 from fireflyer.train.files import write_json
 from fireflyer.train.model import GPT, ModelShape, lm_loss
 from fireflyer.train.optim import build_optimizer
@@ -43,11 +44,6 @@ READY_ENV = "FIREFLYER_FT_READY"
 """A folder where each replica says it is built (``fireflyer train --fault-tolerant`` makes it fresh)."""
 
 
-def node_index(node: str) -> int:
-    """``node2`` -> 2 (the launcher's names for emulated nodes)."""
-    return int(node.removeprefix("node")) if node.removeprefix("node").isdigit() else 0
-
-
 class FaultTolerantTrainer(Trainer):
     """A :class:`Trainer` whose steps survive the loss of replicas (``cfg.fault_tolerant``)."""
 
@@ -60,7 +56,7 @@ class FaultTolerantTrainer(Trainer):
                                canonical=cfg.order == "canonical", state=self._live_state, load=self._load_live,
                                timeout=min(COLLECTIVE_TIMEOUT, cfg.timeout), quorum_timeout=min(QUORUM_TIMEOUT, cfg.timeout))
         self.replica.set_step(self.start_step)
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        if restarts() == 0:
             self._wait_for_replicas()
         self.writer = where.node
         """The replica that writes the checkpoint and run.json: the quorum's first."""
@@ -85,7 +81,7 @@ class FaultTolerantTrainer(Trainer):
     def _restore(self, step: int) -> int:
         """A first start loads ``step`` as any run does; a restarted node loads the newest checkpoint, which the
         live replicas' saving may replace while it loads: the node's ranks then agree on the newer one."""
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        if restarts() == 0:
             return super()._restore(step)
         for _ in range(5):
             try:
@@ -303,7 +299,7 @@ class FaultTolerantTrainer(Trainer):
         record["world"]["world_size"] = self.cfg.world_size  # every replica's ranks, not this node's
         r = self.replica.record
         record["fault_tolerance"] = {"replicas": self.cfg.nodes, "order": self.cfg.order, **asdict(r),
-                                     "restarts_of_this_node": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+                                     "restarts_of_this_node": restarts()}
         return record
 
     def close(self) -> None:

@@ -108,10 +108,11 @@ def _fault_tolerant(cfg: TrainConfig, where, resume: int | None) -> Trainer:
     """One replica group's rank; restarted by its agent, it starts from the newest checkpoint on disk (and a
     live replica heals it to the quorum's step)."""
     from fireflyer.train import state as saved
-    from fireflyer.train.ft_trainer import FaultTolerantTrainer, node_index
+    from fireflyer.train.fault_tolerant import node_index, restarts
+    from fireflyer.train.ft_trainer import FaultTolerantTrainer
 
     fail_at = injected_failure(node_index(where.node) * cfg.ranks_per_node + where.rank)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if restarts() > 0:
         fail_at = None  # an injected failure happens once
         box = [saved.latest_step(cfg.out) if where.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # the node's ranks start from one step
