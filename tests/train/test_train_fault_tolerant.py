@@ -29,7 +29,8 @@ from fireflyer import cli, lifetime  # noqa: E402
 from fireflyer.checkpoint.manager import committed_steps  # noqa: E402
 from fireflyer.hfreduce.canonical import canonical_sum  # noqa: E402
 from fireflyer.testing.cli import fireflyer  # noqa: E402
-from fireflyer.train.fault_tolerant import micro_blocks, own_blocks, tree_blocks, tree_over_blocks  # noqa: E402
+from fireflyer.train.fault_tolerant import (micro_blocks, node_ranks, own_blocks, tree_blocks,  # noqa: E402
+                                            tree_over_blocks)
 
 RUN = ["--preset", "tiny", "--steps", "400", "--save-every", "25", "--eval-interval", "100",
        "--nodes", "3", "--ranks-per-node", "2"]
@@ -74,21 +75,6 @@ def test_layouts_without_a_replica_are_refused_in_one_line(flags, says, tmp_path
 
 # --- through the CLI, with real torchft ---------------------------------------------------------------
 
-def ranks_of(node: str, mark: str) -> list[int]:
-    """The rank processes (not the agent) of emulated node ``node`` in the run marked ``mark``."""
-    found = []
-    for pid in lifetime.marked(mark):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"FIREFLYER_NODE_ID={node}".encode() in env and b"fireflyer.train.job" in cmd \
-                and b"torch.distributed.run" not in cmd:
-            found.append(pid)
-    return found
-
-
 def wait_committed(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -108,7 +94,7 @@ def ft_run(out: Path, kills: list[tuple[int, str]], *extra: str) -> tuple[dict, 
     try:
         for step, node in kills:
             wait_committed(out, step, p)
-            victims = ranks_of(node, mark)
+            victims = node_ranks(node, mark)
             assert len(victims) == 2, f"{node}'s ranks not found: {victims}"
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)

@@ -100,6 +100,8 @@ class Run:
     out: str
     proc: subprocess.Popen
     launched: float
+    mark: str
+    """The run's lifetime mark: every process of it, found by :func:`fireflyer.lifetime.marked`."""
     lines: list[tuple[float, str]] = field(default_factory=list)
     reader: threading.Thread | None = None
 
@@ -133,9 +135,12 @@ class Run:
 
 
 def launch(args: list[str], out: str) -> Run:
+    from fireflyer import lifetime
+
+    mark = lifetime.child_mark()
     proc = subprocess.Popen([sys.executable, "-m", "fireflyer", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
-    run = Run(out=out, proc=proc, launched=time.time())
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env={**os.environ, lifetime.MARK: mark})
+    run = Run(out=out, proc=proc, launched=time.time(), mark=mark)
 
     def read() -> None:
         assert proc.stdout is not None
@@ -147,27 +152,10 @@ def launch(args: list[str], out: str) -> Run:
     return run
 
 
-def node_ranks(node: str, out: str) -> list[int]:
-    """The training ranks (not the torchrun agent) of emulated ``node`` of the run in ``out``."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if (b"fireflyer.train.job" in cmd and b"torch.distributed.run" not in cmd and out.encode() in cmd
-                and f"FIREFLYER_NODE_ID={node}".encode() in env):
-            found.append(int(pid))
-    return found
+def kill_node(node: str, mark: str) -> tuple[float, list[int]]:
+    from fireflyer.train.fault_tolerant import node_ranks
 
-
-def kill_node(node: str, out: str) -> tuple[float, list[int]]:
-    pids = node_ranks(node, out)
+    pids = node_ranks(node, mark)
     at = time.time()
     for pid in pids:
         try:
@@ -290,7 +278,7 @@ def run(cfg: RecoveryBenchConfig, say=print) -> dict[str, Any]:
                         time.sleep(0.02)
                 if killed_run.proc.poll() is not None:
                     break
-                at, pids = kill_node(node, killed_out)
+                at, pids = kill_node(node, killed_run.mark)
                 kills.append({"node": node, "at": at, "step_seen": killed_run.last_step(), "pids": pids})
                 say(f"  killed {node} ({len(pids)} ranks) after step {kills[-1]['step_seen']}")
             killed = killed_run.wait(cfg.timeout)

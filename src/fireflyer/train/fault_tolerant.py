@@ -363,6 +363,25 @@ class Replica:
                 self._store = None
 
 
+# ------------------------------------------------------------------ fault injection
+def node_ranks(node: str, mark: str) -> list[int]:
+    """The rank processes (not the torchrun agent) of emulated node ``node`` in the run marked ``mark``
+    (:mod:`fireflyer.lifetime`): what a test or ``fireflyer bench recovery`` kills to lose a node."""
+    from fireflyer import lifetime
+
+    found = []
+    for pid in lifetime.marked(mark):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"FIREFLYER_NODE_ID={node}".encode() in env and b"fireflyer.train.job" in cmd \
+                and b"torch.distributed.run" not in cmd:
+            found.append(pid)
+    return found
+
+
 # ------------------------------------------------------------------ the launcher's side
 def lighthouse_binary() -> str:
     """torchft's Lighthouse, as its wheel installs it beside this Python."""
