@@ -117,8 +117,8 @@ def test_a_rank_stuck_past_its_grace_exits_anyway():
         import os, signal, time
         from fireflyer import lifetime
         lifetime.graceful(1.0)
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)  # inside the try: the stop may land the moment the test reads this
             time.sleep(60)
         except lifetime.Stopped:
             pass

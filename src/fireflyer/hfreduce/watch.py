@@ -150,6 +150,10 @@ class Watch:
                 _log.debug("hfreduce %d: the watch could not reach the store: %s", self.rank, exc)
             self._wake.wait(TICK)
             self._wake.clear()
+        try:  # a rank that failed and at once closed its group: its error still reaches the others
+            self._send_outbox()
+        except Exception as exc:  # noqa: BLE001 - the store went away
+            _log.debug("hfreduce %d: the watch could not publish on its way out: %s", self.rank, exc)
 
     def _send_outbox(self) -> None:
         with self._lock:
