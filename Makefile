@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/fireflyer demo
 
 test: $(STAMP_DEV)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 bench: $(STAMP_DEV)
 	$(BIN)/fireflyer bench allreduce
