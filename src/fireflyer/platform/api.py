@@ -99,7 +99,8 @@ class Api(Protocol):
     def me(self) -> dict[str, Any]: ...
     def submit(self, *, nodes: int, command: list[str], priority: str | int = "NORMAL", group: str = "default",
                name: str = "", ranks_per_node: int | None = None, env: dict[str, str] | None = None,
-               request_id: str | None = None, cwd: str | None = None, user: str | None = None) -> dict[str, Any]: ...
+               request_id: str | None = None, cwd: str | None = None, user: str | None = None,
+               fault_tolerant: bool = False) -> dict[str, Any]: ...
     def tasks(self, *, all: bool = False, user: str | None = None, state: str | None = None,
               priority: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]: ...
     def describe(self, task_id: int) -> dict[str, Any]: ...
@@ -167,7 +168,8 @@ def task_json(t: TaskRow) -> dict[str, Any]:
             "command": t.command, "state": t.state, "outcome": outcome(t), "assigned": list(t.assigned),
             "submitted_at": t.submitted_at, "started_at": t.started_at, "finished_at": t.finished_at,
             "stop_code": t.stop_code, "stop": stop_text(t.stop_code) if t.state == FINISHED else None,
-            "detail": t.detail, "whole_life_state": t.whole_life_state, "handle": t.handle}
+            "detail": t.detail, "whole_life_state": t.whole_life_state, "handle": t.handle,
+            "fault_tolerant": t.fault_tolerant}
 
 
 _NAMES = {int(p): p.name for p in Priority}
@@ -176,7 +178,7 @@ _NAMES = {int(p): p.name for p in Priority}
 def _listed(r: tuple) -> dict[str, Any]:
     """:func:`task_json` of a :meth:`Store.listing` row (the same keys, built without a TaskRow)."""
     (chain, tid, attempt, name, user, group, prio, nodes, rpn, command, state, assigned, submitted, started,
-     finished, code, detail, life, handle) = r
+     finished, code, detail, life, handle, ft) = r
     done = state == FINISHED
     return {"id": chain, "task_id": tid, "attempt": attempt, "name": name, "user": user, "group": group,
             "priority": _NAMES[prio], "nodes": nodes, "ranks_per_node": rpn, "command": json.loads(command),
@@ -184,7 +186,7 @@ def _listed(r: tuple) -> dict[str, Any]:
             "assigned": json.loads(assigned) if assigned != "[]" else [], "submitted_at": submitted,
             "started_at": started, "finished_at": finished, "stop_code": code,
             "stop": stop_text(code) if done else None, "detail": detail, "whole_life_state": life,
-            "handle": handle}
+            "handle": handle, "fault_tolerant": bool(ft)}
 
 
 def check_command(command: list[str], cwd: str, *, path: str | None = None) -> None:
@@ -253,7 +255,8 @@ class PlatformApi(Api):
     # ------------------------------------------------------------------ tasks
     def submit(self, *, nodes: int, command: list[str], priority: str | int = "NORMAL", group: str = "default",
                name: str = "", ranks_per_node: int | None = None, env: dict[str, str] | None = None,
-               request_id: str | None = None, cwd: str | None = None, user: str | None = None) -> dict[str, Any]:
+               request_id: str | None = None, cwd: str | None = None, user: str | None = None,
+               fault_tolerant: bool = False) -> dict[str, Any]:
         if user is not None and user != self.user and not self.admin:
             raise Forbidden("only an admin may submit for another user")
         owner = user or self.user or getpass.getuser()
@@ -265,6 +268,14 @@ class PlatformApi(Api):
             raise ApiError(f"the task asks for {nodes} nodes but the platform has {have}")
         if not command or not all(isinstance(c, str) and c for c in command):
             raise ApiError("a task needs a command: a list of non-empty strings")
+        if not isinstance(fault_tolerant, bool):
+            raise ApiError(f"fault_tolerant must be true or false, got {fault_tolerant!r}")
+        if fault_tolerant and nodes < 2:
+            raise ApiError(f"a fault-tolerant task needs at least 2 nodes (each node is a replica, and one replica "
+                           f"has nothing to go on with when it is lost), got {nodes}")
+        if fault_tolerant and self._config().executor != "local":
+            raise ApiError(f"fault-tolerant tasks run on the local executor only for now, not on "
+                           f"{self._config().executor}; submit without --fault-tolerant")
         rpn = self._config().ranks_per_node if ranks_per_node is None else ranks_per_node
         slots = self._config().slots()
         if not isinstance(rpn, int) or isinstance(rpn, bool) or not 1 <= rpn <= slots:
@@ -294,8 +305,8 @@ class PlatformApi(Api):
         try:
             task_id = self.store.submit(user=owner, nodes=nodes, command=list(command), priority=prio, group=group,
                                         name=name, request_id=request_id,
-                                        ranks_per_node=rpn,
-                                        cwd=cwd, env=dict(env or {}))
+                                        ranks_per_node=rpn, cwd=cwd, env=dict(env or {}),
+                                        fault_tolerant=fault_tolerant)
         except ValueError as exc:
             raise ApiError(str(exc)) from None
         return task_json(self.store.task(task_id))
@@ -331,9 +342,37 @@ class PlatformApi(Api):
         t = self._chain(task_id)
         chain = self.store.chain(t.chain_first_id)
         events = self.store.chain_events(t.chain_first_id)
-        return {**task_json(t), "attempts": [task_json(a) for a in chain],
-                "events": [{"task_id": i, "at": at, "kind": k, "detail": d} for i, at, k, d in events],
-                "logs": str(self.home.attempt(t.id).logs)}
+        out = {**task_json(t), "attempts": [task_json(a) for a in chain],
+               "events": [{"task_id": i, "at": at, "kind": k, "detail": d} for i, at, k, d in events],
+               "logs": str(self.home.attempt(t.id).logs)}
+        if t.fault_tolerant:
+            out.update(self._replicas(chain))
+        return out
+
+    def _replicas(self, chain: list[TaskRow]) -> dict[str, Any]:
+        """A fault-tolerant chain's replicas (of its latest attempt that ran: each slot's current node and state,
+        and how often it was replaced) and the quorum its Lighthouse last formed (while it runs)."""
+        ran = [a for a in chain if a.started_at is not None]
+        if not ran:
+            return {"replicas": [], "quorum": None}
+        t = ran[-1]
+        slots: dict[int, dict[str, Any]] = {}
+        for r in self.store.replicas(t.id):
+            slots[r.slot] = {"slot": r.slot, "name": f"node{r.slot}", "node": r.node, "state": r.state,
+                             "restarts": r.start, "started_at": r.started_at, "ended_at": r.ended_at,
+                             "detail": r.detail}
+        quorum = None
+        if t.state in (RUNNING, SUSPENDING):
+            adir = self.home.attempt(t.id)
+            try:
+                data = adir.read_json(adir.root / "replicas.json", limit=1 << 20)
+            except (OSError, ValueError):
+                data = None
+            q = data.get("quorum") if isinstance(data, dict) else None
+            if isinstance(q, dict) and isinstance(q.get("id"), int) and isinstance(q.get("replicas"), list):
+                quorum = {"id": q["id"], "replicas": [str(n) for n in q["replicas"][:1000]],
+                          "at": q.get("at") if isinstance(q.get("at"), (int, float)) else None}
+        return {"replicas": [slots[s] for s in sorted(slots)], "quorum": quorum}
 
     def _attempt_for_logs(self, t: TaskRow, attempt: int | None) -> TaskRow:
         chain = self.store.chain(t.chain_first_id)

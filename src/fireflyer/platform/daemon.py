@@ -18,6 +18,7 @@ them. Only one daemon runs per home (an exclusive lock on ``daemon.pid``).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -39,7 +40,7 @@ from fireflyer.platform.executor import Executor, Launch
 from fireflyer.platform.accounts import AccountProblem, run_as
 from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir
 from fireflyer.platform.policy import RUNNING, SUSPENDING, schedule
-from fireflyer.platform.store import STORAGE_ERRNOS, Store, StoreUnavailable, StopCode, TaskRow
+from fireflyer.platform.store import STORAGE_ERRNOS, ReplicaRow, Store, StoreUnavailable, StopCode, TaskRow
 from fireflyer.ports import free_port
 
 log = logging.getLogger("fireflyer.platform")
@@ -79,6 +80,8 @@ class Daemon:
         self.store = store or Store(home.db)
         self.executor = executor or make_executor(cfg)
         self._node_sync_at = 0.0
+        self._told_waiting: set[tuple[int, int, int]] = set()
+        """Lost replicas already noted as waiting for a free node (once each)."""
         self._unrecorded: dict[int, tuple] = {}
         """Attempts whose end is known but the store could not take yet: task id -> _finish's arguments."""
 
@@ -147,6 +150,8 @@ class Daemon:
                 return
             self.store.set_handle(t.id, handle)
         status = read_status(adir)
+        if t.fault_tolerant:
+            self._watch_replicas(t, adir)
         if status is None:
             if t.stop_requested:
                 adir.raise_flag("stop", "by its user")
@@ -180,6 +185,72 @@ class Daemon:
         self._finish(t, code, detail, life=status["whole_life_state"], failed_nodes=failed_nodes)
         cycle.finished.append((t.id, detail))
 
+    def _watch_replicas(self, t: TaskRow, adir: AttemptDir) -> None:
+        """A fault-tolerant attempt: record what its supervisor says of its replicas (started, done, lost, a
+        granted node that failed its check, which is drained), and ask it to stop a replica whose node was drained."""
+        try:
+            data = adir.read_json(adir.root / "replicas.json", limit=1 << 20)
+        except (OSError, ValueError):
+            return
+        if not isinstance(data, dict):
+            return
+        rows = {(r.slot, r.start): r for r in self.store.replicas(t.id)}
+        nodes = {n.name: n for n in self.store.nodes()}
+        for rep in _records(data.get("replicas")):
+            row = rows.get((rep["slot"], rep["start"]))
+            if row is None or row.node != rep["node"]:
+                continue  # only the daemon starts replicas: a record it does not know is ignored
+            state, detail = rep["state"], rep["detail"][:MAX_DETAIL]
+            if state == "running" and row.state == "starting":
+                self.store.replica_state(t.id, row.slot, row.start, "running", at=_when(rep.get("started_at")))
+            elif state == "done" and row.state != "done":
+                self.store.replica_state(t.id, row.slot, row.start, "done", at=_when(rep.get("ended_at")))
+            elif state == "lost" and row.state != "lost":
+                self.store.lose_replica(t.id, row.slot, row.start, detail or "lost")
+                log.warning("task %s: replica %s on %s lost: %s", t.id, row.slot, row.node, detail)
+            node = nodes.get(row.node)
+            if state == "running" and node is not None and not node.usable:
+                why = self.store.node_reasons().get(row.node) or "drained"
+                adir.raise_flag(f"release.{row.slot}", f"its node {row.node} was drained ({why})")
+        for rej in _records(data.get("rejected")):
+            row = rows.get((rep_slot := rej["slot"], rej["start"]))
+            if row is None or row.node != rej["node"] or row.state == "lost":
+                continue
+            if adir.owner == os.geteuid():  # as for any health check: never on the word of the task's own account
+                self._drain(row.node, f"failed its health check in task {t.id}")
+                self.store.event(t.id, "drained", row.node)
+            self.store.lose_replica(t.id, rep_slot, row.start, rej["detail"][:MAX_DETAIL] or "failed its health check")
+
+    def _grant(self, grants: list, now: float) -> None:
+        """Start lost replicas of fault-tolerant attempts on the free nodes the policy granted them."""
+        granted = set()
+        for g in grants:
+            t = self.store.task(g.task_id)
+            if t.state != RUNNING:
+                continue
+            granted.add(t.id)
+            latest: dict[int, ReplicaRow] = {}
+            for row in self.store.replicas(t.id):
+                latest[row.slot] = row
+            lost = [row for row in latest.values() if row.state == "lost"]
+            for row, node in zip(lost, g.nodes):
+                start = self.store.grant_replica(t.id, row.slot, node, row.node, now=now)
+                self.home.attempt(t.id).raise_flag(f"replace.{row.slot}.{start}", node)
+                log.info("task %s: replica %s lost on %s, starting on %s", t.id, row.slot, row.node, node)
+        for t in self.store.tasks((RUNNING,)):
+            if not t.fault_tolerant or t.id in granted:
+                continue
+            for row in self.store.replicas(t.id):
+                key = (t.id, row.slot, row.start)
+                if row.state == "lost" and key not in self._told_waiting and not any(
+                        r.slot == row.slot and r.start > row.start for r in self.store.replicas(t.id)):
+                    self._told_waiting.add(key)
+                    self.store.event(t.id, "replica waiting", f"replica {row.slot}: no healthy free node; going on "
+                                                              "without it until one is free")
+
+    def _lost_nodes(self, task_id: int) -> tuple[str, ...]:
+        return tuple(r.node for r in self.store.replicas(task_id) if r.state == "lost")
+
     # ------------------------------------------------------------------ 3. act
     def _launch(self, task_id: int) -> None:
         t = self.store.task(task_id)
@@ -196,7 +267,8 @@ class Daemon:
                         command=tuple(t.command), nodes=t.assigned, ranks_per_node=t.ranks_per_node,
                         master_port=free_port(), cwd=t.cwd or (account.home if account else os.getcwd()),
                         env=t.env, whole_life_state=t.whole_life_state, timeouts=self.cfg.timeouts,
-                        prolog=self.cfg.prolog, account=None if account is None else account.to_json())
+                        prolog=self.cfg.prolog, account=None if account is None else account.to_json(),
+                        fault_tolerant=t.fault_tolerant)
         try:
             adir.prepare(launch.to_json(), *((account.uid, account.gid) if account else ()))
             handle = self.executor.launch(launch, str(adir.root))
@@ -248,8 +320,9 @@ class Daemon:
         cycle.problems += full
         t0 = time.perf_counter()
         nodes = self.store.nodes()
-        decisions = schedule(nodes, self.store.policy_tasks(now), self.store.quotas(),
-                             self.cfg.policy.for_nodes(len(nodes)))
+        considered = [dataclasses.replace(p, lost=self._lost_nodes(p.id)) if p.fault_tolerant and p.state == RUNNING
+                      else p for p in self.store.policy_tasks(now)]
+        decisions = schedule(nodes, considered, self.store.quotas(), self.cfg.policy.for_nodes(len(nodes)))
         cycle.decide_s = time.perf_counter() - t0
         if full:  # a new attempt's files would not fit, nor could its end be told: none starts
             decisions.waiting.update((s.task_id, "waiting for free disk space") for s in decisions.starts)
@@ -267,6 +340,7 @@ class Daemon:
         for task_id in started:
             self._launch(task_id)
         cycle.started = started
+        self._grant(decisions.grants, now)
         return cycle
 
 
@@ -345,6 +419,23 @@ def read_status(adir: AttemptDir) -> dict | None:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         return _bad_status(f"its status.json is not a supervisor's ({exc})")
     return {"stop_code": code, "detail": detail[:MAX_DETAIL], "whole_life_state": life, "failed_nodes": tuple(nodes)}
+
+
+def _records(items: object) -> list[dict]:
+    """The well-formed entries of a list in ``replicas.json`` (written by the task's account: checked as input)."""
+    if not isinstance(items, list):
+        return []
+    kinds = {"slot": int, "start": int, "node": str, "state": str, "detail": str}
+    out = []
+    for item in items[:10_000]:
+        if isinstance(item, dict) and all(isinstance(item.get(k, "" if k == "state" else None), kind)
+                                          and not isinstance(item.get(k), bool) for k, kind in kinds.items()):
+            out.append(item)
+    return out
+
+
+def _when(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _bad_status(why: str) -> dict:

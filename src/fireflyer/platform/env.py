@@ -31,6 +31,22 @@ WHOLE_LIFE_STATE = "FIREFLYER_WHOLE_LIFE_STATE"
 NODE_ID = "FIREFLYER_NODE_ID"
 """The node a process runs for: a prolog's node (emulated ranks get theirs from ``rank_env``)."""
 
+# ---------------------------------------------------------------------- a fault-tolerant task's replicas
+TASK_RANK = "FIREFLYER_TASK_RANK"
+"""A replica's rank's place in the whole task (``slot * ranks_per_node + LOCAL_RANK``): its log and started
+marker; its ``RANK`` is its place in the replica, which is a torch.distributed world of its own."""
+REPLICA = "FIREFLYER_REPLICA"
+"""The replica's slot (0 .. nodes-1); its ranks' ``FIREFLYER_NODE_ID`` is ``node{slot}`` wherever it runs."""
+PLATFORM_NODE = "FIREFLYER_PLATFORM_NODE"
+"""The platform's node a replica runs on."""
+LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+"""torchft's own variable: where the replicas find the task's Lighthouse."""
+FT_READY = "FIREFLYER_FT_READY"
+"""A folder where each replica of a first start says it is built (``fireflyer train``'s, fresh per attempt)."""
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of a node's restarts: a replacement replica gets its start number (it loads the newest
+checkpoint and heals from a live replica instead of waiting for the others)."""
+
 # ---------------------------------------------------------------------- outside the platform
 SIMULATE_SUSPEND = "FIREFLYER_SIMULATE_SUSPEND"
 """Seconds after which a job outside the platform is told to suspend (HAI's local simulation)."""

@@ -68,6 +68,8 @@ class Launch:
     account: Mapping[str, Any] | None = None
     """The Unix account the attempt runs as (:meth:`Account.to_json
     <fireflyer.platform.accounts.Account.to_json>`); None: the daemon's own."""
+    fault_tolerant: bool = False
+    """Each node a replica group of torchft (:mod:`fireflyer.platform.replicas`): a lost node is replaced."""
 
     @property
     def world_size(self) -> int:

@@ -58,7 +58,11 @@ def _is_supervisor(pid: int, adir: AttemptDir) -> bool:
         owner = adir.owner
     except OSError:
         return False
-    return _uid(pid) == owner and b"fireflyer.platform.supervisor" in argv and str(adir.root).encode() in argv
+    return _uid(pid) == owner and any(m in argv for m in SUPERVISORS) and str(adir.root).encode() in argv
+
+
+SUPERVISORS = (b"fireflyer.platform.supervisor", b"fireflyer.platform.replicas")
+"""The modules an attempt's supervisor runs as (a fault-tolerant attempt's is :mod:`fireflyer.platform.replicas`)."""
 
 
 def kill_ranks(adir: AttemptDir) -> int:
@@ -96,7 +100,8 @@ class LocalExecutor:
             adir.create()
         log = open_beneath(adir.root, "logs/supervisor.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.supervisor", str(adir.root)],
+            module = "fireflyer.platform.replicas" if launch.fault_tolerant else "fireflyer.platform.supervisor"
+            proc = subprocess.Popen([sys.executable, "-m", module, str(adir.root)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=adir.root, **how)
         finally:

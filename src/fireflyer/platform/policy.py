@@ -25,6 +25,10 @@ wait. The rules follow HAI Platform's:
   ``max_cross_zone`` tasks may span zones, and such a task's nodes are ordered so only
   one neighbouring pair of ranks crosses between zones.
 * Drained or unhealthy nodes are never used.
+* **Fault-tolerant tasks** (each node a replica) are not suspended for a drained or failed
+  node while another of their nodes is usable: they go on without it, and at their place in
+  the order take free nodes for the replicas they miss (never preempting anyone for them).
+  Only a task that lost every node is suspended.
 
 Everything is plain data; a cycle over 10,000 tasks and 1,250 nodes is a sort and a scan.
 """
@@ -98,6 +102,10 @@ class Task:
     assigned: tuple[str, ...] = ()
     run_seconds: float = 0.0
     """How long a running task has run in this attempt."""
+    fault_tolerant: bool = False
+    """Each node a replica: a running task short of ``nodes`` (a node lost) is granted free ones."""
+    lost: tuple[str, ...] = ()
+    """Nodes a fault-tolerant attempt lost: granted to it again only when no other node is free."""
 
     @property
     def order(self) -> int:
@@ -153,6 +161,8 @@ class Decisions:
     suspends: list[Suspend] = field(default_factory=list)
     waiting: dict[int, str] = field(default_factory=dict)
     """Queued tasks that stay queued, with the reason."""
+    grants: list[Start] = field(default_factory=list)
+    """Free nodes a running fault-tolerant task may take for the replicas it lost."""
 
 
 Quotas = Mapping[tuple[str, str, Priority], int]
@@ -257,8 +267,12 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
 
     # Who holds each node now, and how dear it is to take: free 0, leaving 1, else later in the order is cheaper.
     owner: dict[str, Task] = {n: t for t in tasks if t.state != QUEUED for n in t.assigned}
+    def kept(t: Task) -> tuple[str, ...]:
+        """The nodes a running task goes on with: all of them, or a fault-tolerant task's usable ones."""
+        return tuple(n for n in t.assigned if n in usable) if t.fault_tolerant else t.assigned
+
     leaving = {t.id for t in tasks if t.state == SUSPENDING or
-               (t.state == RUNNING and any(n not in usable for n in t.assigned))}
+               (t.state == RUNNING and (not kept(t) or any(n not in usable for n in kept(t))))}
     place_in_order = {t.id: i for i, t in enumerate(order)}
 
     def price(name: str) -> int:
@@ -295,11 +309,17 @@ def schedule(nodes: Iterable[Node], tasks: Iterable[Task], quotas: Quotas | None
                 out.waiting[t.id] = f"asks for {t.nodes} nodes; {len(usable)} are usable"
             continue
         if t.state == RUNNING:
-            crosses = len({zone_of.get(n) for n in t.assigned}) > 1
-            if claimed.isdisjoint(t.assigned) and (not crosses or cross_used < cfg.max_cross_zone):
-                pool.take(t.assigned)
+            mine = kept(t)
+            crosses = len({zone_of.get(n) for n in mine}) > 1
+            if claimed.isdisjoint(mine) and (not crosses or cross_used < cfg.max_cross_zone):
+                pool.take(mine)
                 used[key] += t.nodes
                 cross_used += crosses
+                if t.fault_tolerant and len(mine) < t.nodes:
+                    free = pool.free(t.nodes - len(mine), near={zone_of[n] for n in mine}, last=set(t.lost))
+                    if free:
+                        pool.take(free)
+                        out.grants.append(Start(t.id, free))
             elif t.id in lent:
                 out.suspends.append(Suspend(t.id, f"beyond {t.user}'s default quota of {cfg.default_quota} node(s): "
                                                   "another task needs the nodes it borrowed"))
@@ -366,6 +386,12 @@ class _Pool:
                 if len(picked) == count:
                     break
         return picked
+
+    def free(self, count: int, *, near: set[str], last: set[str]) -> tuple[str, ...]:
+        """Up to ``count`` unclaimed nodes that no task holds: those in the zones ``near`` first, ``last`` last."""
+        found = sorted((name in last, zone not in near, name) for zone, pairs in self.zones.items()
+                       for price, name in pairs if price == 0 and name not in self.claimed)
+        return tuple(found[i][2] for i in range(min(count, len(found))))
 
     def claim(self, count: int, *, allow_cross: bool) -> tuple[str, ...] | None:
         """The cheapest ``count`` nodes in one zone (the fullest such zone among equals); else, if

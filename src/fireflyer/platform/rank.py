@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     adir, command = AttemptDir(args[0]), args[2:]
     env = rank_env(dict(os.environ))
-    rank = int(env["RANK"])
+    rank = int(env.get(names.TASK_RANK) or env["RANK"])  # a replica's rank: its place in the task
     adir.logs.mkdir(parents=True, exist_ok=True)
     log = os.open(adir.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)

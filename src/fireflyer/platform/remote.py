@@ -88,10 +88,12 @@ class RemoteApi(Api):
 
     def submit(self, *, nodes: int, command: list[str], priority: str | int = "NORMAL", group: str = "default",
                name: str = "", ranks_per_node: int | None = None, env: dict[str, str] | None = None,
-               request_id: str | None = None, cwd: str | None = None, user: str | None = None) -> dict[str, Any]:
+               request_id: str | None = None, cwd: str | None = None, user: str | None = None,
+               fault_tolerant: bool = False) -> dict[str, Any]:
         return self._json("POST", "/api/tasks", body={
             "nodes": nodes, "command": command, "priority": priority, "group": group, "name": name,
-            "ranks_per_node": ranks_per_node, "env": env or {}, "request_id": request_id, "cwd": cwd, "user": user})
+            "ranks_per_node": ranks_per_node, "env": env or {}, "request_id": request_id, "cwd": cwd, "user": user,
+            **({"fault_tolerant": True} if fault_tolerant else {})})
 
     def tasks(self, *, all: bool = False, user: str | None = None, state: str | None = None,
               priority: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:

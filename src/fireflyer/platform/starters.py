@@ -101,3 +101,30 @@ def srun_ranks(launch: Launch, adir: AttemptDir) -> Procs:
         proc = subprocess.Popen(argv, env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return [("srun", proc)]
+
+
+def replica_ranks(launch: Launch, adir: AttemptDir, *, slot: int, node: str, start: int, master_port: int,
+                  extra: dict[str, str]) -> Procs:
+    """Start one replica of a fault-tolerant attempt on this machine: the ranks of ``slot``, on ``node``.
+
+    The replica is a torch.distributed world of its own (``RANK`` 0..ranks_per_node-1, its own
+    ``MASTER_PORT``) named ``node{slot}`` (``FIREFLYER_NODE_ID``) wherever it runs, so its place in
+    the job's layout never changes; ``FIREFLYER_TASK_RANK`` names its log. ``start`` counts its
+    starts in this attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``). ``extra``: the Lighthouse's
+    address and such, the same for every replica.
+    """
+    rpn = launch.ranks_per_node
+    base = {**os.environ, **task_env(launch, adir), lifetime.GRACE: f"{launch.timeouts.kill_grace:g}", **extra}
+    if "OMP_NUM_THREADS" not in launch.env:
+        base["OMP_NUM_THREADS"] = str(threads_per_rank(launch.world_size))
+    procs: Procs = []
+    for local_rank in range(rpn):
+        task_rank = slot * rpn + local_rank
+        env = {**base, **rank_env(rank=local_rank, world_size=rpn, local_rank=local_rank, local_world_size=rpn,
+                                  node=f"node{slot}", master_addr="127.0.0.1", master_port=master_port),
+               names.TASK_RANK: str(task_rank), names.REPLICA: str(slot), names.PLATFORM_NODE: node,
+               names.RESTART_COUNT: str(start)}
+        proc = subprocess.Popen(_rank_command(launch, adir), env=env, cwd=launch.cwd, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=lifetime.tied_to_me(signal.SIGTERM))
+        procs.append((f"rank{task_rank}" + (f".{start}" if start else ""), proc))
+    return procs

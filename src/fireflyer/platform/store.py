@@ -74,6 +74,10 @@ CREATE INDEX IF NOT EXISTS tasks_state ON tasks(state);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, task_id INTEGER NOT NULL, at REAL NOT NULL,
     kind TEXT NOT NULL, detail TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS replicas (
+    task_id INTEGER NOT NULL, slot INTEGER NOT NULL, start INTEGER NOT NULL, node TEXT NOT NULL,
+    state TEXT NOT NULL, started_at REAL, ended_at REAL, detail TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (task_id, slot, start));
 """
 
 
@@ -102,6 +106,8 @@ class TaskRow:
     stop_requested: bool = False
     hold: bool = False
     detail: str = ""
+    fault_tolerant: bool = False
+    """Each node a replica of the job: a lost node is replaced while the others go on (see :mod:`.replicas`)."""
 
     @property
     def env(self) -> dict[str, str]:
@@ -181,6 +187,9 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(tasks)")}
+        if "fault_tolerant" not in columns:  # a platform made before fault-tolerant tasks
+            self._db.execute("ALTER TABLE tasks ADD COLUMN fault_tolerant INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self._db.close()
@@ -277,7 +286,8 @@ class Store:
     # ------------------------------------------------------------------ tasks
     def submit(self, *, user: str, nodes: int, command: list[str], priority: Priority | str | int = Priority.NORMAL,
                group: str = "default", name: str = "", request_id: str | None = None, now: float | None = None,
-               ranks_per_node: int = 1, cwd: str = "", env: dict[str, str] | None = None) -> int:
+               ranks_per_node: int = 1, cwd: str = "", env: dict[str, str] | None = None,
+               fault_tolerant: bool = False) -> int:
         """Queue a new chain; returns its task id (the earlier one if ``request_id`` was seen before)."""
         priority = Priority.parse(priority)
         if nodes < 1:
@@ -286,6 +296,8 @@ class Store:
             raise UserError("a task needs a command")
         if ranks_per_node < 1:
             raise UserError(f"a task needs at least one rank per node, got {ranks_per_node}")
+        if fault_tolerant and nodes < 2:
+            raise UserError(f"a fault-tolerant task needs at least 2 nodes (each one a replica), got {nodes}")
         now = time.time() if now is None else now
         # Idempotency keys are the submitting user's own: another user's key never finds (or
         # blocks) this user's task. The column is unique, so the key is stored under its user.
@@ -296,9 +308,9 @@ class Store:
                 if row:
                     return int(row[0])
             cur = db.execute("INSERT INTO tasks(name, user, grp, priority, nodes, command, state, submitted_at, "
-                             "request_id, ranks_per_node, cwd, env) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                             "request_id, ranks_per_node, cwd, env, fault_tolerant) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                              (name, user, group, int(priority), nodes, json.dumps(command), QUEUED, now, key,
-                              ranks_per_node, cwd, json.dumps(env or {})))
+                              ranks_per_node, cwd, json.dumps(env or {}), int(fault_tolerant)))
             task_id = int(cur.lastrowid)
             db.execute("UPDATE tasks SET chain_first_id=?, name=? WHERE id=?", (task_id, name or f"task{task_id}",
                                                                               task_id))
@@ -321,11 +333,12 @@ class Store:
     def policy_tasks(self, now: float | None = None) -> list[Task]:
         """What the policy needs of every task it considers, and nothing more (one cycle's read)."""
         now = time.time() if now is None else now
-        rows = self._db.execute("SELECT id, user, nodes, priority, grp, chain_first_id, state, assigned, started_at "
-                                "FROM tasks WHERE state IN (?,?,?) ORDER BY id", (QUEUED, RUNNING, SUSPENDING))
+        rows = self._db.execute("SELECT id, user, nodes, priority, grp, chain_first_id, state, assigned, started_at, "
+                                "fault_tolerant FROM tasks WHERE state IN (?,?,?) ORDER BY id",
+                                (QUEUED, RUNNING, SUSPENDING))
         return [Task(i, u, n, Priority(p), g, c, st, tuple(json.loads(a)) if a != "[]" else (),
-                     max(0.0, now - started) if started is not None and st != QUEUED else 0.0)
-                for i, u, n, p, g, c, st, a, started in rows]
+                     max(0.0, now - started) if started is not None and st != QUEUED else 0.0, bool(ft))
+                for i, u, n, p, g, c, st, a, started, ft in rows]
 
     def chain(self, chain_first_id: int) -> list[TaskRow]:
         return [_row(r) for r in self._db.execute(f"SELECT {_COLS} FROM tasks WHERE chain_first_id=? ORDER BY attempt",
@@ -450,6 +463,10 @@ class Store:
                     started.append(s.task_id)
                     db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'started',?)",
                                (s.task_id, now, " ".join(s.nodes)))
+                    if db.execute("SELECT fault_tolerant FROM tasks WHERE id=?", (s.task_id,)).fetchone()[0]:
+                        db.executemany("INSERT OR REPLACE INTO replicas(task_id, slot, start, node, state) "
+                                       "VALUES (?,?,0,?,'starting')",
+                                       [(s.task_id, slot, node) for slot, node in enumerate(s.nodes)])
             for s in decisions.suspends:
                 if db.execute("UPDATE tasks SET state=? WHERE id=? AND state=?",
                               (SUSPENDING, s.task_id, RUNNING)).rowcount == 1:
@@ -480,11 +497,11 @@ class Store:
             if not (stop_code & REQUEUE) or stop_code & StopCode.MANUAL_STOP:
                 return None
             cur = db.execute("INSERT INTO tasks(chain_first_id, attempt, name, user, grp, priority, nodes, command, "
-                             "state, submitted_at, whole_life_state, ranks_per_node, cwd, env) "
-                             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                             "state, submitted_at, whole_life_state, ranks_per_node, cwd, env, fault_tolerant) "
+                             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                              (t.chain_first_id, t.attempt + 1, t.name, t.user, t.group, int(t.priority), t.nodes,
                               json.dumps(t.command), HELD if t.hold else QUEUED, now, life, t.ranks_per_node,
-                              t.cwd, t.env_json))
+                              t.cwd, t.env_json, int(t.fault_tolerant)))
             new_id = int(cur.lastrowid)
             db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,?,?)",
                        (new_id, now, "held" if t.hold else "requeued",
@@ -492,19 +509,91 @@ class Store:
             return new_id
 
 
+    # ------------------------------------------------------------------ a fault-tolerant task's replicas
+    def replicas(self, task_id: int) -> list[ReplicaRow]:
+        """Every start of every replica of an attempt, by slot and start."""
+        return [ReplicaRow(*r) for r in self._db.execute(
+            "SELECT slot, start, node, state, started_at, ended_at, detail FROM replicas WHERE task_id=? "
+            "ORDER BY slot, start", (task_id,))]
+
+    def replica_state(self, task_id: int, slot: int, start: int, state: str, *, at: float | None = None,
+                      detail: str | None = None) -> None:
+        """A replica's start is running (``at``: since when) or done; a start after the first is recorded as an event."""
+        with self._tx() as db:
+            row = db.execute("SELECT node, state FROM replicas WHERE task_id=? AND slot=? AND start=?",
+                             (task_id, slot, start)).fetchone()
+            if row is None or row[1] == state:
+                return
+            column = "started_at" if state == "running" else "ended_at"
+            db.execute(f"UPDATE replicas SET state=?, {column}=COALESCE(?, {column}), detail=COALESCE(?, detail) "
+                       "WHERE task_id=? AND slot=? AND start=?", (state, at, detail, task_id, slot, start))
+            if state == "running" and start > 0:
+                db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'replica started',?)",
+                           (task_id, at or time.time(), f"replica {slot} on {row[0]} (start {start})"))
+
+    def lose_replica(self, task_id: int, slot: int, start: int, detail: str, *, now: float | None = None) -> None:
+        """A replica's node is lost: the start ends, and the node goes back to the pool (unless drained)."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute("SELECT node, state FROM replicas WHERE task_id=? AND slot=? AND start=?",
+                             (task_id, slot, start)).fetchone()
+            if row is None or row[1] == "lost":
+                return
+            node = row[0]
+            db.execute("UPDATE replicas SET state='lost', ended_at=?, detail=? WHERE task_id=? AND slot=? AND start=?",
+                       (now, detail, task_id, slot, start))
+            assigned = json.loads(db.execute("SELECT assigned FROM tasks WHERE id=?", (task_id,)).fetchone()[0])
+            if node in assigned:
+                assigned.remove(node)
+            db.execute("UPDATE tasks SET assigned=? WHERE id=?", (json.dumps(assigned), task_id))
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'replica lost',?)",
+                       (task_id, now, f"replica {slot} on {node}: {detail}"))
+
+    def grant_replica(self, task_id: int, slot: int, node: str, lost: str, *, now: float | None = None) -> int:
+        """Start replica ``slot`` again on ``node`` (in place of ``lost``); returns the new start's number."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            start = db.execute("SELECT COALESCE(MAX(start), -1) + 1 FROM replicas WHERE task_id=? AND slot=?",
+                               (task_id, slot)).fetchone()[0]
+            db.execute("INSERT INTO replicas(task_id, slot, start, node, state) VALUES (?,?,?,?,'starting')",
+                       (task_id, slot, start, node))
+            assigned = json.loads(db.execute("SELECT assigned FROM tasks WHERE id=?", (task_id,)).fetchone()[0])
+            db.execute("UPDATE tasks SET assigned=? WHERE id=?", (json.dumps(assigned + [node]), task_id))
+            db.execute("INSERT INTO events(task_id, at, kind, detail) VALUES (?,?,'replica replaced',?)",
+                       (task_id, now, f"replica {slot}: {lost} -> {node}"))
+        return int(start)
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """One start of one replica of a fault-tolerant attempt."""
+
+    slot: int
+    """The replica's place in the job's layout (its ranks' ``FIREFLYER_NODE_ID`` is ``node{slot}``)."""
+    start: int
+    """0 for the attempt's first start, one more for each replacement."""
+    node: str
+    state: str
+    """``starting``, ``running``, ``done`` (its ranks exited 0) or ``lost``."""
+    started_at: float | None
+    ended_at: float | None
+    detail: str
+
+
 _COLS = ("id, chain_first_id, attempt, name, user, grp, priority, nodes, command, state, assigned, submitted_at, "
          "started_at, finished_at, stop_code, whole_life_state, ranks_per_node, cwd, env, handle, stop_requested, "
-         "hold, detail")
+         "hold, detail, fault_tolerant")
 
 
 LISTING_COLS = ("chain_first_id, id, attempt, name, user, grp, priority, nodes, ranks_per_node, command, state, "
-                "assigned, submitted_at, started_at, finished_at, stop_code, detail, whole_life_state, handle")
+                "assigned, submitted_at, started_at, finished_at, stop_code, detail, whole_life_state, handle, "
+                "fault_tolerant")
 
 
 def _row(r: tuple[Any, ...]) -> TaskRow:
     return TaskRow(r[0], r[1], r[2], r[3], r[4], r[5], _PRIORITY[r[6]], r[7], json.loads(r[8]), r[9],
                    tuple(json.loads(r[10])) if r[10] != "[]" else (), r[11], r[12], r[13], r[14], r[15], r[16],
-                   r[17], r[18], r[19], bool(r[20]), bool(r[21]), r[22])
+                   r[17], r[18], r[19], bool(r[20]), bool(r[21]), r[22], bool(r[23]))
 
 
 _PRIORITY = {int(p): p for p in Priority}

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from fireflyer import lifetime
+from fireflyer.errors import FireflyerError
 from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
@@ -51,6 +52,7 @@ class Supervisor:
         self.procs: Procs = []
         self.exit_codes: dict[str, int] = {}
         self._signalled: str | None = None
+        self._first_failure: float | None = None
 
     # ------------------------------------------------------------------ edges
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -61,21 +63,28 @@ class Supervisor:
             pass
 
     def _prologs(self) -> tuple[StopCode, str, list[str]] | None:
+        for node in self.launch.nodes:
+            failed = self._prolog(node)
+            if failed is not None:
+                return failed
+        return None
+
+    def _prolog(self, node: str) -> tuple[StopCode, str, list[str]] | None:
+        """Run the node health check for ``node``; None when it passed (or there is none), else how it failed."""
         if not self.launch.prolog:
             return None
-        for node in self.launch.nodes:
-            env = {**os.environ, **self.launch.env, names.NODE_ID: node}
-            try:
-                done = subprocess.run(list(self.launch.prolog), env=env, cwd=self.launch.cwd, capture_output=True,
-                                      text=True, timeout=self.t.unschedulable)
-            except subprocess.TimeoutExpired:
-                return StopCode.UNSCHEDULABLE, f"node {node}: prolog did not finish in {self.t.unschedulable:g} s", []
-            except OSError as exc:
-                return StopCode.INIT_FAILED, f"prolog {self.launch.prolog[0]!r} could not start: {exc.strerror}", []
-            if done.returncode != 0:
-                why = (done.stdout + done.stderr).strip().splitlines()
-                return (StopCode.HOOK_RESTART, f"node {node} failed its health check (exit {done.returncode})"
-                        f"{': ' + why[-1] if why else ''}", [node])
+        env = {**os.environ, **self.launch.env, names.NODE_ID: node}
+        try:
+            done = subprocess.run(list(self.launch.prolog), env=env, cwd=self.launch.cwd, capture_output=True,
+                                  text=True, timeout=self.t.unschedulable)
+        except subprocess.TimeoutExpired:
+            return StopCode.UNSCHEDULABLE, f"node {node}: prolog did not finish in {self.t.unschedulable:g} s", []
+        except OSError as exc:
+            return StopCode.INIT_FAILED, f"prolog {self.launch.prolog[0]!r} could not start: {exc.strerror}", []
+        if done.returncode != 0:
+            why = (done.stdout + done.stderr).strip().splitlines()
+            return (StopCode.HOOK_RESTART, f"node {node} failed its health check (exit {done.returncode})"
+                    f"{': ' + why[-1] if why else ''}", [node])
         return None
 
     def _last_output(self, since: float) -> float:
@@ -109,17 +118,34 @@ class Supervisor:
                 self.exit_codes.setdefault(label, p.returncode)
 
     # ------------------------------------------------------------------ the watch
+    def _start(self) -> None:
+        """Start the attempt's ranks (``self.procs``)."""
+        self.procs = self.starter(self.launch, self.adir)
+
+    def _ranks_ended(self, now: float) -> tuple[StopCode, str] | None:
+        """How the ranks ended the attempt: ``STOP`` when all exited 0, ``FAILED`` when one failed (after
+        :data:`COLLECT_S` for the others' codes); None while they run."""
+        for label, p in self.procs:
+            if label not in self.exit_codes and p.poll() is not None:
+                self.exit_codes[label] = p.returncode
+        failed = {k: c for k, c in self.exit_codes.items() if c != 0}
+        if failed:
+            self._first_failure = now if self._first_failure is None else self._first_failure
+            if len(self.exit_codes) == len(self.procs) or now - self._first_failure > COLLECT_S:
+                label, code = min(failed.items(), key=lambda kv: _rank_order(kv[0]))
+                more = f" ({len(failed)} of {len(self.procs)} failed)" if len(failed) > 1 else ""
+                return StopCode.FAILED, f"{label} {exit_text(code)}{more}"
+        elif len(self.exit_codes) == len(self.procs):
+            return StopCode.STOP, "all ranks exited 0"
+        return None
+
     def _watch(self) -> tuple[StopCode, str]:
         t0_wall, t0 = time.time(), time.monotonic()
         suspend_at: float | None = None
-        first_failure: float | None = None
         all_started = False
         next_watchdog = t0
         while True:
             now = time.monotonic()
-            for label, p in self.procs:
-                if label not in self.exit_codes and p.poll() is not None:
-                    self.exit_codes[label] = p.returncode
             if self.adir.has_flag("stop"):
                 return StopCode.MANUAL_STOP, "stopped by its user"
             if suspend_at is None and (self._signalled or self.adir.has_flag("suspend")):
@@ -134,19 +160,11 @@ class Supervisor:
                 if received and now - suspend_at > self.t.suspend_ack + self.t.suspend_grace:
                     return StopCode.INTERRUPT, (f"suspended: the job acknowledged but did not call go_suspend "
                                                 f"within {self.t.suspend_grace:g} s of grace; stopped")
-            failed = {k: c for k, c in self.exit_codes.items() if c != 0}
-            if failed:
-                first_failure = now if first_failure is None else first_failure
-                if len(self.exit_codes) == len(self.procs) or now - first_failure > COLLECT_S:
-                    label, code = min(failed.items(), key=lambda kv: _rank_order(kv[0]))
-                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS \
-                        else f"exited with code {code}"
-                    more = f" ({len(failed)} of {len(self.procs)} failed)" if len(failed) > 1 else ""
-                    return StopCode.FAILED, f"{label} {how}{more}"
-            elif len(self.exit_codes) == len(self.procs):
-                if suspend_at is not None and received:
+            ended = self._ranks_ended(now)
+            if ended is not None:
+                if ended[0] == StopCode.STOP and suspend_at is not None and received:
                     return StopCode.INTERRUPT, "suspended: the job acknowledged and exited"
-                return StopCode.STOP, "all ranks exited 0"
+                return ended
             if not all_started and now - t0 > self.t.unschedulable:
                 all_started = self._all_started()
                 if not all_started:
@@ -188,8 +206,9 @@ class Supervisor:
         # so whatever a rank started, in a session of its own too, is swept when the ranks are stopped
         mark = os.environ[lifetime.MARK] = lifetime.child_mark()
         try:
-            self.procs = self.starter(self.launch, self.adir)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self._start()
+        except (OSError, ValueError, subprocess.SubprocessError, FireflyerError) as exc:
+            self._stop_ranks()
             self.procs = []
             lifetime.sweep(mark)
             return StopCode.INIT_FAILED | StopCode.UNSCHEDULABLE, f"ranks could not start: {exc}", []
@@ -229,6 +248,12 @@ def record_status(adir: AttemptDir, status: dict) -> None:
 _SIGNALS = {s.value for s in signal.Signals}
 
 
+def exit_text(code: int) -> str:
+    """``was killed by SIGKILL`` or ``exited with code 3``."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS \
+        else f"exited with code {code}"
+
+
 def _rank_order(label: str) -> int:
     digits = label.removeprefix("rank")
     return int(digits) if digits.isdigit() else -1
@@ -245,6 +270,19 @@ def read_whole_life_state(adir: AttemptDir) -> int | None:
         return None
 
 
+def read_spec(adir: AttemptDir) -> dict | None:
+    """The attempt's spec, or None: it already ended (a Slurm requeue of a finished attempt: nothing to do), or it
+    has no spec (its end is then recorded as such)."""
+    if read_json(adir.status) is not None:
+        return None
+    spec = read_json(adir.spec)
+    if spec is None:
+        record_status(adir, {"stop_code": int(StopCode.FAILED | StopCode.INIT_FAILED),
+                             "detail": f"no spec.json in {adir.root}", "exit_codes": {}, "failed_nodes": [],
+                             "whole_life_state": None})
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0].startswith("-"):
@@ -256,14 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         from fireflyer.platform.starters import srun_ranks
 
         starter = srun_ranks
-    if read_json(adir.status) is not None:
-        return 0  # already ended (a Slurm requeue of a finished attempt): nothing to do
-    spec = read_json(adir.spec)
+    spec = read_spec(adir)
     if spec is None:
-        record_status(adir, {"stop_code": int(StopCode.FAILED | StopCode.INIT_FAILED),
-                             "detail": f"no spec.json in {adir.root}", "exit_codes": {}, "failed_nodes": [],
-                             "whole_life_state": None})
-        return 1
+        return 0 if read_json(adir.status) is not None else 1
     Supervisor(adir, Launch.from_json(spec), starter).run()
     return 0
 

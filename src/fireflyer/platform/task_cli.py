@@ -100,6 +100,9 @@ def submit(argv: list[str]) -> int:
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the platform's)")
     p.add_argument("-e", "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable")
     p.add_argument("--request-id", default=None, help="idempotency key: resubmitting it returns the first task")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="each node a replica (torchft): a node that dies or is drained is replaced on a healthy "
+                        "free node while the others go on (at least 2 nodes; e.g. fireflyer train)")
     _target_args(p)
     if "--" not in argv:
         p.parse_known_args(argv)  # --help, and flag errors, come first
@@ -115,14 +118,15 @@ def submit(argv: list[str]) -> int:
             env = {**{k: os.environ[k] for k in ENV_PASSED if k in os.environ}, **env}
         t = api.submit(nodes=args.nodes, command=command, priority=args.priority, group=args.group,
                        name=args.name, ranks_per_node=args.ranks_per_node, env=env, request_id=args.request_id,
-                       cwd=os.getcwd(), user=args.user)
+                       cwd=os.getcwd(), user=args.user, **({"fault_tolerant": True} if args.fault_tolerant else {}))
         if local:
             from fireflyer.platform.daemon import daemon_pid
 
             if daemon_pid(api.home) is None:
                 print(f"note: no daemon runs for {api.home.root}; the task waits until 'fireflyer platform start'",
                       file=sys.stderr)
-    return emit(args.json, t, lambda: f"submitted task {t['id']} ({t['name']}): {plural(t['nodes'], 'node')}, "
+    return emit(args.json, t, lambda: f"submitted task {t['id']} ({t['name']}): {plural(t['nodes'], 'node')}"
+                                      f"{' (fault-tolerant)' if t.get('fault_tolerant') else ''}, "
                                       f"priority {t['priority']}, group {t['group']}")
 
 
@@ -176,9 +180,23 @@ def describe(argv: list[str]) -> int:
                          ["TASK", "ATTEMPT", "STATE", "NODES", "STARTED", "ENDED", "STOP", "DETAIL"])
         history = table([(when(e["at"]), e["task_id"], e["kind"], e["detail"]) for e in d["events"]],
                         ["AT", "TASK", "EVENT", "DETAIL"])
-        return "\n".join(head) + "\n" + attempts + "\n\nhistory:\n" + history
+        return "\n".join(head) + "\n" + attempts + _replicas(d) + "\n\nhistory:\n" + history
 
     return emit(args.json, d, render)
+
+
+def _replicas(d: dict) -> str:
+    """A fault-tolerant task's replicas and quorum, for ``describe`` (empty for any other task)."""
+    if not d.get("fault_tolerant"):
+        return ""
+    rows = [(r["name"], r["node"], r["state"], r["restarts"], when(r["started_at"]), r["detail"] or "")
+            for r in d.get("replicas") or []]
+    q = d.get("quorum")
+    quorum = (f"quorum {q['id']}: {', '.join(q['replicas']) or 'none'} ({len(q['replicas'])} of {d['nodes']} "
+              f"replicas)") if q else "quorum: not known (the task is not running, or its Lighthouse not read yet)"
+    return ("\n\nreplicas (latest attempt):\n"
+            + (table(rows, ["REPLICA", "NODE", "STATE", "RESTARTS", "STARTED", "DETAIL"]) if rows else "none yet")
+            + "\n" + quorum)
 
 
 def logs(argv: list[str]) -> int:

@@ -141,6 +141,10 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
     from fireflyer.train.config import builtin_config, read_toml
     from fireflyer.train.files import write_json
 
+    from fireflyer.platform import env as names
+
+    if os.environ.get(names.REPLICA):  # a fault-tolerant task: this rank is one of a replica's
+        return run_replica(config, overrides, resume=resume, overwrite=overwrite)
     lifetime.graceful()  # the platform stops a task's ranks with SIGTERM, then SIGKILL: the save in flight commits
     overrides = {**overrides, "nodes": client.nnodes(), "ranks_per_node": this_rank().local_world_size}
     rank = client.rank()
@@ -155,6 +159,9 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
                 # a later attempt of the chain may replace what an earlier one left without a checkpoint
                 cfg, resume_from = resolve(config, overrides, resume=go_on,
                                            overwrite=overwrite or client.attempt() > 0)
+                if cfg.fault_tolerant:
+                    raise UserError("fault_tolerant under the platform needs a task submitted with 'fireflyer submit "
+                                    "--fault-tolerant' (the platform then runs and replaces each node's replica)")
                 write_json(cfg.out_dir / "config.json", cfg.to_dict())
                 box = [(cfg.to_dict(), resume_from, None)]
             except (UserError, ValueError) as exc:
@@ -175,6 +182,91 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
               announce=(lambda t: print(f"fireflyer train: {t.data.prepared.summary()}", flush=True))
               if rank == 0 else None)
         if rank == 0:
+            run = report.load_run(cfg.out_dir)
+            png = report.plot_losses(run, cfg.out_dir / "loss.png")
+            print(report.summary(run, wall_s=time.monotonic() - t0, out=cfg.out_dir, png=png), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+REPLICA_CONFIG_WAIT_S = 120.0
+"""How long a replica waits for replica 0 to resolve the run's config (it may start well after the others)."""
+
+
+def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite: bool = False) -> int:
+    """``fireflyer train`` as one rank of a replica of a fault-tolerant platform task (``fireflyer submit
+    --fault-tolerant``): the replica's ranks are a world of their own, and the platform started torchft's
+    Lighthouse and names the replica (``FIREFLYER_NODE_ID`` = ``node{slot}``) as ``fireflyer train
+    --fault-tolerant``'s launcher does.
+
+    Replica 0 resolves the run (as :func:`run_managed`'s rank 0 does) and leaves the result in the attempt's
+    folder (``ft/config.json``); the others, and a replica the platform started again on another node, read
+    it there. A replica started again (``TORCHELASTIC_RESTART_COUNT`` > 0) loads the newest checkpoint and
+    heals from a live one. The replica that wrote ``run.json`` prints the summary.
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    from fireflyer.platform import client
+    from fireflyer.platform import env as names
+    from fireflyer.train import report
+    from fireflyer.train import state as saved
+    from fireflyer.train.config import builtin_config, read_toml
+    from fireflyer.train.files import write_json
+    from fireflyer.train.outdir import resolve
+
+    lifetime.graceful()
+    me = this_rank()
+    slot = int(os.environ[names.REPLICA])
+    shared = Path(os.environ[names.TASK_DIR]) / "ft" / "config.json"
+    overrides = {**overrides, "nodes": client.nnodes(), "ranks_per_node": me.local_world_size, "fault_tolerant": True}
+    dist.init_process_group("hfreduce", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
+    try:
+        box: list = [None]
+        if me.rank == 0:
+            if slot == 0 and not shared.exists():
+                try:
+                    out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
+                        TrainConfig.from_toml(builtin_config("demo")).out
+                    go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
+                    cfg, resume_from = resolve(config, overrides, resume=go_on,
+                                               overwrite=overwrite or client.attempt() > 0)
+                    write_json(cfg.out_dir / "config.json", cfg.to_dict())
+                    got = {"config": cfg.to_dict(), "resume_from": resume_from, "error": None}
+                except (UserError, ValueError) as exc:
+                    got = {"config": None, "resume_from": None, "error": str(exc)}
+                write_json(shared, got)
+            else:
+                deadline = time.monotonic() + REPLICA_CONFIG_WAIT_S
+                while not shared.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if not shared.exists():
+                    got = {"error": f"replica 0 did not resolve the run's config within {REPLICA_CONFIG_WAIT_S:g} s"}
+                else:
+                    got = json.loads(shared.read_text())
+            box = [got]
+        dist.broadcast_object_list(box, src=0)
+        got = box[0]
+        if got.get("error"):
+            raise UserError(got["error"])
+        cfg = TrainConfig.from_dict(got["config"])
+        resume_from = got["resume_from"]
+        where = place(cfg)
+        if me.rank == 0:
+            first = 1 if resume_from is None else resume_from + 1
+            again = f", started again (start {os.environ.get(names.RESTART_COUNT)})" \
+                if os.environ.get(names.RESTART_COUNT, "0") != "0" else ""
+            print(f"fireflyer train: platform task {client.chain_id()} attempt {client.attempt()}: replica {where.node} "
+                  f"of {cfg.nodes} on {os.environ.get(names.PLATFORM_NODE, '?')}{again}, "
+                  f"{plural(cfg.ranks_per_node, 'rank')}, steps {first}-{cfg.stop_at or cfg.steps}, out {cfg.out_dir}/",
+                  flush=True)
+        t0 = time.monotonic()
+        trainer = train(lambda: _fault_tolerant(cfg, where, resume_from))
+        trained = trainer.start_step < trainer.end_step  # not a replica that came back after the run ended
+        if me.rank == 0 and trained and getattr(trainer, "writer", None) == where.node and \
+                (cfg.out_dir / "run.json").exists():
             run = report.load_run(cfg.out_dir)
             png = report.plot_losses(run, cfg.out_dir / "loss.png")
             print(report.summary(run, wall_s=time.monotonic() - t0, out=cfg.out_dir, png=png), flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from fireflyer.platform.api import MAX_TASK_ID
 from fireflyer.errors import UserError
@@ -79,6 +79,26 @@ class Task(BaseModel):
     detail: str
     whole_life_state: int
     handle: str | None
+    fault_tolerant: bool = Field(False, description="each node a replica: a lost node is replaced, the task goes on")
+
+
+class Replica(BaseModel):
+    """One replica of a fault-tolerant task's latest attempt."""
+
+    slot: int = Field(description="the replica's place in the job's layout")
+    name: str = Field(description="its ranks' FIREFLYER_NODE_ID: node{slot}, wherever it runs")
+    node: str = Field(description="the node it runs (or last ran) on")
+    state: str = Field(description="starting, running, done (its ranks exited 0) or lost")
+    restarts: int = Field(description="times it was started again on another node in this attempt")
+    started_at: float | None
+    ended_at: float | None
+    detail: str
+
+
+class Quorum(BaseModel):
+    id: int = Field(description="torchft's quorum id")
+    replicas: list[str] = Field(description="the replicas (node{slot}) in the Lighthouse's last quorum")
+    at: float | None = Field(description="when the supervisor saw this quorum first")
 
 
 class Event(BaseModel):
@@ -92,6 +112,8 @@ class TaskDetail(Task):
     attempts: list[Task]
     events: list[Event]
     logs: str = Field(description="the latest attempt's log directory, on the server's filesystem")
+    replicas: list[Replica] | None = Field(None, description="a fault-tolerant task's replicas")
+    quorum: Quorum | None = Field(None, description="a running fault-tolerant task's current quorum")
 
 
 class TaskPage(BaseModel):
@@ -123,6 +145,8 @@ class Submit(BaseModel):
     cwd: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_storable)] | None = Field(
         None, description="working directory on the server's filesystem (default: the server's)")
     user: Short | None = Field(None, description="submit for another user (admins only)")
+    fault_tolerant: StrictBool = Field(False, description="each node a replica (torchft): a node that dies or is drained "
+                                                    "is replaced while the others go on; at least 2 nodes")
 
 
 class Node(BaseModel):

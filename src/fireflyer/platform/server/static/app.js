@@ -380,6 +380,20 @@ function renderDetail(t) {
       el("td", { class: "mono", text: fmtTime(a.started_at) }),
       el("td", { class: "mono", text: fmtTime(a.finished_at) }),
       el("td", { text: a.stop ? `${a.stop}${a.detail ? ": " + a.detail : ""}` : (a.detail || "") }))));
+  // a fault-tolerant task: each replica's node, state and restarts, and the quorum its Lighthouse formed last
+  $("replicas-box").hidden = !t.fault_tolerant;
+  const q = t.quorum;
+  $("quorum").textContent = !t.fault_tolerant ? "" : q ?
+    `quorum ${q.id}: ${(q.replicas || []).join(", ") || "none"} (${(q.replicas || []).length} of ${t.nodes})` :
+    "quorum not known (not running)";
+  fill($("replicas"), (t.replicas || []).map((r) =>
+    el("tr", {},
+      el("td", { class: "mono", text: r.name }),
+      el("td", { class: "mono", text: r.node }),
+      el("td", {}, el("span", { class: `state s-${r.state}`, text: r.state })),
+      el("td", { class: "num", text: r.restarts }),
+      el("td", { class: "mono", text: fmtTime(r.started_at) }),
+      el("td", { text: r.detail || "" }))));
   fill($("events"), (t.events || []).map((e) =>
     el("tr", {},
       el("td", { class: "mono", text: fmtTime(e.at) }),
