@@ -40,7 +40,7 @@ from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, write_json_atomic
 from fireflyer.platform.starters import Procs, replica_ranks
 from fireflyer.platform.store import StopCode
-from fireflyer.platform.supervisor import POLL_S, Supervisor, exit_text, read_spec
+from fireflyer.platform.supervisor import Supervisor, exit_text, read_spec, stop_processes
 from fireflyer.ports import free_port
 
 QUORUM_EVERY_S = 1.0
@@ -244,22 +244,7 @@ class ReplicaSupervisor(Supervisor):
 
     def _lose(self, r: Replica, detail: str) -> None:
         """End replica ``r``: its ranks still running get SIGTERM, then SIGKILL after :data:`LOSE_GRACE_S`."""
-        alive = [p for _, p in r.procs if p.poll() is None]
-        for sig, wait in ((signal.SIGTERM, LOSE_GRACE_S), (signal.SIGKILL, 5.0)):
-            for p in alive:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-                time.sleep(POLL_S)
-            alive = [p for p in alive if p.poll() is None]
-            if not alive:
-                break
-        for label, p in r.procs:
-            if p.poll() is not None:
-                self.exit_codes.setdefault(label, p.returncode)
+        stop_processes(r.procs, LOSE_GRACE_S, self.exit_codes)
         r.state, r.ended_at, r.detail = "lost", time.time(), detail
 
     def _read_quorum(self) -> bool:

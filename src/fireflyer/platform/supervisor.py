@@ -45,6 +45,27 @@ POLL_S = 0.05
 WATCHDOG_EVERY_S = 1.0
 """How often the log-silence watchdog looks at the ranks' logs."""
 
+
+def stop_processes(procs: list[tuple[str, subprocess.Popen]], grace: float, exit_codes: dict[str, int]) -> None:
+    """Stop each ``(label, process)``'s process group: SIGTERM, then SIGKILL after ``grace`` seconds; the codes
+    of those that ended go into ``exit_codes`` (a code already there is kept)."""
+    alive = [p for _, p in procs if p.poll() is None]
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+            time.sleep(POLL_S)
+        alive = [p for p in alive if p.poll() is None]
+        if not alive:
+            break
+    for label, p in procs:
+        if p.poll() is not None:
+            exit_codes.setdefault(label, p.returncode)
+
 class Supervisor:
     def __init__(self, adir: AttemptDir, launch: Launch, starter: Starter = local_ranks) -> None:
         self.adir, self.launch, self.starter = adir, launch, starter
@@ -100,22 +121,7 @@ class Supervisor:
         return all(self.adir.started_marker(r).exists() for r in range(self.launch.world_size))
 
     def _stop_ranks(self) -> None:
-        alive = [p for _, p in self.procs if p.poll() is None]
-        for sig, wait in ((signal.SIGTERM, self.t.kill_grace), (signal.SIGKILL, 5.0)):
-            for p in alive:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-                time.sleep(POLL_S)
-            alive = [p for p in alive if p.poll() is None]
-            if not alive:
-                break
-        for label, p in self.procs:
-            if p.poll() is not None:
-                self.exit_codes.setdefault(label, p.returncode)
+        stop_processes(self.procs, self.t.kill_grace, self.exit_codes)
 
     # ------------------------------------------------------------------ the watch
     def _start(self) -> None:

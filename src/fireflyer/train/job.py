@@ -135,13 +135,9 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
 
     from fireflyer.errors import UserError
     from fireflyer.platform import client
-    from fireflyer.train import report
-    from fireflyer.train import state as saved
-    from fireflyer.train.outdir import resolve
-    from fireflyer.train.config import builtin_config, read_toml
-    from fireflyer.train.files import write_json
-
     from fireflyer.platform import env as names
+    from fireflyer.train import report
+    from fireflyer.train.files import write_json
 
     if os.environ.get(names.REPLICA):  # a fault-tolerant task: this rank is one of a replica's
         return run_replica(config, overrides, resume=resume, overwrite=overwrite)
@@ -153,12 +149,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
         box: list = [None]
         if rank == 0:
             try:
-                out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
-                    TrainConfig.from_toml(builtin_config("demo")).out
-                go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
-                # a later attempt of the chain may replace what an earlier one left without a checkpoint
-                cfg, resume_from = resolve(config, overrides, resume=go_on,
-                                           overwrite=overwrite or client.attempt() > 0)
+                cfg, resume_from = resolve_attempt(config, overrides, resume=resume, overwrite=overwrite)
                 if cfg.fault_tolerant:
                     raise UserError("fault_tolerant under the platform needs a task submitted with 'fireflyer submit "
                                     "--fault-tolerant' (the platform then runs and replaces each node's replica)")
@@ -190,6 +181,21 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
     return 0
 
 
+def resolve_attempt(config: str | None, overrides: dict, *, resume: bool, overwrite: bool
+                    ) -> tuple[TrainConfig, int | None]:
+    """The run of a platform attempt: a later attempt of the chain goes on from the newest checkpoint, and may
+    replace what an earlier one left without a checkpoint."""
+    from fireflyer.platform import client
+    from fireflyer.train import state as saved
+    from fireflyer.train.config import builtin_config, read_toml
+    from fireflyer.train.outdir import resolve
+
+    out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
+        TrainConfig.from_toml(builtin_config("demo")).out
+    go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
+    return resolve(config, overrides, resume=go_on, overwrite=overwrite or client.attempt() > 0)
+
+
 REPLICA_CONFIG_WAIT_S = 120.0
 """How long a replica waits for replica 0 to resolve the run's config (it may start well after the others)."""
 
@@ -212,10 +218,7 @@ def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite:
     from fireflyer.platform import client
     from fireflyer.platform import env as names
     from fireflyer.train import report
-    from fireflyer.train import state as saved
-    from fireflyer.train.config import builtin_config, read_toml
     from fireflyer.train.files import write_json
-    from fireflyer.train.outdir import resolve
 
     lifetime.graceful()
     me = this_rank()
@@ -228,11 +231,7 @@ def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite:
         if me.rank == 0:
             if slot == 0 and not shared.exists():
                 try:
-                    out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
-                        TrainConfig.from_toml(builtin_config("demo")).out
-                    go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
-                    cfg, resume_from = resolve(config, overrides, resume=go_on,
-                                               overwrite=overwrite or client.attempt() > 0)
+                    cfg, resume_from = resolve_attempt(config, overrides, resume=resume, overwrite=overwrite)
                     write_json(cfg.out_dir / "config.json", cfg.to_dict())
                     got = {"config": cfg.to_dict(), "resume_from": resume_from, "error": None}
                 except (UserError, ValueError) as exc:
