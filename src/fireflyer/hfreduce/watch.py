@@ -103,9 +103,23 @@ class Watch:
 
     def positions(self, patience: float) -> tuple[dict[int, int], list[int]]:
         """Ask every rank how many of the group's collectives it has called; returns the answers by rank, and
-        the ranks that gave none within ``patience`` seconds (dead, stopped, or their store unreachable)."""
-        store, others = self._store, [r for r in range(self.world_size) if r != self.rank]
-        answers: dict[int, int] = {}
+        the ranks that gave none within ``patience`` seconds (dead, stopped, or their store unreachable).
+
+        The asking runs on a thread of its own, waited for ``patience`` (and a second): a store whose host is
+        stopped (SIGSTOP) holds every call until the host resumes (TCPStore's client honours its timeout in
+        waits only), and the timed-out rank must not wait for it (it would hang as long as the host is stopped).
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        box: list[dict[int, int]] = []
+        done = threading.Event()
+        threading.Thread(target=self._ask, args=(others, patience, box, done), name=f"hfreduce-ask-{self.rank}",
+                         daemon=True).start()
+        done.wait(patience + 1.0)
+        answers = box[0] if box else {}
+        return answers, [r for r in others if r not in answers]
+
+    def _ask(self, others: list[int], patience: float, box: list[dict[int, int]], done: threading.Event) -> None:
+        store, answers = self._store, {}
         try:
             k = store.add(_ASKS, 1)
             with self._lock:
@@ -120,7 +134,8 @@ class Watch:
                     answers[r] = int(store.get(key))
         except Exception as exc:  # noqa: BLE001 - the store is gone: no one answers
             _log.debug("hfreduce %d: no positions from the store: %s", self.rank, exc)
-        return answers, [r for r in others if r not in answers]
+        box.append(answers)
+        done.set()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:

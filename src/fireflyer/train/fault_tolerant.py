@@ -64,6 +64,16 @@ class LighthouseFailed(FireflyerError, RuntimeError):
     """torchft's Lighthouse could not be started or found."""
 
 
+class LeftBehind(FireflyerError, RuntimeError):
+    """A replica's quorum is behind the checkpoint on disk: the live replicas went on (or finished) without it,
+    as when its node was stopped past the timeout. Its agent restarts it from the checkpoint."""
+
+
+class PartialHeal(FireflyerError, RuntimeError):
+    """A heal reached some ranks of a replica and not others (its source died during the transfer): the replica's
+    ranks hold the states of different steps. Its agent restarts it from the checkpoint."""
+
+
 def node_index(node: str) -> int:
     """``node2`` -> 2: an emulated node's place in the configured layout (its replica id)."""
     digits = node.removeprefix("node")
@@ -171,9 +181,10 @@ class Record:
 
 
 # ------------------------------------------------------------------ the healing transport
-def data_only_transport(timeout: timedelta, host: str) -> Any:
+def data_only_transport(timeout: timedelta, host: str, healing: Callable[[int], None] | None = None) -> Any:
     """torchft's HTTP checkpoint transport, loading what it receives as data only (``weights_only=True``:
-    tensors and plain values; a peer cannot make this process run code) and serving at ``host``."""
+    tensors and plain values; a peer cannot make this process run code) and serving at ``host``;
+    ``healing(step)`` is called as a heal's transfer begins."""
     from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
     import urllib.request
@@ -190,6 +201,11 @@ def data_only_transport(timeout: timedelta, host: str) -> Any:
                 body = f.read()
             DataOnlyTransport.received_bytes += len(body)
             return _streaming_load(io.BytesIO(body), weights_only=True)
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+            if healing is not None:
+                healing(step)
+            return super().recv_checkpoint(src_rank, metadata, step, timeout)
 
     return DataOnlyTransport(timeout=timeout, num_chunks=0)
 
@@ -242,7 +258,14 @@ class Replica:
                                         timeout=timedelta(seconds=quorum_timeout))
             box = [self._store.port]
         dist.broadcast_object_list(box, src=0)
-        self.transport = data_only_transport(timedelta(seconds=timeout), host)
+        # a line in the node's log as a heal's transfer begins (rank 0 for the node)
+        healing = (lambda step: print(f"{replica_id}: healing from a live replica at step {step}", flush=True)) \
+            if self.local_rank == 0 else None
+        self.transport = data_only_transport(timedelta(seconds=timeout), host, healing)
+        # A collective that fails by its timeout (a peer stopped, not dead) may end on the replica's ranks seconds
+        # apart: each waits its own timeout, then names the culprit over the quorum's store, which a stopped host
+        # holds up. The vote waits for the late rank rather than fail (a TimeoutError would crash a live node).
+        self._commit_timeout = timedelta(seconds=max(quorum_timeout, 2 * timeout))
         self.record = Record()
         self._last_quorum: tuple[str, ...] = ()
         self.pg = ProcessGroupHFReduce(timeout=timedelta(seconds=timeout))
@@ -270,6 +293,7 @@ class Replica:
         t0 = time.monotonic()
         self.manager.start_quorum()
         healed = self.transport.received_bytes - before
+        self._check_one_step()
         step = self.manager.current_step() + 1
         replicas = self._participants(step, healed, time.monotonic() - t0 if healed else 0.0)
         if replicas is None:
@@ -278,6 +302,21 @@ class Replica:
             self.record.quorums.append({"step": step, "replicas": replicas, "at": time.time()})
             self._last_quorum = tuple(replicas)
         return self.plan(step, replicas)
+
+    def _check_one_step(self) -> None:
+        """Every rank of this replica at one step, or PartialHeal. Each rank heals from its own peer in the source
+        replica; when the source dies during the transfer, some ranks may have taken its state (and its step)
+        and others not. The step then fails (torchft's vote), but the next quorum would not heal them again: they
+        would go on at different steps. A small all-reduce over the node's ranks, every step, finds it."""
+        if self.local_world == 1:
+            return
+        s = self.manager.current_step()
+        steps = torch.tensor([s, -s], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        high, low = int(steps[0]), -int(steps[1])
+        if high != low:
+            raise PartialHeal(f"{self.replica_id}'s ranks are at steps {low} to {high} after a heal whose source was "
+                              "lost during the transfer; restarting the node from the checkpoint")
 
     def plan(self, step: int, replicas: list[str]) -> StepPlan:
         """Pure but for this rank's place: the blocks of ``step`` over the live ``replicas``."""
@@ -315,7 +354,7 @@ class Replica:
 
     def commit(self) -> bool:
         """torchft's vote: True when every rank of this replica computed the step without error."""
-        return self.manager.should_commit()
+        return self.manager.should_commit(timeout=self._commit_timeout)
 
     def error(self) -> str:
         e = self.manager.errored()

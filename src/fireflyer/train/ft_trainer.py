@@ -28,8 +28,8 @@ from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import TrainingData
-from fireflyer.train.fault_tolerant import (Failure, Replica, StepPlan, micro_blocks, node_index, restarts,
-                                            tree_over_blocks)
+from fireflyer.train.fault_tolerant import (Failure, LeftBehind, Replica, StepPlan, micro_blocks, node_index,
+                                            restarts, tree_over_blocks)
 from fireflyer.train.files import write_json
 from fireflyer.train.model import GPT, ModelShape, lm_loss
 from fireflyer.train.optim import build_optimizer
@@ -194,6 +194,8 @@ class FaultTolerantTrainer(Trainer):
         plan = self.replica.begin()
         if plan is None:
             return None
+        if plan.replicas != before:
+            self._check_not_left_behind(plan)
         self.writer = plan.replicas[0]
         lost = [r for r in (before or []) if r not in plan.replicas]
         if lost:
@@ -209,6 +211,18 @@ class FaultTolerantTrainer(Trainer):
         if joined:
             bar.note(f"step {plan.step}: {', '.join(joined)} joined; {len(plan.replicas)} replicas")
         return plan
+
+    def _check_not_left_behind(self, plan: StepPlan) -> None:
+        """A new quorum whose step is not past the newest checkpoint on disk holds no replica that committed it:
+        the live replicas went on without this one (its node stopped past the timeout, then resumed) and may have
+        finished. Going on would redo their steps alone and write checkpoints they already wrote; the node's
+        ranks restart instead, from that checkpoint (rank 0 reads it for the node, so its ranks agree)."""
+        box = [saved.latest_step(self.cfg.out) if self.where.rank == 0 else None]
+        if self.where.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and box[0] >= plan.step:
+            raise LeftBehind(f"{self.where.node} was left behind: its quorum {plan.replicas} is at step "
+                             f"{plan.step - 1}, the checkpoint on disk at step {box[0]}; restarting from it")
 
     def _failed(self, plan: StepPlan, bar: Any) -> None:
         self.replica.record.redone_steps += 1
