@@ -31,7 +31,7 @@ from fireflyer.hfreduce.errors import HFReduceError  # noqa: E402
 from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce  # noqa: E402
 from fireflyer.ports import free_port  # noqa: E402
 from fireflyer.testing.waiting import wait_until  # noqa: E402
-from fireflyer.train.fault_tolerant import lighthouse_binary  # noqa: E402
+from fireflyer.lighthouse import lighthouse_binary  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 

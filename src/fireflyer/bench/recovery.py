@@ -236,7 +236,7 @@ def _timeline(run: Run) -> dict[str, Any]:
 
 
 def run(cfg: RecoveryBenchConfig, say=print) -> dict[str, Any]:
-    from fireflyer.train.fault_tolerant import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS
+    from fireflyer.lighthouse import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS
 
     work = cfg.work or tempfile.mkdtemp(prefix=".fireflyer-bench-recovery-", dir=os.getcwd())
     os.makedirs(work, exist_ok=True)

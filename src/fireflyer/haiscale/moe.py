@@ -415,11 +415,25 @@ class MoE(nn.Module):
         ``state_dict``), never a parameter, and the optimizer never touches it. A forward run
         again by activation checkpointing counts twice.
         """
-        load = self._step_load.to(self.expert_bias.device, torch.float64)
+        load = self.take_step_load()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(load, group=group)
-        self.expert_bias += self.config.bias_update_speed * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        return self.apply_load(load)
+
+    def take_step_load(self) -> torch.Tensor:
+        """This rank's expert choices since the last call (float64 per global expert), and a fresh count: the
+        first half of :meth:`update_bias`, for a caller that sums the loads its own way (over replicas that
+        come and go, say) before :meth:`apply_load`."""
+        load = self._step_load.to(self.expert_bias.device, torch.float64)
         self._step_load = torch.zeros_like(self._step_load)
+        return load
+
+    @torch.no_grad()
+    def apply_load(self, load: torch.Tensor) -> torch.Tensor:
+        """The bias update for a step's ``load`` summed over every replica (the second half of
+        :meth:`update_bias`); returns the load as integers."""
+        load = load.to(self.expert_bias.device, torch.float64)
+        self.expert_bias += self.config.bias_update_speed * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
         return load.to(torch.int64)
 
     def extra_repr(self) -> str:

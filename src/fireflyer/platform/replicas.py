@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -33,68 +32,19 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fireflyer import lifetime
-from fireflyer.errors import FireflyerError
 from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
 from fireflyer.platform.layout import AttemptDir, write_json_atomic
 from fireflyer.platform.starters import Procs, replica_ranks
 from fireflyer.platform.store import StopCode
 from fireflyer.platform.supervisor import Supervisor, exit_text, read_spec, stop_processes
+from fireflyer.lighthouse import start_lighthouse
 from fireflyer.ports import free_port
 
 QUORUM_EVERY_S = 1.0
 """How often the supervisor reads the Lighthouse's status for the quorum it shows."""
 LOSE_GRACE_S = 2.0
 """A lost replica's remaining ranks get this long after SIGTERM before SIGKILL."""
-HEARTBEAT_TIMEOUT_MS = 1500
-"""As ``fireflyer train --fault-tolerant``: a replica silent this long is left out of the next quorum."""
-JOIN_TIMEOUT_MS = 1000
-
-
-class LighthouseFailed(FireflyerError, RuntimeError):
-    """torchft's Lighthouse could not be started for the attempt."""
-
-
-def lighthouse_binary() -> str:
-    """torchft's Lighthouse, as its wheel installs it beside this Python (or on PATH)."""
-    import shutil
-
-    found = Path(sys.executable).parent / "torchft_lighthouse"
-    if found.exists():
-        return str(found)
-    other = shutil.which("torchft_lighthouse")
-    if other:
-        return other
-    raise LighthouseFailed("torchft's Lighthouse (torchft_lighthouse) is not installed where the platform runs: "
-                           "pip install 'fireflyer[ft]' (torchft==0.2.0)")
-
-
-def start_lighthouse(log: Path, *, wait_s: float) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse on a free loopback port, dying with this process; its address once it answers."""
-    import socket
-
-    port = free_port()
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
-                                 "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
-                                 "--bind", f"127.0.0.1:{port}"],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env={**os.environ, "RUST_LOG": "warn"},
-                                start_new_session=True, preexec_fn=lifetime.tied_to_me(signal.SIGKILL))
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LighthouseFailed(f"torchft's Lighthouse exited with code {proc.returncode}; see {log}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise LighthouseFailed(f"torchft's Lighthouse did not answer on 127.0.0.1:{port} within {wait_s:g} s")
-
-
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(-?\d+)")
 _MEMBER = re.compile(r"(node\d+):[0-9a-f]{8}-[0-9a-f]{4}-")
 

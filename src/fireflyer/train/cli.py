@@ -126,7 +126,7 @@ def _run_replicas(job, cfg: TrainConfig) -> None:
     """``--fault-tolerant``: torchft's Lighthouse, then each node as a replica group of its own, restarted by its
     agent when its ranks die; the Lighthouse ends with the job."""
     from fireflyer.launch import run_local
-    from fireflyer.train.fault_tolerant import LIGHTHOUSE_ENV, start_lighthouse
+    from fireflyer.lighthouse import LIGHTHOUSE_ENV, start_lighthouse
 
     import shutil
     import tempfile

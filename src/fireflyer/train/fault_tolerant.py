@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -49,19 +46,10 @@ import torch.distributed as dist
 
 from fireflyer.errors import FireflyerError, UserError
 from fireflyer.hfreduce.canonical import split_point
+from fireflyer.lighthouse import LIGHTHOUSE_ENV, LighthouseFailed
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-"""Where the ranks find the Lighthouse (torchft's own variable)."""
-HEARTBEAT_TIMEOUT_MS = 1500
-"""A replica that has not heartbeated for this long is left out of the next quorum."""
-JOIN_TIMEOUT_MS = 1000
 _ID_BYTES = 64
 """Room for a replica id in the quorum's exchange of ids."""
-"""How long a quorum waits for the previous quorum's members before forming without them."""
-
-
-class LighthouseFailed(FireflyerError, RuntimeError):
-    """torchft's Lighthouse could not be started or found."""
 
 
 class LeftBehind(FireflyerError, RuntimeError):
@@ -352,6 +340,12 @@ class Replica:
             return None
         return list(slots.unbind())
 
+    def sum_over_replicas(self, t: torch.Tensor) -> bool:
+        """``t`` summed in place with the same rank's ``t`` on every live replica; False when the step failed (a
+        peer lost: the Manager knows, and the step is not committed)."""
+        self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
+        return self.manager.errored() is None
+
     def commit(self) -> bool:
         """torchft's vote: True when every rank of this replica computed the step without error."""
         return self.manager.should_commit(timeout=self._commit_timeout)
@@ -419,49 +413,3 @@ def node_ranks(node: str, mark: str) -> list[int]:
                 and b"torch.distributed.run" not in cmd:
             found.append(pid)
     return found
-
-
-# ------------------------------------------------------------------ the launcher's side
-def lighthouse_binary() -> str:
-    """torchft's Lighthouse, as its wheel installs it beside this Python."""
-    import shutil
-
-    found = Path(sys.executable).parent / "torchft_lighthouse"
-    if found.exists():
-        return str(found)
-    other = shutil.which("torchft_lighthouse")
-    if other:
-        return other
-    raise LighthouseFailed("torchft's Lighthouse (torchft_lighthouse) is not installed: "
-                           "pip install 'fireflyer[ft]' (torchft==0.2.0)")
-
-
-def start_lighthouse(log: Path, *, wait_s: float = 15.0
-                     ) -> tuple[subprocess.Popen, str]:
-    """Start torchft's Lighthouse on a free loopback port, tied to this process; its address once it answers."""
-    import socket
-
-    from fireflyer import lifetime
-    from fireflyer.ports import free_port
-
-    port = free_port()
-    out = open(log, "w")
-    proc = subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
-                             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
-                             "--bind", f"127.0.0.1:{port}"],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                            env={**os.environ, "RUST_LOG": "warn"},
-                            preexec_fn=lifetime.tied_to_me(signal.SIGKILL))
-    out.close()
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LighthouseFailed(f"torchft's Lighthouse exited with code {proc.returncode}; see {log}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise LighthouseFailed(f"torchft's Lighthouse did not answer on 127.0.0.1:{port} within {wait_s:.0f}s")

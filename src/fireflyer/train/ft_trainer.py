@@ -127,7 +127,8 @@ class FaultTolerantTrainer(Trainer):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         h = state["history"]
-        self.history = History(loss=list(h["loss"]), lr=list(h["lr"]), val=[list(v) for v in h["val"]])
+        self.history = History(loss=list(h["loss"]), lr=list(h["lr"]), val=[list(v) for v in h["val"]],
+                               experts=[dict(e) for e in h.get("experts", [])])
         mine, theirs = self.replica.record, state.get("record") or {}
         for name in ("failures", "quorums"):
             setattr(mine, name, list(theirs.get(name, [])))
@@ -182,7 +183,8 @@ class FaultTolerantTrainer(Trainer):
         self._save(self.end_step)
         self.ckpt.wait()
         reader = self._reader_stats()
-        record = self._record(reader, {}) if rank == 0 and self.writer == self.where.node else {}
+        laid = self._layout_summary()  # the MoE path's (a collective over the node's ranks); {} for the dense model
+        record = self._record(reader, laid) if rank == 0 and self.writer == self.where.node else {}
         if record:
             write_json(Path(cfg.out) / "run.json", record)
         dist.barrier()

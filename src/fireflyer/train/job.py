@@ -109,6 +109,7 @@ def _fault_tolerant(cfg: TrainConfig, where, resume: int | None) -> Trainer:
     live replica heals it to the quorum's step)."""
     from fireflyer.train import state as saved
     from fireflyer.train.fault_tolerant import node_index, restarts
+    from fireflyer.train.ft_experts import FaultTolerantMoETrainer
     from fireflyer.train.ft_trainer import FaultTolerantTrainer
 
     fail_at = injected_failure(node_index(where.node) * cfg.ranks_per_node + where.rank)
@@ -117,7 +118,8 @@ def _fault_tolerant(cfg: TrainConfig, where, resume: int | None) -> Trainer:
         box = [saved.latest_step(cfg.out) if where.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # the node's ranks start from one step
         resume = box[0] if box[0] is not None else resume
-    return FaultTolerantTrainer(cfg, where, resume=resume, fail_at=fail_at)
+    kind = FaultTolerantMoETrainer if cfg.model == "moe" else FaultTolerantTrainer
+    return kind(cfg, where, resume=resume, fail_at=fail_at)
 
 
 def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite: bool = False) -> int:

@@ -227,9 +227,22 @@ class LaidOut:
     def after_step(self) -> list[LayerStep]:
         """The balancing step of every MoE layer (collective on the stage's dense group); each layer's
         load of the step (tokens per global expert, over every replica), imbalance and all-to-all."""
+        return self._layer_steps([m.update_bias(self.layout.dense_group) for _, m in self.moe_layers])
+
+    def take_loads(self) -> list[torch.Tensor]:
+        """Each MoE layer's expert choices on this rank since the last step (float64), for a caller that sums them
+        over replicas itself (fault-tolerant training), then :meth:`apply_loads`."""
+        return [m.take_step_load() for _, m in self.moe_layers]
+
+    @torch.no_grad()
+    def apply_loads(self, loads: list[torch.Tensor]) -> list[LayerStep]:
+        """:meth:`after_step` for loads already summed over every replica (not a collective)."""
+        return self._layer_steps([m.apply_load(load) for (_, m), load in zip(self.moe_layers, loads, strict=True)])
+
+    def _layer_steps(self, loads: list[torch.Tensor]) -> list[LayerStep]:
         out = []
-        for i, m in self.moe_layers:
-            load = m.update_bias(self.layout.dense_group).tolist()
+        for (i, m), counts in zip(self.moe_layers, loads, strict=True):
+            load = counts.tolist()
             a2a = m.take_exchange_totals()
             total = sum(load)
             out.append(LayerStep(i, load, max(load) * len(load) / total if total else 1.0, a2a.bytes_sent,
