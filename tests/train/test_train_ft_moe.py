@@ -24,16 +24,10 @@ pytest.importorskip("torchft", reason="torchft is an optional extra: pip install
 
 from fireflyer import lifetime  # noqa: E402
 from fireflyer.checkpoint.manager import committed_steps  # noqa: E402
-from fireflyer.testing.cli import fireflyer, one_error_line  # noqa: E402
+from fireflyer.testing.cli import fireflyer  # noqa: E402
 from fireflyer.train.fault_tolerant import node_ranks  # noqa: E402
 
 RUN = ["--preset", "moe", "--steps", "120", "--save-every", "10", "--eval-interval", "60", "--layers", "1"]
-
-
-def test_moe_in_the_canonical_order_is_refused_in_one_line(tmp_path):
-    done = fireflyer("train", *RUN, "--fault-tolerant", "--order", "canonical", "--out", str(tmp_path / "r"))
-    assert "order = 'canonical' covers the dense model" in one_error_line(done)
-    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.multiproc

@@ -17,8 +17,6 @@ rank, expert gradients as haiscale's DDP gives them, the bias moved by the load 
 from __future__ import annotations
 
 import time
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -33,7 +31,7 @@ class FaultTolerantMoETrainer(FaultTolerantTrainer):
     def _build_model(self) -> None:
         Trainer._build_model(self)  # the layout path over this node's ranks: its stage is the whole model
 
-    def _train_step_ft(self, plan: StepPlan, sums: Any = None) -> tuple[float, float] | None:
+    def _train_step_ft(self, plan: StepPlan) -> tuple[float, float] | None:
         net = self.laid_out
         assert net is not None
         R, n = self.where.world_size, len(plan.replicas)
