@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,8 @@ from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import TrainingData
-from fireflyer.train.fault_tolerant import (Failure, LeftBehind, Replica, StepPlan, micro_blocks, node_index,
-                                            restarts, tree_over_blocks)
+from fireflyer.train.fault_tolerant import (Failure, LeftBehind, Record, Replica, StepPlan, micro_blocks,
+                                            node_index, restarts, tree_over_blocks)
 from fireflyer.train.files import write_json
 from fireflyer.train.model import GPT, ModelShape, lm_loss
 from fireflyer.train.optim import build_optimizer
@@ -49,6 +49,8 @@ class FaultTolerantTrainer(Trainer):
 
     def __init__(self, cfg: TrainConfig, where: Placement, *, resume: int | None = None,
                  fail_at: int | None = None) -> None:
+        self._saved_record: dict[str, Any] | None = None
+        """The fault-tolerance record of the checkpoint this rank started from."""
         super().__init__(cfg, where, resume=resume, fail_at=fail_at)
         self.params = list(self.model.parameters())
         self.width = sum(p.numel() for p in self.params) + 1  # the gradient, then the loss
@@ -56,6 +58,9 @@ class FaultTolerantTrainer(Trainer):
                                canonical=cfg.order == "canonical", state=self._live_state, load=self._load_live,
                                timeout=min(COLLECTIVE_TIMEOUT, cfg.timeout), quorum_timeout=min(QUORUM_TIMEOUT, cfg.timeout))
         self.replica.set_step(self.start_step)
+        if self._saved_record:  # the checkpoint's record; a heal from a live replica brings a newer one
+            self.replica.record = Record(**{k: v for k, v in self._saved_record.items()
+                                            if k in {f.name for f in fields(Record)}})
         if restarts() == 0:
             self._wait_for_replicas()
         self.writer = where.node
@@ -77,6 +82,18 @@ class FaultTolerantTrainer(Trainer):
             while len(list(folder.iterdir())) < self.cfg.nodes and time.monotonic() < deadline:
                 time.sleep(0.02)
         dist.barrier()
+
+    def _state(self, step: int) -> dict[str, Any]:
+        state = super()._state(step)
+        # a restart of every node still knows the run's failures; per rank, as its times are (a sharded checkpoint
+        # keeps what differs between ranks only under keys of their own)
+        state["fault_tolerance"] = {f"rank{self.where.rank}": asdict(self.replica.record)}
+        return state
+
+    def _take(self, state: dict[str, Any]) -> int:
+        records = state.get("fault_tolerance") or {}
+        self._saved_record = records.get(f"rank{self.where.rank}") or next(iter(records.values()), None)
+        return super()._take(state)
 
     def _restore(self, step: int) -> int:
         """A first start loads ``step`` as any run does; a restarted node loads the newest checkpoint, which the

@@ -135,7 +135,11 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
 
     def _restore(self, step: int) -> int:
-        state = saved.load_state(self.cfg.out, step)
+        return self._take(saved.load_state(self.cfg.out, step))
+
+    def _take(self, state: dict[str, Any]) -> int:
+        """Load a saved ``state`` into this rank; returns its step."""
+        step = int(state["step"])
         if state["vocab"] != self.tokenizer.chars:
             raise UserError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
                              "vocabulary; start afresh with a new --out")
