@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -138,7 +139,6 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
     from fireflyer.errors import UserError
     from fireflyer.platform import client
     from fireflyer.platform import env as names
-    from fireflyer.train import report
     from fireflyer.train.files import write_json
 
     if os.environ.get(names.REPLICA):  # a fault-tolerant task: this rank is one of a replica's
@@ -175,12 +175,21 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
               announce=(lambda t: print(f"fireflyer train: {t.data.prepared.summary()}", flush=True))
               if rank == 0 else None)
         if rank == 0:
-            run = report.load_run(cfg.out_dir)
-            png = report.plot_losses(run, cfg.out_dir / "loss.png")
-            print(report.summary(run, wall_s=time.monotonic() - t0, out=cfg.out_dir, png=png), flush=True)
+            print_summary(cfg.out_dir, t0)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def print_summary(out_dir: Path, t0: float) -> None:
+    """The run's summary and loss plot from its ``run.json`` (``t0``: when training began, monotonic)."""
+    import time
+
+    from fireflyer.train import report
+
+    run = report.load_run(out_dir)
+    png = report.plot_losses(run, out_dir / "loss.png")
+    print(report.summary(run, wall_s=time.monotonic() - t0, out=out_dir, png=png), flush=True)
 
 
 def resolve_attempt(config: str | None, overrides: dict, *, resume: bool, overwrite: bool
@@ -215,11 +224,9 @@ def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite:
     """
     import json
     import time
-    from pathlib import Path
 
     from fireflyer.platform import client
     from fireflyer.platform import env as names
-    from fireflyer.train import report
     from fireflyer.train.files import write_json
 
     lifetime.graceful()
@@ -268,9 +275,7 @@ def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite:
         trained = trainer.start_step < trainer.end_step  # not a replica that came back after the run ended
         if me.rank == 0 and trained and getattr(trainer, "writer", None) == where.node and \
                 (cfg.out_dir / "run.json").exists():
-            run = report.load_run(cfg.out_dir)
-            png = report.plot_losses(run, cfg.out_dir / "loss.png")
-            print(report.summary(run, wall_s=time.monotonic() - t0, out=cfg.out_dir, png=png), flush=True)
+            print_summary(cfg.out_dir, t0)
     finally:
         dist.destroy_process_group()
     return 0
