@@ -15,7 +15,6 @@ import os
 import signal
 import sqlite3
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from fireflyer.platform.policy import Node, Priority, Task, schedule
 from fireflyer.platform.store import Store
 from fireflyer.testing.live_platform import LivePlatform, run_cli
 from fireflyer.testing.server import Server
+from fireflyer.testing.waiting import wait_until
 
 STEPS = int(os.environ.get("FIREFLYER_FT_TEST_STEPS", "150"))
 """Few steps keep the test short; the lost replica's replacement then usually starts after the survivors have
@@ -115,16 +115,6 @@ def call(server: Server, method: str, path: str, token: str, body: Any = None) -
         conn.close()
 
 
-def wait(what: str, pred: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_a_fault_tolerant_task_keeps_running_when_a_node_is_killed_and_records_the_replacement(tmp_path):
@@ -163,7 +153,7 @@ def test_a_fault_tolerant_task_keeps_running_when_a_node_is_killed_and_records_t
             assert describe()["attempt"] == 0, "the task failed before its first checkpoint"
             return (out / "ckpt").is_dir() and bool(committed_steps(str(out / "ckpt")))
 
-        wait("a committed checkpoint", saved, 240)
+        wait_until(saved, 240, "a committed checkpoint", poll=0.2)
         d = describe()
         assert d["state"] == "running" and [r["node"] for r in d["replicas"]] == ["node0", "node1", "node2"], d
         marker = p.home / "tasks" / str(d["task_id"]) / "started" / "rank1"
@@ -176,10 +166,10 @@ def test_a_fault_tolerant_task_keeps_running_when_a_node_is_killed_and_records_t
             r = d["replicas"][1]
             return d if r["restarts"] >= 1 and r["node"] == "node3" else None
 
-        during = wait("the replacement of replica 1", replaced, 120)
+        during = wait_until(replaced, 120, "the replacement of replica 1", poll=0.2)
         assert during["state"] == "running" and during["attempt"] == 0, during
         seen_quorum = during["quorum"]
-        done = wait("the task to finish", lambda: (d := describe())["state"] == "finished" and d, 300)
+        done = wait_until(lambda: (d := describe())["state"] == "finished" and d, 300, "the task to finish", poll=0.2)
     finally:
         if server is not None:
             server.close()

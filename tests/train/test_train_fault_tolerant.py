@@ -234,13 +234,17 @@ def ft_run(out: Path, kills: list[tuple[int, str]], *extra: str) -> tuple[dict, 
         return chaos.finish()
 
 
+def plain_canonical_run(out: Path, run: list[str]) -> dict:
+    """run.json of the plain canonical run of ``run``, never interrupted."""
+    done = fireflyer("train", *run, "--order", "canonical", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / "run.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict:
     """The plain canonical run on the same layout, never interrupted."""
-    out = tmp_path_factory.mktemp("ft") / "straight"
-    done = fireflyer("train", *RUN, "--order", "canonical", "--out", str(out), timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads((out / "run.json").read_text())
+    return plain_canonical_run(tmp_path_factory.mktemp("ft") / "straight", RUN)
 
 
 def same_bits(run: dict, straight: dict, why: str = "") -> None:
@@ -315,10 +319,7 @@ def test_three_nodes_killed_at_random_moments_keep_the_bits(straight, tmp_path):
 @pytest.fixture(scope="module")
 def straight_2x2(tmp_path_factory) -> dict:
     """The plain canonical run on 2 x 2, never interrupted."""
-    out = tmp_path_factory.mktemp("ft") / "straight_2x2"
-    done = fireflyer("train", *RUN_2X2, "--order", "canonical", "--out", str(out), timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads((out / "run.json").read_text())
+    return plain_canonical_run(tmp_path_factory.mktemp("ft") / "straight_2x2", RUN_2X2)
 
 
 @pytest.mark.multiproc
