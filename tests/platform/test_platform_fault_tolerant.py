@@ -15,7 +15,6 @@ import os
 import signal
 import sqlite3
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
