@@ -3,7 +3,8 @@
 * :class:`DistributedDataParallel` starts each gradient bucket's allreduce as soon as
   backward fills it, on the hfreduce engine, so communication overlaps the rest of backward.
 * :func:`fully_shard` is ZeRO-3 (torch FSDP2) over hfreduce's reduce_scatter and allgather,
-  optionally with the optimizer step run inside backward.
+  optionally with the optimizer step run inside backward; :func:`fsdp_accumulate` runs a step of
+  micro-batches, in the canonical order with ``order="canonical"``.
 * :func:`make_subgroups` places pipeline stages so a node's ranks go to different
   data-parallel groups, and :func:`forward_backward` runs a pipeline schedule.
 * :class:`MoE` is a DeepSeekMoE layer whose routed experts are sharded over an expert-parallel
@@ -21,6 +22,7 @@ from typing import Any
 _EXPORTS = {
     "DistributedDataParallel": "fireflyer.haiscale.ddp",
     "fully_shard": "fireflyer.haiscale.fsdp",
+    "fsdp_accumulate": "fireflyer.haiscale.fsdp",
     "FullyShardedDataParallel": "fireflyer.haiscale.fsdp",
     "apply_optimizer_in_backward": "fireflyer.haiscale.fsdp",
     "sharding_info": "fireflyer.haiscale.fsdp",

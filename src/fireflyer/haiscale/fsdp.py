@@ -20,6 +20,9 @@ process group (default: the world group) and adds the overlap the paper relies o
 * **Optimizer in backward** (opt-in, ``optimizer=``): each unit's parameters are
   stepped as soon as its gradients land, during backward
   (:mod:`fireflyer.haiscale.fsdp_optim`).
+* **The canonical order** (opt-in, ``order="canonical"``): :func:`fsdp_accumulate` gives
+  a step's gradients the bits of one process running every micro-batch, whatever the
+  number of ranks (:mod:`fireflyer.haiscale.fsdp_canonical`).
 
 Usage::
 
@@ -38,6 +41,7 @@ Parameters are DTensors afterwards; ``p.full_tensor()`` gathers one, and
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,14 +53,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from fireflyer.haiscale import fsdp_optim
+from fireflyer.haiscale import accumulate as micro
+from fireflyer.haiscale import fsdp_canonical, fsdp_optim
+from fireflyer.haiscale.fsdp_canonical import CanonicalAccumulation
 from fireflyer.haiscale.fsdp_comm import CUSTOM_REDUCE_SCATTER, OverlappedReduceScatter, ReduceScatterBacklog
 from fireflyer.haiscale.fsdp_memory import TensorBytes, tensor_bytes
 from fireflyer.haiscale.fsdp_optim import InBackwardStepper, OptimizerSpec
 from fireflyer.errors import UserError, UserTypeError
 
 __all__ = ["FSDPConfig", "FullyShardedDataParallel", "ShardingInfo", "apply_optimizer_in_backward",
-           "fully_shard", "sharding_info"]
+           "fsdp_accumulate", "fully_shard", "sharding_info"]
 
 _INFO_ATTR = "_haiscale_fsdp"
 
@@ -78,8 +84,14 @@ class FSDPConfig:
     """FSDP2 mixed precision, e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
     reduce_dtype=torch.float32)``. A reduce dtype other than the parameters' dtype makes the
     reduce-scatters synchronous (FSDP2 casts their output at once)."""
+    order: str = "fast"
+    """How a step's gradients are summed. ``fast``: FSDP2's own way, each reduce-scatter an average
+    in the order the layout gives. ``canonical``: steps go through :func:`fsdp_accumulate`, whose
+    gradients have the same bits on any number of ranks (:mod:`fireflyer.haiscale.fsdp_canonical`)."""
 
     def __post_init__(self) -> None:
+        if self.order not in micro.ORDERS:
+            raise UserError(f"order must be one of {list(micro.ORDERS)}, got {self.order!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise UserTypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -102,11 +114,19 @@ class ShardingInfo:
     """The sharded submodules in forward (registration) order; the root is a unit of its own."""
     backlog: ReduceScatterBacklog = field(default_factory=ReduceScatterBacklog)
     stepper: InBackwardStepper | None = None
+    canonical: CanonicalAccumulation | None = None
+    """The units' canonical reduce-scatters, with ``order="canonical"``."""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer that steps inside backward, if one was attached."""
         return None if self.stepper is None else self.stepper.optimizer
+
+    def micro_batch_indices(self, m: int) -> list[int]:
+        """The global indices of this rank's ``m`` micro-batches of a step, in the order to pass them to
+        :func:`fsdp_accumulate`: ``j*R + rank`` for ``j = 0 .. m-1``, over the group's ``R`` ranks."""
+        world, rank = self.group.size(), self.group.rank()
+        return [j * world + rank for j in range(m)]
 
 
 def sharding_info(module: nn.Module) -> ShardingInfo:
@@ -218,6 +238,7 @@ def fully_shard(
     overlap_reduce_scatter: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     optimizer: OptimizerSpec | None = None,
+    order: str = "fast",
 ) -> nn.Module:
     """Shard ``module`` in place with ZeRO-3 over ``group`` and return it.
 
@@ -231,11 +252,15 @@ def fully_shard(
     (called with the sharded parameters) turns on the optimizer step inside backward;
     then do not call ``step()``/``zero_grad()`` yourself, and reach the optimizer (for
     an LR scheduler or a checkpoint) as ``sharding_info(model).optimizer``.
+
+    ``order="canonical"``, on a group made with ``HFReduceConfig(order="canonical")`` of a
+    power-of-two number of ranks, sums each step's gradients in the canonical order; steps
+    then go through :func:`fsdp_accumulate`.
     """
     if not isinstance(module, nn.Module):
         raise UserTypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
     config = FSDPConfig(reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-                        overlap_reduce_scatter=overlap_reduce_scatter, mp_policy=mp_policy)
+                        overlap_reduce_scatter=overlap_reduce_scatter, mp_policy=mp_policy, order=order)
     types = _check_shard_types(shard_types)
     if types is not None and auto_wrap is not None:
         raise UserError("give shard_types or auto_wrap, not both")
@@ -250,6 +275,8 @@ def fully_shard(
         raise UserError(f"{type(module).__name__} (or a submodule) is already sharded; call fully_shard once, on the "
                          "unsharded model")
     pg = _resolve_group(group)
+    if config.order == "canonical":
+        fsdp_canonical.check(pg, config.mp_policy, optimizer)
     device_type = _device_type(module)
     mesh = DeviceMesh.from_group(pg, device_type)
     units = _select_units(module, types, auto_wrap)
@@ -265,13 +292,19 @@ def fully_shard(
         warnings.warn("this torch has no FSDP2 custom reduce-scatter hook; reduce-scatters run synchronously "
                       "(same results, less overlap)", stacklevel=2)
         overlap = False
+    if config.order == "canonical":
+        info.canonical = CanonicalAccumulation(pg, info.backlog, overlap)
     for unit in [*reversed(units), module]:
         _torch_fully_shard(unit, mesh=mesh, mp_policy=mp,
                            reshard_after_forward=config.reshard_after_forward if unit is not module else False)
         own = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in own)
-        if overlap:
+        if info.canonical is not None:
+            info.canonical.adopt(unit, own)  # type: ignore[arg-type]
+        elif overlap:
             unit.set_custom_reduce_scatter(OverlappedReduceScatter(info.backlog, own))  # type: ignore[operator]
+    if info.canonical is not None:
+        info.canonical.guard(module)
     _set_prefetch(module, units, config.prefetch, device_type)  # type: ignore[arg-type]
     setattr(module, _INFO_ATTR, info)
     if optimizer is not None:
@@ -311,10 +344,57 @@ def apply_optimizer_in_backward(module: nn.Module, optimizer: OptimizerSpec) -> 
     info = sharding_info(module)
     if info.stepper is not None:
         raise UserError("this model already steps an optimizer inside backward")
+    if info.canonical is not None:
+        fsdp_canonical.check(info.group, None, optimizer)
     target = module.module if isinstance(module, FullyShardedDataParallel) else module
     built = fsdp_optim.build_optimizer(optimizer, target)
     info.stepper = fsdp_optim.attach(built, target, info.backlog)
     return built
+
+
+def fsdp_accumulate(module: nn.Module, micro_batches: Sequence[Any],
+                    loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> torch.Tensor:
+    """One step's gradients from this rank's micro-batches; the global mean loss (detached, fp32).
+
+    ``module`` was sharded by :func:`fully_shard` (or is a :class:`FullyShardedDataParallel`), and
+    ``loss_fn(module, micro_batch)`` returns a micro-batch's scalar loss (a mean over its samples).
+    When this returns, the sharded ``.grad``s hold (replacing what they held) the mean over every
+    rank's micro-batches of their gradients, ready for ``optimizer.step()``. Every rank must pass
+    the same number of micro-batches.
+
+    With ``order="canonical"`` the ``j``-th micro-batch of shard rank ``r`` of ``R`` is global
+    micro-batch ``j*R + r`` (:meth:`ShardingInfo.micro_batch_indices`), and the gradients' bits are
+    those of one process summing all of them in the canonical tree
+    (:mod:`fireflyer.haiscale.fsdp_canonical`). With ``order="fast"`` each loss is divided by the
+    micro-batch count and FSDP2 adds each backward's averaged shards into ``.grad``.
+    """
+    info = sharding_info(module)
+    if not callable(loss_fn):
+        raise UserTypeError(f"loss_fn must be a function (model, micro_batch) -> loss, got {type(loss_fn).__name__}")
+    if isinstance(micro_batches, (str, bytes)) or not hasattr(micro_batches, "__len__"):
+        raise UserTypeError(f"micro_batches must be a sequence (a list of this rank's micro-batches), got "
+                            f"{type(micro_batches).__name__}")
+    if info.stepper is not None:
+        raise UserError("this model steps its optimizer inside each backward, so it cannot accumulate micro-batches; "
+                        "shard it without optimizer= to use fsdp_accumulate()")
+    batches = list(micro_batches)
+    if info.canonical is not None:
+        return info.canonical.run(module, batches, loss_fn)
+    if not batches:
+        raise UserError("fsdp_accumulate() needs at least one micro-batch")
+    for p in module.parameters():
+        p.grad = None
+    total = torch.zeros((), dtype=torch.float32)
+    for j, batch in enumerate(batches):
+        loss = micro.micro_loss(loss_fn, module, batch, j)
+        (loss / len(batches)).backward()
+        total += loss.detach().float()
+    total = (total / len(batches)).reshape(1)
+    world = info.group.size()
+    if world > 1:
+        dist.all_reduce(total, group=info.group)
+        total.div_(world)
+    return total.reshape(())
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -341,6 +421,10 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def units(self) -> list[nn.Module]:
         return sharding_info(self.module).units
+
+    def accumulate(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> torch.Tensor:
+        """:func:`fsdp_accumulate` on this wrapper (``loss_fn`` is called with it): the global mean loss."""
+        return fsdp_accumulate(self, micro_batches, loss_fn)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The wrapped model's state dict (no ``module.`` prefix) gathered in full, on every rank.

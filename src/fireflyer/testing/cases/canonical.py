@@ -56,6 +56,32 @@ def allreduce_cases(ctx, config: HFReduceConfig, cases: list[tuple[int, int, str
     return out
 
 
+def reduce_scatter_cases(ctx, config: HFReduceConfig, cases: list[tuple[int, int, str, str, str]]) -> list[dict]:
+    """Reduce-scatters on a group made with ``config``, one call per (seed, numel per rank, dtype, op, form):
+    ``tensor`` (``dist.reduce_scatter_tensor``), ``list`` (``dist.reduce_scatter``) or ``async``
+    (``dist.reduce_scatter_single`` with ``async_op=True``, as FSDP's canonical order calls it). Each
+    rank's input is :func:`term` of ``numel * world`` elements, and it should get elements
+    ``[rank*numel, (rank+1)*numel)`` of :func:`expected`; what each call gives: whether it is
+    ``torch.equal`` to that, and its mismatched bytes."""
+    group = _group(ctx, config)
+    world, out = ctx.world_size, []
+    for seed, numel, dtype_name, op, form in cases:
+        dtype = getattr(torch, dtype_name)
+        whole = term(seed, ctx.rank, numel * world, dtype)
+        got = torch.full((numel,), float("nan"), dtype=dtype)
+        if form == "list":
+            dist.reduce_scatter(got, list(whole.split(numel)), op=OPS[op], group=group)
+        elif form == "async":
+            dist.reduce_scatter_single(got, whole, op=OPS[op], group=group, async_op=True).wait()
+        else:
+            dist.reduce_scatter_tensor(got, whole, op=OPS[op], group=group)
+        want = expected(seed, world, numel * world, dtype, op)[ctx.rank * numel : (ctx.rank + 1) * numel]
+        out.append({"case": (seed, numel, dtype_name, op, form), "equal": torch.equal(got, want),
+                    "wrong": int((got.view(torch.uint8) != want.view(torch.uint8)).sum())})
+    dist.destroy_process_group(group)
+    return out
+
+
 def fused_cases(ctx, config: HFReduceConfig, numels: list[int], seed: int) -> dict:
     """The same tensors reduced one by one, coalesced in one call, fused into one flat bucket, and
     asynchronously in flight together: every way gives the same bits."""
