@@ -206,6 +206,10 @@ def test_the_plain_split_does_not_give_these_bits(clusters, tp):
     for got in clusters(str(tp)).run(cases.plain_split, timeout=120):
         assert not torch.equal(got["split"], got["whole"])
         torch.testing.assert_close(got["split"], got["whole"], rtol=1e-5, atol=1e-5)
+        fast = got["fast"]  # order="fast": plain Megatron, the one process's result to rounding
+        torch.testing.assert_close(fast["out"], got["whole"], rtol=1e-5, atol=1e-5)
+        for name in ("dx", "fc", "proj"):
+            torch.testing.assert_close(fast[name], fast[f"whole_{name}"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiproc

@@ -28,7 +28,8 @@ from fireflyer.testing.waiting import wait_until
 STEPS = int(os.environ.get("FIREFLYER_FT_TEST_STEPS", "150"))
 """Few steps keep the test short; the lost replica's replacement then usually starts after the survivors have
 finished (it says so and exits 0). With more (``FIREFLYER_FT_TEST_STEPS=1200``) it rejoins and heals mid-run."""
-RUN = ["--preset", "tiny", "--order", "canonical", "--nodes", "3", "--ranks-per-node", "1", "--steps", str(STEPS),
+RUN = ["--preset", "tiny", "--order", "canonical", "--nodes", "3", "--ranks-per-node", "1", "--global-batch", "24",
+       "--steps", str(STEPS),
        "--save-every", "25", "--eval-interval", "50"]
 
 

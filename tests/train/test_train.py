@@ -93,7 +93,7 @@ def test_resumed_run_equals_uninterrupted_run(runs):
 
 @pytest.mark.parametrize("args,needle", [
     ([str(TINY), "--d-model", "48"], "d_model 32 -> 48"),
-    ([str(TINY), "--nodes", "3"], "world size 2 -> 3"),
+    ([str(TINY), "--nodes", "4", "--micro-batch-size", "4"], "world size 2 -> 4"),
     ([], "already at step"),
 ])
 def test_resume_with_another_model_shape_or_world_is_refused(runs, capsys, args, needle):
@@ -147,7 +147,7 @@ def data_runs(tmp_path_factory):
 
 def test_a_run_resumed_off_the_save_interval_and_across_an_epoch_equals_an_uninterrupted_one(data_runs):
     straight, resumed = data_runs["a"], data_runs["c"]
-    steps_per_epoch = straight["data"]["records"]["train"] // (CFG.world_size * CFG.batch_per_rank)
+    steps_per_epoch = straight["data"]["records"]["train"] // CFG.global_batch
     assert DATA_STOP < steps_per_epoch < DATA_STEPS and DATA_STOP % DATA_SAVE
     assert resumed["resumed_from"] == DATA_STOP and resumed["finished"] and len(straight["history"]["loss"]) == DATA_STEPS
     assert resumed["history"]["loss"] == straight["history"]["loss"]
@@ -182,7 +182,7 @@ def test_a_damaged_record_stops_the_job_with_one_line_that_names_it(tmp_path):
     text.write_text(load_corpus()[:6000], encoding="utf-8")
     cfg = CFG.replace(data=str(text), data_cache=str(tmp_path / "cache"))
     prepared = prepare_data(cfg)
-    sampler = ResumableSampler(prepared.records("train"), batch_size=CFG.batch_per_rank, rank=0,
+    sampler = ResumableSampler(prepared.records("train"), batch_size=CFG.batch_per_replica, rank=0,
                                world_size=CFG.world_size, seed=CFG.seed)
     victim = sampler.batch(1)[0]  # rank 0 reads it at step 2
     with RecordReader(prepared.dir / "train") as r:

@@ -1,7 +1,8 @@
-"""``fireflyer train --order canonical``: one global batch of 4 micro-batches of 4 sequences, run as 1 rank
-accumulating 4, 2 ranks accumulating 2 and 2 nodes x 2 ranks of 1, through the real CLI and torchrun: the
-same losses, validation losses and weights, bit for bit; a run stopped on 2x2 and resumed on 1x2 equals
-them too; and what would break the guarantee is refused with one line."""
+"""``fireflyer train --order canonical``: one global batch of 4 micro-batches of 4 sequences, run on 1 rank,
+as tensor parallel (1x2, TP=2), as FSDP (1x4), as data x tensor parallel (2x2, DP=2 x TP=2) and as data
+parallel (2x2), through the real CLI and torchrun: the same losses, validation losses and weights, bit for
+bit; a run stopped on DP x TP and resumed as FSDP equals them too; and what would break the guarantee is
+refused with one line."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ pytestmark = pytest.mark.multiproc
 
 TINY = str(builtin_config("tiny"))
 STEPS = 8
-LAYOUTS = {"1x1": ("1", "1", "16", "4"), "1x2": ("1", "2", "8", "2"), "2x2": ("2", "2", "4", "1")}
-"""name: nodes, ranks per node, batch per rank, micro-batches per rank: 4 micro-batches of 4 every step."""
+LAYOUTS = {"1x1": ("1", "1"), "1x2-tp": ("1", "2", "--tp", "2"), "1x4-fsdp": ("1", "4", "--fsdp"),
+           "2x2-tp": ("2", "2", "--tp", "2"), "2x2": ("2", "2")}
+"""name: nodes, ranks per node, the parallelism; every layout runs the global batch of 4 micro-batches of 4 (4, 2 or
+1 per data-parallel replica)."""
+BATCH = ["--global-batch", "16", "--micro-batch-size", "4", "--linear-blocks", "2"]
+"""Every linear in 2 blocks of its weight: what TP=2 computes, so the other layouts compute it too."""
 
 
 def train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -26,13 +31,13 @@ def train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def layout(name: str) -> list[str]:
-    nodes, per, batch, acc = LAYOUTS[name]
-    return ["--nodes", nodes, "--ranks-per-node", per, "--batch-per-rank", batch, "--micro-batches", acc]
+    nodes, per, *parallel = LAYOUTS[name]
+    return ["--nodes", nodes, "--ranks-per-node", per, *parallel]
 
 
 def canonical_run(out, name: str, *extra: str) -> dict:
     done = train(TINY, "--order", "canonical", "--steps", str(STEPS), "--eval-interval", "4", "--save-every", "4",
-                 "--sample-tokens", "0", "--out", str(out), *layout(name), *extra)
+                 "--sample-tokens", "0", "--out", str(out), *BATCH, *layout(name), *extra)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
     return json.loads((out / "run.json").read_text())
 
@@ -45,13 +50,13 @@ def bits(run: dict) -> tuple:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("canonical")
     out = {name: canonical_run(root / name, name) for name in LAYOUTS}
-    canonical_run(root / "moved", "2x2", "--stop-at", "4")
-    resume = train("--out", str(root / "moved"), "--resume", *layout("1x2"))
+    canonical_run(root / "moved", "2x2-tp", "--stop-at", "4")
+    resume = train("--out", str(root / "moved"), "--resume", "--tp", "1", *layout("1x4-fsdp"))
     assert resume.returncode == 0, resume.stderr[-3000:]
     out["moved"] = json.loads((root / "moved" / "run.json").read_text())
     out["moved_stdout"] = resume.stdout
     fast = train(TINY, "--steps", str(STEPS), "--eval-interval", "4", "--sample-tokens", "0",
-                 "--out", str(root / "fast"), *layout("1x1"))
+                 "--out", str(root / "fast"), *BATCH, *layout("1x1"))
     assert fast.returncode == 0, fast.stderr[-3000:]
     out["fast"] = json.loads((root / "fast" / "run.json").read_text())
     out["dirs"] = root
@@ -61,7 +66,7 @@ def runs(tmp_path_factory):
 def test_every_layout_trains_the_same_bits(runs):
     alone = bits(runs["1x1"])
     assert len(alone[0]) == STEPS and alone[0][-1] < alone[0][0]
-    for name in ("1x2", "2x2"):
+    for name in LAYOUTS:
         assert bits(runs[name]) == alone, name
 
 
@@ -73,9 +78,9 @@ def test_run_json_records_the_order_and_the_global_batch(runs):
         assert run["world"]["threads_per_rank"] == 1
 
 
-def test_a_run_stopped_on_two_nodes_and_resumed_on_one_equals_the_uninterrupted_run(runs):
+def test_a_run_stopped_as_dp_x_tp_and_resumed_as_fsdp_equals_the_uninterrupted_run(runs):
     moved = runs["moved"]
-    assert moved["resumed_from"] == 4 and moved["world"]["world_size"] == 2
+    assert moved["resumed_from"] == 4 and moved["world"]["world_size"] == 4 and moved["config"]["fsdp"]
     assert bits(moved) == bits(runs["1x1"])
 
 
@@ -88,10 +93,20 @@ def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--micro-batches", "3", "--batch-per-rank", "6"], "needs a power-of-two micro_batches (1, 2, 4, ...), got 3"),
-    (["--micro-batches", "3"], "micro_batches (3) must divide batch_per_rank (8)"),
-    (["--ranks-per-node", "3"], "across 2 nodes needs a power-of-two ranks_per_node (1, 2, 4, ...), got 3"),
-    (["--model", "moe", "--ep", "1"], "covers the dense model with data parallel only"),
+    (["--global-batch", "24", "--micro-batch-size", "4"],
+     "needs a power-of-two count of micro-batches per replica (1, 2, 4, ...), but each gets 3 (24 sequences = 6 "
+     "micro-batches of 4)"),
+    (["--micro-batch-size", "3"], "micro_batch_size (3) must divide global_batch (16)"),
+    (["--ranks-per-node", "3", "--global-batch", "48"],
+     "across 2 nodes needs a power-of-two ranks_per_node (1, 2, 4, ...), got 3"),
+    (["--model", "moe", "--ep", "1"], "covers the dense model with data and tensor parallel so far"),
+    (["--nodes", "1", "--ranks-per-node", "2", "--tp", "2"],
+     "with tp = 2 needs linear_blocks a multiple of 2 (got 1)"),
+    (["--nodes", "1", "--ranks-per-node", "3", "--global-batch", "48", "--fsdp"],
+     "with fsdp needs a power-of-two count of ranks, got 3"),
+    (["--fsdp", "--tp", "2", "--ranks-per-node", "2", "--linear-blocks", "2"], "fsdp shards the dense model over data "
+     "parallel only so far"),
+    (["--linear-blocks", "3"], "linear_blocks must be a power of two"),
     (["--order", "tree"], "invalid choice: 'tree'"),
 ])
 def test_what_would_break_the_guarantee_is_refused(tmp_path, args, needle):
@@ -100,6 +115,6 @@ def test_what_would_break_the_guarantee_is_refused(tmp_path, args, needle):
 
 
 def test_a_resume_on_another_layout_with_another_global_batch_is_refused(runs):
-    line = one_error_line(train("--out", str(runs["dirs"] / "1x2"), "--resume", "--steps", "12", "--nodes", "2",
-                                "--ranks-per-node", "2", "--batch-per-rank", "8", "--micro-batches", "2"))
-    assert "world size 2 -> 4" in line and "4 of 4 -> 8 of 4" in line
+    line = one_error_line(train("--out", str(runs["dirs"] / "1x2-tp"), "--resume", "--steps", "12", "--nodes", "2",
+                                "--ranks-per-node", "2", "--global-batch", "32"))
+    assert "world size 2 -> 4" in line and "16 of 4 -> 32 of 4" in line

@@ -9,7 +9,8 @@ import pytest
 
 from fireflyer import cli
 from fireflyer.errors import UserError
-from fireflyer.train.config import FIELD_NAMES, TrainConfig, builtin_config, check_resumable, read_toml
+from fireflyer.train.config import (FIELD_NAMES, TrainConfig, builtin_config, check_resumable, read_toml,
+                                    upgrade_saved)
 
 
 def test_defaults_and_shipped_configs_are_valid():
@@ -17,7 +18,7 @@ def test_defaults_and_shipped_configs_are_valid():
     assert demo == TrainConfig(), "the dataclass defaults are the demo's"
     tiny = TrainConfig.from_toml(builtin_config("tiny"))
     assert tiny.world_size == 2 and tiny.steps < demo.steps
-    assert tiny.tokens_per_step == 2 * tiny.batch_per_rank * tiny.context
+    assert tiny.tokens_per_step == tiny.global_batch * tiny.context == 2 * tiny.batch_per_replica * tiny.context
 
 
 def test_keyword_only():
@@ -98,6 +99,48 @@ def test_resume_needs_the_same_model_shape_and_world_size():
         check_resumable(saved, TrainConfig(layers=3, d_model=96), state="s")
     with pytest.raises(UserError, match="world size 4 -> 2"):
         check_resumable(saved, TrainConfig(nodes=1), state="s")
+
+
+@pytest.mark.parametrize("layout,per_replica", [
+    (dict(nodes=1, ranks_per_node=1), 8), (dict(nodes=1, ranks_per_node=2), 4), (dict(nodes=2, ranks_per_node=4), 1),
+    (dict(nodes=2, ranks_per_node=2, pp=2, layers=2), 4), (dict(nodes=2, ranks_per_node=2, model="moe", ep=2), 2),
+])
+def test_the_global_batch_is_the_same_on_every_layout_and_the_layout_divides_it(layout, per_replica):
+    cfg = TrainConfig(global_batch=64, micro_batch_size=8, **layout)
+    assert cfg.global_micro_batches == 8 and cfg.micro_batches == per_replica
+    assert cfg.batch_per_replica == per_replica * 8 and cfg.tokens_per_step == 64 * cfg.context
+    assert cfg.micro_batches * cfg.replicas == cfg.global_micro_batches
+    each = "pipeline" if cfg.pp > 1 else "rank"
+    assert cfg.describe_batch().startswith(f"global batch 64 sequences = 8 micro-batches of 8; {per_replica} micro-batch")
+    assert f"x {cfg.replicas} {each}" in cfg.describe_batch()
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(micro_batch_size=5), "micro_batch_size (5) must divide global_batch (64)"),
+    (dict(nodes=1, ranks_per_node=3), "the global batch's 64 sequences = 4 micro-batches of 16 cannot be shared "
+     "evenly among 3 data-parallel replicas (1 node x 3 ranks); choose a global_batch that is a multiple of 3 x 16 "
+     "(48, 96, 144, ...)"),
+    (dict(pp=2, global_batch=32), "a pipeline of 2 stages needs at least 2 micro-batches per step"),
+    (dict(global_batch=1 << 20, micro_batch_size=1, nodes=1, ranks_per_node=1), "at most 65,536: raise micro_batch_size"),
+    (dict(global_batch=0), "global_batch must be at least 1"),
+    (dict(order="canonical", global_batch=96, micro_batch_size=8), "needs a power-of-two count of micro-batches per "
+     "replica (1, 2, 4, ...), but each gets 3"),
+])
+def test_a_batch_the_layout_cannot_divide_is_refused_with_the_reason(fields, needle):
+    with pytest.raises(UserError) as err:
+        TrainConfig(**fields)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_per_rank_batch_of_earlier_versions_is_refused_in_a_config_and_read_in_a_saved_run():
+    with pytest.raises(UserError, match=r"x.toml: batch_per_rank, micro_batches are replaced by global_batch and "
+                                        r"micro_batch_size.*global_batch = 32, micro_batch_size = 4"):
+        TrainConfig.from_dict({"batch_per_rank": 8, "micro_batches": 2}, source="x.toml")
+    old = {k: v for k, v in TrainConfig().to_dict().items() if k not in ("global_batch", "micro_batch_size")}
+    assert upgrade_saved({**old, "batch_per_rank": 16, "micro_batches": 1}) == TrainConfig().to_dict()
+    piped = upgrade_saved({**old, "pp": 2, "layers": 2, "batch_per_rank": 16, "microbatches": 4, "micro_batches": 1})
+    assert piped["global_batch"] == 32 and piped["micro_batch_size"] == 4
+    assert check_resumable({**old, "batch_per_rank": 16}, TrainConfig(), state="s") == []
 
 
 def test_every_field_has_a_flag_with_help():

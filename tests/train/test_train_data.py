@@ -121,7 +121,7 @@ def test_processes_starting_at_once_build_once(tmp_path, text_file):
 
 
 def _data(text_file, cache="", **kw):
-    cfg = TrainConfig(data=str(text_file), data_cache=str(cache), context=16, batch_per_rank=4, nodes=1,
+    cfg = TrainConfig(data=str(text_file), data_cache=str(cache), context=16, global_batch=8, micro_batch_size=4, nodes=1,
                       ranks_per_node=2, seed=5)
     return TrainingData.open(cfg, device=CPU, **kw)
 
@@ -149,7 +149,7 @@ def test_micro_batches_depend_on_their_global_index_not_on_the_layout(text_file)
     def micro(ranks: int, step: int) -> list[torch.Tensor]:
         out = []
         for r in range(ranks):
-            cfg = TrainConfig(data=str(text_file), context=16, batch_per_rank=16 // ranks, micro_batches=4 // ranks,
+            cfg = TrainConfig(data=str(text_file), context=16, global_batch=16, micro_batch_size=4,
                               nodes=1, ranks_per_node=ranks, seed=5)
             data = TrainingData.open(cfg, device=CPU, rank=r, world_size=ranks)
             try:
@@ -250,7 +250,7 @@ def bad(tmp_path):
     (["--data", "{d}/latin1.txt"], "is not UTF-8 text: byte 0xe9 at offset 3"),
     (["--data", "{d}/no-text"], "holds no .txt files"),
     (["--data", "{d}/short.txt"], "too few for one window of context 64 + 1"),
-    (["--data", "{d}/few.txt"], "fewer than one step reads (4 ranks x batch_per_rank 16)"),
+    (["--data", "{d}/few.txt"], "fewer than one step reads (global_batch 64)"),
     (["--data", "{d}/few.txt", "--context", "4096"], "too few for one window of context 4096 + 1"),
     (["--context", "999999999"], "context must be at most 65,536, got 999,999,999"),
 ])

@@ -43,9 +43,9 @@ from fireflyer.train.fault_tolerant import (micro_blocks, node_ranks, own_blocks
                                             tree_over_blocks)
 
 RUN = ["--preset", "tiny", "--steps", "400", "--save-every", "25", "--eval-interval", "100",
-       "--nodes", "3", "--ranks-per-node", "2"]
+       "--nodes", "3", "--ranks-per-node", "2", "--global-batch", "48"]
 RUN_2X2 = ["--preset", "tiny", "--steps", "600", "--save-every", "25", "--eval-interval", "200",
-           "--nodes", "2", "--ranks-per-node", "2"]
+           "--nodes", "2", "--ranks-per-node", "2", "--global-batch", "32"]
 """2 x 2 runs longer: the survivor of a lost node goes on at twice a replica's speed until the node rejoins."""
 
 
@@ -76,7 +76,7 @@ def test_the_split_is_the_issues_example():
 
 @pytest.mark.parametrize("flags, says", [
     (["--nodes", "1"], "at least 2 nodes"),
-    (["--nodes", "2", "--pp", "2", "--layers", "2", "--microbatches", "2"], "cannot run a pipeline across nodes"),
+    (["--nodes", "2", "--pp", "2", "--layers", "2", "--global-batch", "32"], "cannot run a pipeline across nodes"),
     (["--model", "moe", "--order", "canonical"], "order = 'canonical' covers the dense model"),
 ])
 def test_layouts_without_a_replica_are_refused_in_one_line(flags, says, tmp_path, capsys):

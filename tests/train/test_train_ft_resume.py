@@ -18,7 +18,7 @@ pytest.importorskip("torchft", reason="torchft is an optional extra: pip install
 from fireflyer.checkpoint.manager import committed_steps  # noqa: E402
 from fireflyer.testing.cli import fireflyer, one_error_line  # noqa: E402
 
-TINY = ["--preset", "tiny", "--steps", "12", "--save-every", "3", "--eval-interval", "6"]
+TINY = ["--preset", "tiny", "--steps", "12", "--save-every", "3", "--eval-interval", "6", "--micro-batch-size", "4"]
 
 
 def run_json(out: Path) -> dict:
@@ -51,8 +51,8 @@ def test_a_run_saved_without_the_canonical_order_on_another_layout_is_refused(tm
                      timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     before = committed_steps(str(out / "ckpt"))
-    done = fireflyer("train", "--out", str(out), "--resume", "--fault-tolerant", "--nodes", "3", timeout=120)
+    done = fireflyer("train", "--out", str(out), "--resume", "--fault-tolerant", "--nodes", "4", timeout=120)
     assert done.returncode == 2
     line = one_error_line(done)
-    assert "cannot resume" in line and "world size 2 -> 3" in line, line
+    assert "cannot resume" in line and "world size 2 -> 4" in line, line
     assert committed_steps(str(out / "ckpt")) == before

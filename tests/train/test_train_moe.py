@@ -26,10 +26,11 @@ TINY = str(builtin_config("tiny"))
 MOE = ["--model", "moe", "--experts", "4", "--expert-hidden", "16", "--shared-experts", "1", "--top-k", "2",
        "--layers", "2", "--steps", "8", "--save-every", "4", "--eval-interval", "4", "--bias-update-speed", "0.01",
        "--sample-tokens", "16"]
-GRID = ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2", "--batch-per-rank", "8"]
-PIPE = ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2", "--pp", "2", "--batch-per-rank", "16",
-        "--microbatches", "4"]
-ONE = ["--nodes", "1", "--ranks-per-node", "1", "--batch-per-rank", "32"]
+GRID = ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2", "--global-batch", "32", "--micro-batch-size", "8"]
+PIPE = ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2", "--pp", "2", "--global-batch", "32",
+        "--micro-batch-size", "4"]
+ONE = ["--nodes", "1", "--ranks-per-node", "1", "--global-batch", "32", "--micro-batch-size", "8"]
+"""One process accumulating the 4 micro-batches the grid runs one per rank."""
 
 
 def train(*args: str, timeout: float = 240) -> dict:
@@ -139,7 +140,13 @@ def test_the_pipeline_run_places_one_stage_per_node(runs):
     (["--ep", "2"], "ep=2 needs experts: expert parallel is for model = 'moe'"),
     (["--model", "moe", "--ep", "2", "--ranks-per-node", "3"], "ep (2) does not divide ranks_per_node (3)"),
     (["--pp", "3"], "pp x ep = 3 x 1 does not divide the world size 2"),
-    (["--pp", "2", "--layers", "2", "--microbatches", "3"], "microbatches (3) must divide batch_per_rank (8)"),
+    (["--pp", "2", "--layers", "2", "--micro-batch-size", "16"],
+     "a pipeline of 2 stages needs at least 2 micro-batches per step for the 1F1B schedule, but each of its "
+     "1 pipeline gets 1 (16 sequences = 1 micro-batch of 16)"),
+    (["--micro-batch-size", "3"], "micro_batch_size (3) must divide global_batch (16)"),
+    (["--global-batch", "8", "--micro-batch-size", "8"], "the global batch's 8 sequences = 1 micro-batch of 8 "
+     "cannot be shared evenly among 2 data-parallel replicas (2 nodes x 1 rank)"),
+    (["--batch-per-rank", "8"], "unrecognized arguments: --batch-per-rank"),
     (["--model", "moe", "--top-k", "9"], "top_k (9) must be at most experts (8)"),
     (["--model", "mixture"], "invalid choice: 'mixture'"),
     (["--preset", "moe", "{cfg}"], "give CONFIG or --preset, not both"),

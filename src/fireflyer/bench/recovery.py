@@ -225,10 +225,15 @@ def goodput(*, useful_s: float, wall_s: float, failures: int, save_every: int, p
 # -- the benchmark -------------------------------------------------------------------------------------
 
 
+PER_RANK = 8
+"""Sequences each rank trains on a step (the tiny preset's micro-batch): the global batch grows with the layout."""
+
+
 def _common(cfg: RecoveryBenchConfig, out: str) -> list[str]:
     return ["--preset", cfg.preset, "--order", "canonical", "--steps", str(cfg.steps), "--save-every",
             str(cfg.save_every), "--eval-interval", str(cfg.steps // 2), "--nodes", str(cfg.nodes),
-            "--ranks-per-node", str(cfg.ranks_per_node), "--out", out, "--overwrite"]
+            "--ranks-per-node", str(cfg.ranks_per_node), "--global-batch", str(PER_RANK * cfg.nodes * cfg.ranks_per_node),
+            "--micro-batch-size", str(PER_RANK), "--out", out, "--overwrite"]
 
 
 def _timeline(run: Run) -> dict[str, Any]:

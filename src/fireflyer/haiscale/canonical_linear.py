@@ -34,7 +34,7 @@ and gradients are held in that order on the rank; :meth:`CanonicalLinear.forward
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -263,18 +263,27 @@ class TensorParallelLinear(_BlockedLinear):
     Initialised by drawing the full ``nn.Linear`` and keeping this rank's shard, so ranks seeded
     alike hold the weights one process would. :meth:`full_state_dict` and
     :meth:`load_full_state_dict` move the layout-free ``nn.Linear`` state in and out.
+
+    ``order="fast"`` is plain Megatron instead: each rank's share is one product over the whole
+    unsplit dimension, summed over any TP group (``blocks`` is then the TP degree); its bits
+    depend on the degree, as every such split's do.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, blocks: int,
                  group: dist.ProcessGroup, device: Any = None, dtype: torch.dtype | None = None,
-                 chunks: int = 1) -> None:
+                 chunks: int = 1, order: str = "canonical") -> None:
+        if order not in ("fast", "canonical"):
+            raise UserError(f"order must be 'fast' or 'canonical', got {order!r}")
         if not isinstance(group, dist.ProcessGroup):
             raise UserTypeError(f"{type(self).__name__} needs the TP process group, got {type(group).__name__}")
         if chunks != 1 and self._split != 0:
             raise UserError(f"{type(self).__name__} does not split its output features, so it takes no chunks (got "
                             f"chunks={chunks!r}); fuse projections in a ColumnParallelCanonicalLinear")
         super().__init__(in_features, out_features, bias, blocks, group, device, dtype, chunks)
-        if self.tp > 1:
+        self.order = order
+        if order == "fast":  # one product per rank: its share of the split dimension against the whole other one
+            self._plan = replace(self._plan, blocks=1, n_blocks=1, k_blocks=1)
+        elif self.tp > 1:
             try:
                 check_order("canonical", [SimpleNamespace(pg=group, engine=getattr(group, "comm", None),
                                                           world=self.tp)], None)
@@ -285,14 +294,15 @@ class TensorParallelLinear(_BlockedLinear):
 
     @classmethod
     def from_full(cls: type[_TP], source: nn.Linear | CanonicalLinear, group: dist.ProcessGroup, blocks: int, *,
-                  chunks: int = 1) -> _TP:
-        """This rank's shard of ``source`` (its device and dtype), over the TP ``group``; ``chunks`` as the
-        constructor's (not taken from a CanonicalLinear ``source``: its state is in the model's order either way)."""
+                  chunks: int = 1, order: str = "canonical") -> _TP:
+        """This rank's shard of ``source`` (its device and dtype), over the TP ``group``; ``chunks`` and ``order`` as
+        the constructor's (not taken from a CanonicalLinear ``source``: its state is in the model's order either
+        way)."""
         if not isinstance(source, (nn.Linear, CanonicalLinear)):
             raise UserTypeError(f"from_full takes an nn.Linear or a CanonicalLinear, got {type(source).__name__}")
         w = source.weight
         layer = cls(source.in_features, source.out_features, source.bias is not None, blocks=blocks, group=group,
-                    device="meta", dtype=w.dtype, chunks=chunks).to_empty(device=w.device)  # no init: no draws
+                    device="meta", dtype=w.dtype, chunks=chunks, order=order).to_empty(device=w.device)  # no draws
         layer.load_full_state_dict(source.state_dict())
         return layer
 

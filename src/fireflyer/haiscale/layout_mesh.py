@@ -68,7 +68,8 @@ def _device_type(device_type: str | None) -> str:
 
 
 def layout(*, dp: int | None = None, pp: int = 1, tp: int = 1, ep: int = 1, backend: str | None = None,
-           timeout: float | timedelta | None = None, device_type: str | None = None) -> Layout:
+           timeout: float | timedelta | None = None, device_type: str | None = None,
+           pg_options: Any = None) -> Layout:
     """Place this job's ranks into a ``pp × dp × ep × tp`` mesh and create its groups.
 
     Collective: every rank must call it with the same arguments. The degrees are checked on
@@ -79,7 +80,8 @@ def layout(*, dp: int | None = None, pp: int = 1, tp: int = 1, ep: int = 1, back
     ``backend`` is the groups' backend (default: the default group's, ``hfreduce`` under
     ``init_process_group("hfreduce")``); ``timeout`` (seconds or a timedelta, default
     ``FIREFLYER_PP_TIMEOUT`` or 60 s) bounds every operation on them; ``device_type`` is the
-    mesh's (default ``cuda`` where CUDA is available, else ``cpu``). Where the layout departs
+    mesh's (default ``cuda`` where CUDA is available, else ``cpu``); ``pg_options`` go to every group
+    (``HFReduceConfig(order="canonical")`` for groups that sum in the canonical order). Where the layout departs
     from the paper's placement, rank 0 warns with a :class:`PlacementWarning`.
     """
     if not dist.is_initialized():
@@ -103,7 +105,7 @@ def layout(*, dp: int | None = None, pp: int = 1, tp: int = 1, ep: int = 1, back
     mine: dict[str, dist.ProcessGroup] = {}
     for kind in (*MESH_DIMS, "dense"):  # every group of every kind, in the same order on every rank
         for ranks in plan.groups(kind):
-            group = dist.new_group(list(ranks), backend=backend, timeout=deadline)
+            group = dist.new_group(list(ranks), backend=backend, timeout=deadline, pg_options=pg_options)
             if rank in ranks:
                 mine[kind] = group
     mine["expert"] = mine["dp"]

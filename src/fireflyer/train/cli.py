@@ -34,9 +34,14 @@ examples:
   fireflyer train --data my-texts/ --out runs/mine # train on a folder of .txt files (UTF-8)
   fireflyer train --preset moe                     # a small DeepSeekMoE: EP=2 in each node x DP=2 across
   fireflyer train --preset moe --pp 2              # ... as 2 pipeline stages, one per node, EP=2 in each
+  fireflyer train --global-batch 128 --micro-batch-size 16   # 8 micro-batches a step, 2 on each of 4 ranks
+  fireflyer train --tp 2                           # tensor parallel inside each node x data parallel across
+  fireflyer train --fsdp                           # the weights and AdamW's state sharded over the 4 ranks
   fireflyer train --order canonical               # 2 nodes x 2 ranks, each step's sums in one fixed tree ...
-  fireflyer train --order canonical --nodes 1 --ranks-per-node 1 --batch-per-rank 64 --micro-batches 4
-                                                   # ... and the same bits on one rank: 4 micro-batches of 16
+  fireflyer train --order canonical --nodes 1 --ranks-per-node 1
+                                                   # ... and the same bits on one rank: the same global batch
+  fireflyer train --order canonical --linear-blocks 2 --tp 2   # ... and as TP=2 x DP=2, with a 1x1 run of
+                                                   # --linear-blocks 2
   fireflyer train --fault-tolerant --order canonical --nodes 3  # a lost node costs seconds, and the same bits
 """
 PRESETS = ("demo", "moe", "tiny")
@@ -46,7 +51,8 @@ PRESETS = ("demo", "moe", "tiny")
 def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
     """The command line: an optional CONFIG, ``--resume``, and one flag per config field."""
     p = ArgumentParser(prog=prog, usage=f"{prog} [CONFIG] [--resume] [--FIELD VALUE ...]",
-                       description="Train a small GPT on Shakespeare with haiscale DDP across emulated nodes.",
+                       description="Train a small GPT on Shakespeare across emulated nodes: haiscale DDP, FSDP, tensor, "
+                                   "pipeline or expert parallel over hfreduce.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", metavar="CONFIG",
                    help=f"TOML file of config fields (default: the shipped {builtin_config('demo').name})")
@@ -107,6 +113,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
         target += ["--resume", str(resume_from)]
     print(f"fireflyer train: {plural(cfg.nodes, 'node')} x {plural(cfg.ranks_per_node, 'rank')}, steps "
           f"{_step_range(cfg, resume_from)}, out {out}/ (logs in {out / 'logs'}/)", flush=True)
+    print(f"fireflyer train: {cfg.describe_batch()}", flush=True)
     print(f"fireflyer train: {data.summary()}", flush=True)
     t0 = time.monotonic()
     job = LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,

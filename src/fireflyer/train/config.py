@@ -73,19 +73,27 @@ class TrainConfig:
     """moe: expert-parallel degree (ranks of one node that split each block's routed experts)."""
     pp: int = 1
     """Pipeline stages (one per node, a node's ranks in different pipelines); data parallel takes the rest."""
-    microbatches: int = 4
-    """pp > 1: micro-batches each pipeline step cuts its batch into (1F1B); must divide batch_per_rank."""
-
-    micro_batches: int = 1
-    """Micro-batches per rank per step (gradient accumulation; a pipeline uses microbatches): each is its own forward and backward; it must divide batch_per_rank."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks of one node that split every block's attention heads and MLP (Megatron's
+    column- then row-parallel linears) and read the same micro-batches."""
+    fsdp: bool = False
+    """Shard the weights, gradients and optimizer state over the data-parallel ranks (FSDP2's ZeRO-3 over hfreduce)
+    instead of holding a whole replica on each."""
+    linear_blocks: int = 1
+    """order = canonical: each block's linear layers compute in this many fixed blocks of their weights, summed in
+    the canonical tree, so every tp that divides it gives the same bits (a power of two; 1: plain linears)."""
     order: str = "fast"
     """fast, or canonical: every sum of a step in one fixed pairwise tree over the global micro-batches, so the run's bits do not depend on the layout (one thread per rank)."""
 
     # --- optimisation ---
     steps: int = 300
     """Optimizer steps in the whole run (the learning-rate schedule spans them)."""
-    batch_per_rank: int = 16
-    """Sequences per rank per step; the global batch is this times the world size."""
+    global_batch: int = 64
+    """Sequences in one optimizer step over the whole job, the same on every layout: its micro-batches are shared
+    evenly among the data-parallel replicas (each rank, or each pipeline when pp > 1)."""
+    micro_batch_size: int = 16
+    """Sequences in one micro-batch: one forward and backward (gradient accumulation when a replica holds several),
+    or one slot of the 1F1B schedule when pp > 1; must divide global_batch."""
     lr: float = 6e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 20
@@ -111,7 +119,7 @@ class TrainConfig:
     eval_interval: int = 50
     """Measure validation loss every this many steps (and at the end); 0: only at the end."""
     eval_batches: int = 4
-    """Validation batches per rank per evaluation."""
+    """Validation batches per evaluation, each as large as the global batch."""
     sample_tokens: int = 200
     """Characters of text the trained model writes for the summary; 0 skips it."""
 
@@ -135,8 +143,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
-        positive = ("nodes", "ranks_per_node", "context", "layers", "d_model", "heads", "steps", "batch_per_rank",
-                    "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "microbatches", "micro_batches")
+        positive = ("nodes", "ranks_per_node", "context", "layers", "d_model", "heads", "steps", "global_batch",
+                    "micro_batch_size", "eval_batches", "experts", "expert_hidden", "top_k", "ep", "pp", "tp",
+                    "linear_blocks")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -187,20 +196,66 @@ class TrainConfig:
                 raise UserError(f"ep ({self.ep}) does not divide ranks_per_node ({self.ranks_per_node}): an "
                                 "expert-parallel group stays inside one node, where its all-to-all goes "
                                 "through shared memory")
+        self._check_tensor_parallel()
+        if self.world_size % (self.pp * self.ep * self.tp):
+            degrees = f"pp x ep = {self.pp} x {self.ep}" if self.tp == 1 else \
+                f"pp x ep x tp = {self.pp} x {self.ep} x {self.tp}"
+            raise UserError(f"{degrees} does not divide the world size {self.world_size} "
+                            f"({plural(self.nodes, 'node')} x {plural(self.ranks_per_node, 'rank')}); data parallel takes the rest")
+        self._check_batch()
         self._check_order()
         self._check_fault_tolerant()
-        if self.world_size % (self.pp * self.ep):
-            raise UserError(f"pp x ep = {self.pp} x {self.ep} does not divide the world size {self.world_size} "
-                            f"({plural(self.nodes, 'node')} x {plural(self.ranks_per_node, 'rank')}); data parallel takes the rest")
+        self._check_sharded()
         if self.pp > 1:
             if self.pp > self.layers:
                 raise UserError(f"pp ({self.pp}) is more than layers ({self.layers}): every stage needs a block")
-            if self.batch_per_rank % self.microbatches:
-                raise UserError(f"microbatches ({self.microbatches}) must divide batch_per_rank "
-                                f"({self.batch_per_rank}): a pipeline cuts each batch into equal micro-batches")
-            if self.microbatches < self.pp:
-                raise UserError(f"microbatches ({self.microbatches}) must be at least pp ({self.pp}) for the 1F1B "
-                                "schedule")
+            if self.micro_batches < self.pp:
+                raise UserError(f"a pipeline of {self.pp} stages needs at least {self.pp} micro-batches per step for "
+                                f"the 1F1B schedule, but each of its {plural(self.replicas, 'pipeline')} gets "
+                                f"{self.micro_batches} ({self._batch_words()}); raise global_batch or lower "
+                                "micro_batch_size")
+
+    def _check_tensor_parallel(self) -> None:
+        """Tensor parallel: a group inside one node that splits whole heads and whole blocks of every linear."""
+        if self.linear_blocks & (self.linear_blocks - 1):
+            raise UserError(f"linear_blocks must be a power of two (1, 2, 4, ...), got {self.linear_blocks}: aligned "
+                            "blocks are subtrees of the canonical tree")
+        if self.linear_blocks > 1 and self.d_model % self.linear_blocks:
+            raise UserError(f"linear_blocks ({self.linear_blocks}) must divide d_model ({self.d_model}): every block "
+                            "of a linear layer has one shape")
+        if self.tp == 1:
+            return
+        if self.model != "dense":
+            raise UserError(f"tp = {self.tp} is for the dense model so far: the MoE model's attention is not split "
+                            "over a TP group yet")
+        if self.pp > 1:
+            raise UserError(f"tp = {self.tp} with pp = {self.pp} is not supported yet: choose tensor or pipeline "
+                            "parallel")
+        if self.ranks_per_node % self.tp:
+            raise UserError(f"tp ({self.tp}) does not divide ranks_per_node ({self.ranks_per_node}): a TP group stays "
+                            "inside one node, since it exchanges activations in every layer")
+        if self.heads % self.tp:
+            raise UserError(f"tp ({self.tp}) does not divide heads ({self.heads}): each TP rank holds whole "
+                            "attention heads")
+        if self.order == "canonical" and self.linear_blocks % self.tp:
+            raise UserError(f"order = 'canonical' with tp = {self.tp} needs linear_blocks a multiple of {self.tp} "
+                            f"(got {self.linear_blocks}): each TP rank computes whole blocks of every linear layer, "
+                            f"and the runs it is compared with must use the same linear_blocks")
+
+    def _check_sharded(self) -> None:
+        """FSDP: the dense model, each rank one shard of it."""
+        if not self.fsdp:
+            return
+        if self.model != "dense" or self.pp > 1 or self.tp > 1:
+            raise UserError("fsdp shards the dense model over data parallel only so far (not with moe, pp > 1 or "
+                            "tp > 1)")
+        if self.fault_tolerant:
+            raise UserError("fault_tolerant with fsdp is not supported: a replica group must hold whole weights to "
+                            "heal another")
+        if self.order == "canonical" and self.replicas & (self.replicas - 1):
+            raise UserError(f"order = 'canonical' with fsdp needs a power-of-two count of ranks, got "
+                            f"{self.replicas}: a step's micro-batches are dealt to the shards in turn, each turn an "
+                            "aligned subtree of the canonical tree")
 
     def _check_fault_tolerant(self) -> None:
         """What --fault-tolerant needs: a replica of all the state on every node."""
@@ -212,40 +267,74 @@ class TrainConfig:
         if self.pp > 1:
             raise UserError(f"fault_tolerant cannot run a pipeline across nodes (pp = {self.pp}): each stage's "
                             "weights live on one node only, so a lost node has no replica to heal from")
+        if self.tp > 1:
+            raise UserError(f"fault_tolerant with tp = {self.tp} is not supported yet: a replica's ranks hold whole "
+                            "models there")
         # model = "moe": its experts stay inside a node (ep divides ranks_per_node), so every node holds them all
 
     def _check_order(self) -> None:
         """Gradient accumulation and the canonical order: what the layout must be for the run's bits to hold."""
         if self.order not in ORDERS:
             raise UserError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
-        if self.batch_per_rank % self.micro_batches:
-            raise UserError(f"micro_batches ({self.micro_batches}) must divide batch_per_rank ({self.batch_per_rank}): "
-                            "a rank's batch is cut into equal micro-batches")
-        if self.micro_batches > 1 and (self.model != "dense" or self.pp > 1):
-            raise UserError("micro_batches > 1 is for the dense model without a pipeline (a pipeline cuts its batch "
-                            "into micro-batches itself: use microbatches)")
         if self.order != "canonical":
             return
         if self.model != "dense" or self.pp > 1:
-            raise UserError("order = 'canonical' covers the dense model with data parallel only (not moe or pp > 1)")
-        if self.world_size > 1 and self.micro_batches & (self.micro_batches - 1):
-            raise UserError(f"order = 'canonical' with {self.world_size} ranks needs a power-of-two micro_batches "
-                            f"(1, 2, 4, ...), got {self.micro_batches}: each rank's micro-batches must be a subtree "
-                            "of the tree over the global batch")
+            raise UserError("order = 'canonical' covers the dense model with data and tensor parallel so far (not "
+                            "moe or pp > 1)")
+        if self.replicas > 1 and self.micro_batches & (self.micro_batches - 1):
+            raise UserError(f"order = 'canonical' on {plural(self.replicas, 'data-parallel replica')} needs a "
+                            f"power-of-two count of micro-batches per replica (1, 2, 4, ...), but each gets "
+                            f"{self.micro_batches} ({self._batch_words()}): each replica's micro-batches must be a "
+                            "subtree of the tree over the global batch")
         if self.nodes > 1 and self.ranks_per_node & (self.ranks_per_node - 1):
             raise UserError(f"order = 'canonical' across {self.nodes} nodes needs a power-of-two ranks_per_node "
                             f"(1, 2, 4, ...), got {self.ranks_per_node}: each node's ranks must be a subtree of "
                             "the tree over all ranks")
 
-    @property
-    def global_micro_batches(self) -> int:
-        """Micro-batches in one step over all ranks: the canonical order's tree spans them."""
-        return self.replicas * self.micro_batches
+    def _check_batch(self) -> None:
+        """The global batch: whole micro-batches, shared evenly among the data-parallel replicas."""
+        if self.global_batch % self.micro_batch_size:
+            raise UserError(f"micro_batch_size ({self.micro_batch_size}) must divide global_batch "
+                            f"({self.global_batch}): a step is a whole number of micro-batches")
+        if self.global_micro_batches % self.replicas:
+            fits = [n * self.micro_batch_size for n in range(self.replicas, 4 * self.replicas + 1, self.replicas)]
+            raise UserError(f"the global batch's {self._batch_words()} cannot be shared evenly among "
+                            f"{plural(self.replicas, 'data-parallel replica')} ({self._replica_words()}); choose a "
+                            f"global_batch that is a multiple of {self.replicas} x {self.micro_batch_size} "
+                            f"({', '.join(map(str, fits[:3]))}, ...) or another micro_batch_size")
+        if self.micro_batches > MAX_MICRO_BATCHES:
+            raise UserError(f"each replica would run {self.micro_batches:,} micro-batches a step ({self._batch_words()}); "
+                            f"at most {MAX_MICRO_BATCHES:,}: raise micro_batch_size")
+
+    def _batch_words(self) -> str:
+        return (f"{self.global_batch} sequences = {plural(self.global_micro_batches, 'micro-batch', 'micro-batches')}"
+                f" of {self.micro_batch_size}")
+
+    def _replica_words(self) -> str:
+        ranks = f"{plural(self.nodes, 'node')} x {plural(self.ranks_per_node, 'rank')}"
+        split = [f"{name} {getattr(self, name)}" for name in ("pp", "tp") if getattr(self, name) > 1]
+        return f"{ranks} / {' x '.join(split)}" if split else ranks
 
     @property
-    def micro_batch_size(self) -> int:
-        """Sequences per micro-batch."""
-        return self.batch_per_rank // self.micro_batches
+    def global_micro_batches(self) -> int:
+        """Micro-batches in one step over all replicas: the canonical order's tree spans them."""
+        return self.global_batch // self.micro_batch_size
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per data-parallel replica per step (derived: global micro-batches / replicas)."""
+        return self.global_micro_batches // self.replicas
+
+    @property
+    def batch_per_replica(self) -> int:
+        """Sequences per data-parallel replica per step (derived: its micro-batches x micro_batch_size)."""
+        return self.micro_batches * self.micro_batch_size
+
+    def describe_batch(self) -> str:
+        """The batch in words, as the run prints it: the global batch and how the layout divides it."""
+        each = "pipeline" if self.pp > 1 else "TP group" if self.tp > 1 else "rank"
+        return (f"global batch {self._batch_words()}; {plural(self.micro_batches, 'micro-batch', 'micro-batches')} "
+                f"per {each} x {plural(self.replicas, each)}")
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -269,13 +358,14 @@ class TrainConfig:
 
     @property
     def replicas(self) -> int:
-        """Ranks that read their own batch: every rank but the later stages of a pipeline (world / pp)."""
-        return self.world_size // self.pp
+        """Data-parallel replicas, each reading its own micro-batches: world / (pp x tp) (a pipeline's later stages
+        and a TP group's ranks share their replica's)."""
+        return self.world_size // (self.pp * self.tp)
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step across all ranks."""
-        return self.replicas * self.batch_per_rank * self.context
+        return self.global_batch * self.context
 
     @property
     def out_dir(self) -> Path:
@@ -291,6 +381,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
         """Make a config from plain data; an unknown key is an error that lists the valid ones."""
+        refuse_legacy(data, source)
         unknown = sorted(set(data) - set(FIELD_NAMES))
         if unknown:
             raise UserError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
@@ -309,9 +400,11 @@ class TrainConfig:
 
 
 OPTIONAL = frozenset({"stop_at"})
+MAX_MICRO_BATCHES = 65536
+"""Micro-batches one replica may run in a step: beyond it the micro-batch size is a typo."""
 LIMITS = {"nodes": 64, "ranks_per_node": 64, "experts": 4096, "shared_experts": 64, "expert_hidden": 65536,
-          "top_k": 64, "ep": 64, "pp": 64, "microbatches": 4096, "micro_batches": 256, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
-          "steps": 10**9, "batch_per_rank": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
+          "top_k": 64, "ep": 64, "pp": 64, "tp": 64, "linear_blocks": 64, "context": 65536, "layers": 1024, "d_model": 65536, "heads": 1024,
+          "steps": 10**9, "global_batch": 1 << 24, "micro_batch_size": 1 << 20, "eval_batches": 100_000, "sample_tokens": 1_000_000,
           "save_every": 10**9, "eval_interval": 10**9, "warmup_steps": 10**9, "max_restarts": 1000}
 """Upper bounds: beyond them a value is a typo, not a plan, and is refused before any rank starts."""
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -330,10 +423,37 @@ def _same_global_batch(saved: Mapping[str, Any], cfg: TrainConfig, defaults: Map
     so the run goes on as it would have on the old one."""
     if cfg.order != "canonical" or saved.get("order", defaults["order"]) != "canonical":
         return False
-    acc = int(saved.get("micro_batches", defaults["micro_batches"]))
-    world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
-    per_rank = int(saved.get("batch_per_rank", defaults["batch_per_rank"]))
-    return world * acc == cfg.global_micro_batches and per_rank // acc == cfg.micro_batch_size
+    return all(saved.get(k, defaults[k]) == getattr(cfg, k) for k in ("global_batch", "micro_batch_size"))
+
+
+LEGACY_BATCH = ("batch_per_rank", "micro_batches", "microbatches")
+"""Fields of earlier versions, replaced by global_batch and micro_batch_size."""
+
+
+def upgrade_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A config saved by an earlier version (``batch_per_rank``, ``micro_batches``, ``microbatches``) in today's
+    fields: the same global batch and micro-batches, so its run can be resumed."""
+    out = dict(saved)
+    if not any(k in out for k in LEGACY_BATCH):
+        return out
+    per_rank = int(out.pop("batch_per_rank", 16))
+    accumulate, pipeline = int(out.pop("micro_batches", 1)), int(out.pop("microbatches", 4))
+    pp = int(out.get("pp", 1))
+    replicas = int(out.get("nodes", 2)) * int(out.get("ranks_per_node", 2)) // max(pp, 1)
+    out.setdefault("global_batch", replicas * per_rank)
+    out.setdefault("micro_batch_size", per_rank // (pipeline if pp > 1 else accumulate))
+    return out
+
+
+def refuse_legacy(data: Mapping[str, Any], source: str) -> None:
+    """A config that still names the per-rank batch: say what replaces it, with its values where they are known."""
+    old = [k for k in LEGACY_BATCH if k in data]
+    if not old:
+        return
+    new = upgrade_saved({**{"nodes": TrainConfig.nodes, "ranks_per_node": TrainConfig.ranks_per_node}, **data})
+    raise UserError(f"{source}: {', '.join(old)} {'are' if len(old) > 1 else 'is'} replaced by global_batch and "
+                    f"micro_batch_size, which stay the same on every layout; here that is global_batch = "
+                    f"{new['global_batch']}, micro_batch_size = {new['micro_batch_size']}")
 
 
 def _field_kind(f: dataclasses.Field) -> type:
@@ -374,8 +494,10 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
 
     The model shape and the world size must match (the world size fixes which batches
     each rank draws), except that a canonical-order run may move to another layout with the
-    same global micro-batches (their number and size): its steps go on bit for bit. Returns the other fields that changed, so the caller can say so.
+    same global batch and micro-batch size: its steps go on bit for bit. Returns the other fields that changed, so
+    the caller can say so.
     """
+    saved = upgrade_saved(saved)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     clashes = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}"
                for name in SHAPE_FIELDS + LAYOUT_FIELDS if saved.get(name, defaults[name]) != getattr(cfg, name)]
@@ -383,16 +505,14 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     if saved_world != cfg.world_size and not _same_global_batch(saved, cfg, defaults):
         clashes.append(f"world size {saved_world} -> {cfg.world_size}")
         if cfg.order == "canonical":
-            acc = int(saved.get("micro_batches", defaults["micro_batches"]))
-            per_rank = int(saved.get("batch_per_rank", defaults["batch_per_rank"]))
-            clashes.append(f"a canonical run changes its layout only with the same micro-batches per step: "
-                           f"{saved_world * acc} of {per_rank // acc} -> {cfg.global_micro_batches} of "
-                           f"{cfg.micro_batch_size} (set batch_per_rank and micro_batches to keep them)")
+            clashes.append(f"a canonical run changes its layout only with the same global batch and micro-batch "
+                           f"size: {saved.get('global_batch')} of {saved.get('micro_batch_size')} -> "
+                           f"{cfg.global_batch} of {cfg.micro_batch_size}")
     if clashes:
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
     ignored = {"stop_at", "out", "timeout", "stop_grace", "data_cache", "fault_tolerant", "max_restarts"}
-    if saved_world != cfg.world_size:  # a canonical run on a new layout: these may change with the global batch kept
-        ignored |= {"nodes", "ranks_per_node", "batch_per_rank", "micro_batches"}
+    if saved_world != cfg.world_size or saved.get("tp", 1) != cfg.tp or saved.get("fsdp", False) != cfg.fsdp:
+        ignored |= {"nodes", "ranks_per_node", "tp", "fsdp"}  # a layout of its own: the state is layout-free
     return [name for name in FIELD_NAMES
             if name not in ignored and name in saved and saved[name] != getattr(cfg, name)]

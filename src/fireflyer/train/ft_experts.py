@@ -26,7 +26,7 @@ from fireflyer.train.trainer import Trainer
 
 
 class FaultTolerantMoETrainer(FaultTolerantTrainer):
-    """A :class:`FaultTolerantTrainer` for ``model = "moe"`` (one micro-batch per rank, no pipeline)."""
+    """A :class:`FaultTolerantTrainer` for ``model = "moe"`` (no pipeline)."""
 
     def _build_model(self) -> None:
         Trainer._build_model(self)  # the layout path over this node's ranks: its stage is the whole model
@@ -35,9 +35,9 @@ class FaultTolerantMoETrainer(FaultTolerantTrainer):
         net = self.laid_out
         assert net is not None
         R, n = self.where.world_size, len(plan.replicas)
-        (x, y), = self.data.train(step=plan.step)  # this rank's own micro-batch: in the fast order it keeps it
         self.optimizer.zero_grad(set_to_none=False)
-        loss = net.train_loss(x, y)  # the node's gradients (collectives inside the node only)
+        # this rank's own micro-batches (in the fast order it keeps them); the node's gradients, inside the node only
+        loss = net.train_loss(self.data.train(step=plan.step))
         loads = net.take_loads()
         node = torch.cat([loss.detach().double().reshape(1), *loads])
         if R > 1:
@@ -76,7 +76,7 @@ class FaultTolerantMoETrainer(FaultTolerantTrainer):
         t0 = time.perf_counter()
         net = self.laid_out
         assert net is not None
-        R, M = self.where.world_size, self.cfg.world_size
+        R, M = self.where.world_size, self.cfg.global_micro_batches
         total = torch.zeros(1, dtype=torch.float64)
         for i in range(self.cfg.eval_batches):
             for g in range(self.where.rank, M, R):  # the same count on every rank: the all-to-alls pair up

@@ -31,8 +31,8 @@ from fireflyer.train.data import TrainingData
 from fireflyer.train.fault_tolerant import (Failure, LeftBehind, Record, Replica, StepPlan, micro_blocks,
                                             node_index, restarts, tree_over_blocks)
 from fireflyer.train.files import write_json
-from fireflyer.train.model import GPT, ModelShape, lm_loss
-from fireflyer.train.optim import build_optimizer
+from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
+from fireflyer.train.optim import build_optimizer, clip_exact
 from fireflyer.train.progress import StepStats, Throughput, make_progress
 from fireflyer.train.trainer import History, Placement, Trainer
 
@@ -130,6 +130,8 @@ class FaultTolerantTrainer(Trainer):
                            d_model=cfg.d_model, heads=cfg.heads)
         torch.manual_seed(cfg.seed)  # the same initial weights on every replica (torchft also syncs them at start)
         self.model = GPT(shape).to(self.where.device)
+        if cfg.order == "canonical" and cfg.linear_blocks > 1:  # the plain run's linears: its bits
+            split_linears(self.model, blocks=cfg.linear_blocks)
         self.ddp = None
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
 
@@ -288,7 +290,9 @@ class FaultTolerantTrainer(Trainer):
             for p in self.params:
                 p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        if self.cfg.grad_clip:
+        if self.cfg.grad_clip and self.cfg.order == "canonical":  # the plain run's exact norm: its bits
+            clip_exact(self.params, self.params, self.cfg.grad_clip)
+        elif self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

@@ -170,6 +170,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
             print(f"fireflyer train: platform task {client.chain_id()} attempt {client.attempt()}: "
                   f"{plural(cfg.nodes, 'node')} x {plural(cfg.ranks_per_node, 'rank')}, steps {first}-{cfg.stop_at or cfg.steps}, "
                   f"out {cfg.out_dir}/", flush=True)
+            print(f"fireflyer train: {cfg.describe_batch()}", flush=True)
         t0 = time.monotonic()
         train(lambda: Trainer(cfg, where, resume=resume_from, fail_at=injected_failure(where.rank), managed=True),
               announce=(lambda t: print(f"fireflyer train: {t.data.prepared.summary()}", flush=True))

@@ -262,3 +262,43 @@ def synthetic_batch(shape: ModelShape, *, rank: int, step: int, size: int) -> tu
     g = torch.Generator().manual_seed(7919 * step + rank)
     tokens = torch.randint(0, shape.vocab_size, (size, shape.context + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def split_linears(model: nn.Module, *, blocks: int, tp_group: ProcessGroup | None = None,
+                  order: str = "canonical") -> nn.Module:
+    """Put every block's linear layers of ``model`` (a :class:`GPT`, or a pipeline stage holding its ``blocks``) in
+    fixed blocks of their weights, or over a tensor-parallel group, in place
+    (:mod:`fireflyer.haiscale.canonical_linear`).
+
+    In the canonical order each linear computes in ``blocks`` fixed blocks of its weight, summed in the canonical
+    tree: without ``tp_group`` whole on this rank (a :class:`CanonicalLinear`); on a TP group (an hfreduce group in
+    the canonical order) ``qkv`` and the MLP's first linear column-parallel (a rank's share of ``qkv`` is its heads'
+    q, k and v), ``proj`` and the MLP's second row-parallel, each attention keeping ``heads / tp`` heads. Every TP
+    degree dividing ``blocks`` computes the same products and sums, so it gives the bits of one process. With
+    ``order="fast"`` the same split is plain Megatron (``blocks`` ignored: one product per rank). Parameter names
+    and full shapes stay the plain model's, so a saved state moves between them.
+    """
+    import torch.distributed as dist
+
+    from fireflyer.haiscale.canonical_linear import (CanonicalLinear, ColumnParallelCanonicalLinear,
+                                                     RowParallelCanonicalLinear)
+
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    blocks = tp if order == "fast" else blocks
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        if tp_group is None:
+            attn.qkv = CanonicalLinear.from_linear(attn.qkv, blocks, chunks=QKV_CHUNKS)
+            attn.proj = CanonicalLinear.from_linear(attn.proj, blocks)
+            mlp[0] = CanonicalLinear.from_linear(mlp[0], blocks)
+            mlp[2] = CanonicalLinear.from_linear(mlp[2], blocks)
+            continue
+        if attn.heads % tp:
+            raise UserError(f"tp ({tp}) does not divide the attention's {attn.heads} heads")
+        column = dict(group=tp_group, blocks=blocks, order=order)
+        attn.qkv = ColumnParallelCanonicalLinear.from_full(attn.qkv, chunks=QKV_CHUNKS, **column)
+        attn.proj = RowParallelCanonicalLinear.from_full(attn.proj, **column)
+        mlp[0] = ColumnParallelCanonicalLinear.from_full(mlp[0], **column)
+        mlp[2] = RowParallelCanonicalLinear.from_full(mlp[2], **column)
+        attn.heads //= tp
+    return model

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fireflyer.train.config import TrainConfig
@@ -42,3 +44,28 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Ada
         lr=cfg.lr, betas=(0.9, 0.95), foreach=True,
     )
     return opt, WarmupCosine(opt, cfg)
+
+
+def clip_exact(params: Iterable[nn.Parameter], owned: Iterable[nn.Parameter], max_norm: float,
+               group: dist.ProcessGroup | None = None) -> float:
+    """Scale the gradients of ``params`` so the model's norm is at most ``max_norm``; return the norm.
+
+    The norm is exact before its one rounding (:func:`fireflyer.hfreduce.exact.exact_norm`): each rank adds
+    the squares of the gradients it ``owned`` (every element of the model counted once over ``group``, whose
+    ranks all call this; an FSDP parameter's local shard), so the norm, and with it every clipped gradient, has
+    the same bits on every layout.
+    """
+    from fireflyer.hfreduce.exact import exact_norm
+
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    grads = (p.grad.detach() for p in owned if p.grad is not None)
+    norm = exact_norm((g.to_local() if isinstance(g, DTensor) else g for g in grads), group,
+                      device=params[0].device if params else None)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for p in params:
+                p.grad.mul_(coef)
+    return norm

@@ -13,7 +13,7 @@ from typing import Any
 
 from fireflyer.errors import UserError
 from fireflyer.fsutil import make_dirs
-from fireflyer.train.config import TrainConfig, builtin_config, check_resumable, read_toml
+from fireflyer.train.config import TrainConfig, builtin_config, check_resumable, read_toml, upgrade_saved
 
 
 def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool, overwrite: bool = False,
@@ -47,7 +47,7 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool, over
     step = int(state["step"])
     where = f"{saved.ckpt_dir(out)} (step {step})"
     if base is None:
-        base = {k: v for k, v in state["config"].items() if k != "stop_at"}
+        base = {k: v for k, v in upgrade_saved(state["config"]).items() if k != "stop_at"}
     cfg = TrainConfig.from_dict({**base, "out": str(out), **overrides}, source=config or where)
     changed = check_resumable(state["config"], cfg, state=where)
     if step >= (cfg.stop_at or cfg.steps):

@@ -25,6 +25,7 @@ whatever the layout, and rank 0 can rebuild the whole model from it to write the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -34,14 +35,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fireflyer.haiscale import DistributedDataParallel
 from fireflyer.haiscale.expert import is_expert_param
 from fireflyer.haiscale.layout_mesh import Layout
+from fireflyer.haiscale.canonical_linear import TensorParallelLinear
 from fireflyer.haiscale.moe import RoutedExperts
 from fireflyer.haiscale.pipeline import Pipeline, PipelineConfig, split_sizes
 from fireflyer.train.config import TrainConfig
-from fireflyer.train.model import GPT, ModelShape
+from fireflyer.train.model import GPT, ModelShape, split_linears
+from fireflyer.train.optim import clip_exact
 from fireflyer.train.moe_model import MoEBlock, MoEGPT, MoEShape
 
 TIED = "tok.weight"
@@ -103,6 +107,25 @@ class Named:
     first_expert: int | None = None
     saved: bool = True
     """False for the last stage's copy of the tied embedding (the first stage saves it)."""
+    split: Any = None
+    """The tensor-parallel linear whose parameter is cut over the TP group, this rank holding a share (None: held
+    whole)."""
+    leaf: str = ""
+    """The parameter's name in ``split`` (``weight`` or ``bias``)."""
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of which ``local`` (the value, or an optimizer state) is this rank's share
+        (a collective over the TP group where the parameter is split, over the shards where FSDP holds it)."""
+        if isinstance(local, DTensor):
+            return local.full_tensor()
+        return local if self.split is None else self.split.gather(self.leaf, local)
+
+    def share(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a whole tensor shaped like the parameter (no communication)."""
+        if isinstance(self.param, DTensor):
+            return distribute_tensor(full.to(self.param.device), self.param.device_mesh, self.param.placements,
+                                     src_data_rank=None)
+        return full if self.split is None else self.split.shard(self.leaf, full)
 
 
 @dataclass(frozen=True)
@@ -145,6 +168,8 @@ class LaidOut:
         self.layout = laid
         self.stage = laid.coords["pp"]
         self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.ep > 1 else None).to(device)
+        if cfg.tp > 1:  # Megatron over the TP group; in the canonical order in the run's blocks, not the layout's
+            split_linears(self.full, blocks=cfg.linear_blocks, tp_group=self.layout.tp_group, order=cfg.order)
         sizes = split_sizes(cfg.layers, cfg.pp)
         start = sum(sizes[:self.stage])
         self.is_first, self.is_last = self.stage == 0, self.stage == cfg.pp - 1
@@ -152,11 +177,12 @@ class LaidOut:
         self.named = self._name_params()
         expert_group = self.layout.expert_group if cfg.model == "moe" else None
         self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
-                                           expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb)
+                                           expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb,
+                                           order=cfg.order)
         self.pipeline = None
         if cfg.pp > 1:
             self.pipeline = Pipeline(self.ddp, self.layout.pp_group, loss_fn=_cross_entropy, device=device,
-                                     config=PipelineConfig(n_microbatches=cfg.microbatches, schedule="1F1B"))
+                                     config=PipelineConfig(n_microbatches=cfg.micro_batches, schedule="1F1B"))
         self.device = device
         self.moe_layers = [(i, b.moe) for i, b in enumerate(self.full.blocks) if isinstance(b, MoEBlock)
                            and start <= i < start + sizes[self.stage]]
@@ -166,24 +192,36 @@ class LaidOut:
         names = {id(p): n for n, p in self.full.named_parameters()}
         firsts = {id(w): m.first for m in self.full.modules() if isinstance(m, RoutedExperts)
                   for w in (m.w1, m.w2, m.w3)}
+        splits = {id(p): (m, leaf) for m in self.full.modules() if isinstance(m, TensorParallelLinear)
+                  for leaf, p in m.named_parameters(recurse=False) if m.splits(leaf)}
         named = []
         for p in self.module.parameters():
             if id(p) in names:
-                named.append(Named(names[id(p)], p, firsts.get(id(p))))
+                split, leaf = splits.get(id(p), (None, ""))
+                named.append(Named(names[id(p)], p, firsts.get(id(p)), split=split, leaf=leaf))
             else:  # the last stage's own copy of the tied embedding
                 named.append(Named(TIED, p, saved=False))
         return named
 
     # ------------------------------------------------------------------ a step
-    def train_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of this replica's batch; the gradients are reduced when it returns.
+    def train_loss(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Forward and backward of this replica's micro-batches; the gradients are reduced when it returns.
 
-        Returns the mean loss on ranks holding the last stage, None on the others (collective).
+        A pipeline runs them as the slots of its 1F1B schedule; without one they are accumulated (each its own
+        forward and backward, the gradients reduced with the last). Returns the mean loss on ranks holding the
+        last stage, None on the others (collective).
         """
+        if self.cfg.order == "canonical":  # the canonical tree over the global micro-batches (no pipeline here)
+            return self.ddp.accumulate(micro_batches, lambda ddp, batch: _cross_entropy(ddp(batch[0]), batch[1]))
         if self.pipeline is None:
-            loss = _cross_entropy(self.ddp(x), y)
-            loss.backward()
-            return loss.detach()
+            total = torch.zeros((), device=self.device)
+            for j, (x, y) in enumerate(micro_batches):
+                with self.ddp.no_sync() if j < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss = _cross_entropy(self.ddp(x), y)
+                    (loss / len(micro_batches)).backward()
+                total += loss.detach()
+            return total / len(micro_batches)
+        x, y = (torch.cat(parts) for parts in zip(*micro_batches, strict=True))
         losses = self.pipeline.forward_backward(x, y)
         self._reduce_tied()
         return torch.stack(losses).mean() if losses is not None else None
@@ -197,31 +235,16 @@ class LaidOut:
     def clip(self, max_norm: float) -> float:
         """Scale every gradient so the model's global norm is at most ``max_norm``; return the norm (collective).
 
-        Dense gradients are the same on every rank of their group and count once; expert
-        gradients differ over EP and are summed over it; stages are summed over the pipeline.
+        The norm is exact (:func:`~fireflyer.train.optim.clip_exact`), so it has the same bits on every layout:
+        each element of the model counts once, on the rank of data-parallel index 0 that holds it (a TP-split
+        parameter on every TP rank, a replicated one on TP rank 0; an expert on its EP rank, a dense parameter on
+        EP rank 0; each stage its own; the last stage's copy of the tied embedding not at all).
         """
-        dense = torch.zeros((), dtype=torch.float64, device=self.device)
-        expert = torch.zeros((), dtype=torch.float64, device=self.device)
-        for n in self.named:
-            if n.param.grad is None or not n.saved:
-                continue
-            sq = n.param.grad.detach().double().pow(2).sum()
-            if is_expert_param(n.param):
-                expert += sq
-            else:
-                dense += sq
-        if self.cfg.ep > 1:
-            dist.all_reduce(expert, group=self.layout.ep_group)
-        total = dense + expert
-        if self.cfg.pp > 1:
-            dist.all_reduce(total, group=self.layout.pp_group)
-        norm = math.sqrt(total.item())
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        c = self.layout.coords
+        owned = [n.param for n in self.named if n.saved and c["dp"] == 0
+                 and (n.split is not None or c["tp"] == 0)
+                 and (is_expert_param(n.param) or c["ep"] == 0)]
+        return clip_exact(self.module.parameters(), owned, max_norm, dist.group.WORLD)
 
     @torch.no_grad()
     def after_step(self) -> list[LayerStep]:
@@ -277,7 +300,7 @@ class LaidOut:
             if not n.saved:
                 continue
             if n.first_expert is None:
-                out[n.name] = n.param.detach()
+                out[n.name] = n.full(n.param.detach())
             else:
                 for e, row in enumerate(n.param.detach()):
                     out[expert_name(n.name, n.first_expert + e)] = row
@@ -286,52 +309,20 @@ class LaidOut:
         return out
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """AdamW's state per global name (experts split as the weights are) and its hyper-parameters."""
-        state: dict[str, Any] = {}
-        for n in self.named:
-            if not n.saved or n.param not in optimizer.state:
-                continue
-            s = optimizer.state[n.param]
-            if n.first_expert is None:
-                state[n.name] = dict(s)
-            else:
-                for e in range(n.param.shape[0]):
-                    state[expert_name(n.name, n.first_expert + e)] = {
-                        k: (v[e] if torch.is_tensor(v) and v.dim() and v.shape[0] == n.param.shape[0] else v)
-                        for k, v in s.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return {"state": state, "groups": groups}
+        """AdamW's state per global name (experts split as the weights are, TP shares gathered) and its
+        hyper-parameters (a collective over the TP group)."""
+        return optimizer_state(self.named, optimizer)
 
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """Take this rank's share of a saved global state: weights, buffers and AdamW's state."""
         with torch.no_grad():
             for n in self.named:
-                n.param.copy_(self._gather(model, n))
+                n.param.copy_(n.share(_whole(model, n)))
             mine = {id(b) for b in self.module.buffers()}
             for name, b in self.full.named_buffers():
                 if id(b) in mine:
                     b.copy_(model[name])
-        sd = optimizer.state_dict()
-        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        state = {}
-        for n in self.named:
-            if n.first_expert is None:
-                saved = optim["state"].get(n.name)
-            else:
-                parts = [optim["state"].get(expert_name(n.name, n.first_expert + e)) for e in range(n.param.shape[0])]
-                saved = None if any(p is None for p in parts) else {
-                    k: (torch.stack([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() else v)
-                    for k, v in parts[0].items()}
-            if saved is not None:
-                state[index[id(n.param)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items()}
-        groups = [{**saved_g, "params": g["params"]} for saved_g, g in zip(optim["groups"], sd["param_groups"])]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-    @staticmethod
-    def _gather(model: dict[str, torch.Tensor], n: Named) -> torch.Tensor:
-        if n.first_expert is None:
-            return model[n.name]
-        return torch.stack([model[expert_name(n.name, n.first_expert + e)] for e in range(n.param.shape[0])])
+        load_optimizer(self.named, optim, optimizer)
 
     # ------------------------------------------------------------------ reporting
     def num_parameters(self) -> int:
@@ -340,6 +331,69 @@ class LaidOut:
 
     def close(self) -> None:
         self.ddp.close()
+
+
+def plain_names(model: nn.Module) -> list[Named]:
+    """A model's parameters under their own names (the tied head once, as the token embedding): whole, or
+    sharded by FSDP."""
+    return [Named(name, p) for name, p in model.named_parameters()]
+
+
+def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's whole state under its own names, the head's tie to the token embedding left out (FSDP's shards
+    gathered: a collective over its group)."""
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            for name, t in model.state_dict().items() if name != "head.weight"}
+
+
+def optimizer_state(named: list[Named], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state per global name, whole (experts one by one, TP shares gathered: a collective over
+    the TP group), and its groups' hyper-parameters: the same on every layout."""
+    state: dict[str, Any] = {}
+    for n in named:
+        if not n.saved or n.param not in optimizer.state:
+            continue
+        s = optimizer.state[n.param]
+        if n.first_expert is None:
+            state[n.name] = {k: (n.full(v) if torch.is_tensor(v) and v.dim() else v) for k, v in s.items()}
+        else:
+            for e in range(n.param.shape[0]):
+                state[expert_name(n.name, n.first_expert + e)] = {
+                    k: (v[e] if torch.is_tensor(v) and v.dim() and v.shape[0] == n.param.shape[0] else v)
+                    for k, v in s.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def load_optimizer(named: list[Named], optim: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` this rank's share of a state :func:`optimizer_state` saved (on any layout)."""
+    sd = optimizer.state_dict()
+    if not any(isinstance(k, str) for k in optim["state"]) and "param_groups" in optim:  # by index: one layout's
+        optimizer.load_state_dict(optim)
+        return
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state = {}
+    for n in named:
+        if n.first_expert is None:
+            saved = optim["state"].get(n.name)
+            if saved is not None:
+                saved = {k: (n.share(v) if torch.is_tensor(v) and v.dim() else v) for k, v in saved.items()}
+        else:
+            parts = [optim["state"].get(expert_name(n.name, n.first_expert + e)) for e in range(n.param.shape[0])]
+            saved = None if any(p is None for p in parts) else {
+                k: (torch.stack([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() else v)
+                for k, v in parts[0].items()}
+        if saved is not None:
+            state[index[id(n.param)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items()}
+    groups = [{**saved_g, "params": g["params"]} for saved_g, g in zip(optim["groups"], sd["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _whole(model: dict[str, torch.Tensor], n: Named) -> torch.Tensor:
+    """A saved state's whole tensor for ``n`` (an expert stack rebuilt from its experts)."""
+    if n.first_expert is None:
+        return model[n.name]
+    return torch.stack([model[expert_name(n.name, n.first_expert + e)] for e in range(n.param.shape[0])])
 
 
 def whole_model(cfg: TrainConfig, vocab_size: int, model: dict[str, torch.Tensor]) -> nn.Module:

@@ -319,21 +319,20 @@ class _BuildLock:
         os.close(self.fd)
 
 
-def check_fits(prepared: Prepared, *, world_size: int, batch_per_rank: int) -> None:
-    """Refuse records too few for one step: every rank reads ``batch_per_rank`` distinct windows of each split."""
-    need = world_size * batch_per_rank
+def check_fits(prepared: Prepared, *, global_batch: int) -> None:
+    """Refuse records too few for one step: a step reads ``global_batch`` distinct windows of each split."""
     for name in SPLITS:
         n = prepared.records(name)
-        if n < need:
+        if n < global_batch:
             hint = "raise val_fraction, " if name == "val" else ""
             raise UserError(f"the {name} split of {prepared.source} has {n} windows of {prepared.context + 1} tokens, "
-                            f"fewer than one step reads ({world_size} ranks x batch_per_rank {batch_per_rank}); "
-                            f"give more text, {hint}or lower context, batch_per_rank or the number of ranks")
+                            f"fewer than one step reads (global_batch {global_batch}); "
+                            f"give more text, {hint}or lower context or global_batch")
 
 
 def prepare_data(cfg: TrainConfig) -> Prepared:
     """The records a :class:`~fireflyer.train.config.TrainConfig` trains on, found or built, checked to fit."""
     prepared = prepare(read_corpus(cfg.data), data_cache_dir(cfg.data_cache), context=cfg.context,
                        val_fraction=cfg.val_fraction, timeout=cfg.timeout)
-    check_fits(prepared, world_size=cfg.replicas, batch_per_rank=cfg.batch_per_rank)
+    check_fits(prepared, global_batch=cfg.global_batch)
     return prepared

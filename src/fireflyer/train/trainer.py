@@ -9,8 +9,9 @@ writes a text sample at the end; every rank takes part in every collective.
 
 Steps are numbered from 1; ``state.step == k`` means k optimizer steps are done.
 
-With ``micro_batches = m`` a step is ``m`` micro-batches per rank, each its own forward and
-backward (:meth:`DistributedDataParallel.accumulate`). With ``order = "canonical"`` every sum
+A step is the global batch (``global_batch`` sequences, in micro-batches of ``micro_batch_size``),
+its micro-batches shared evenly among the ranks, each its own forward and backward
+(:meth:`DistributedDataParallel.accumulate`). With ``order = "canonical"`` every sum
 of a step is taken in one fixed pairwise tree over the global micro-batch index, on an hfreduce
 group made for it (``HFReduceConfig(order="canonical")``), and each rank runs one thread: the
 gradients, the loss, the validation loss and so the weights are bit for bit those of one
@@ -24,24 +25,28 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fireflyer.haiscale import DistributedDataParallel, layout
+from fireflyer.haiscale import DistributedDataParallel, fsdp_accumulate, fully_shard, layout, sharding_info
 from fireflyer.hfreduce import HFReduceConfig
 from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
 from fireflyer.train.files import write_json
-from fireflyer.train.model import GPT, ModelShape, lm_loss
-from fireflyer.train.optim import build_optimizer
-from fireflyer.train.parallel import LaidOut, describe, replica_of, whole_model
+from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
+from fireflyer.train.optim import build_optimizer, clip_exact
+from fireflyer.train.parallel import (TIED, LaidOut, describe, load_optimizer, optimizer_state, plain_names,
+                                     plain_state, replica_of, whole_model)
 from fireflyer.train.progress import StepStats, Throughput, make_progress
 from fireflyer.errors import UserError
 
+TIED_HEAD = "head.weight"
+"""The plain model's name of the output head, which is the token embedding's weight itself."""
 COLLECTIVE_TIMEOUT = 120.0
 """Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
 
@@ -94,8 +99,14 @@ class Trainer:
         self.layout = None
         self.group: dist.ProcessGroup | None = None
         """The group gradients and losses are summed over: the default one, unless the order is canonical."""
-        if cfg.model == "moe" or cfg.pp > 1:
-            self.layout = layout(pp=cfg.pp, ep=cfg.ep)  # collective: before anything else talks
+        self.ddp: DistributedDataParallel | None = None
+        self.sharded: torch.nn.Module | None = None
+        """The model sharded by FSDP (``fsdp``): steps go through fsdp_accumulate, the state is gathered to save."""
+        if cfg.model == "moe" or cfg.pp > 1 or cfg.tp > 1:  # collective: before anything else talks
+            # a TP group sums in the canonical order in either order (its linears compute in blocks); the canonical
+            # order's data-parallel groups too
+            options = self._canonical_options() if cfg.order == "canonical" or cfg.tp > 1 else None
+            self.layout = layout(pp=cfg.pp, ep=cfg.ep, tp=cfg.tp, pg_options=options)
         self._build_data()
         self._build_model()
         self.ckpt = saved.manager(cfg.out, rank=where.rank, world_size=where.world_size,
@@ -129,10 +140,19 @@ class Trainer:
         if cfg.order == "canonical":
             seconds = min(COLLECTIVE_TIMEOUT, cfg.timeout)
             self.group = dist.new_group(backend="hfreduce", timeout=timedelta(seconds=seconds),
-                                        pg_options=HFReduceConfig.from_env(order="canonical", timeout=seconds))
-        self.ddp = DistributedDataParallel(self.model, process_group=self.group, bucket_cap_mb=cfg.bucket_cap_mb,
-                                           order=cfg.order)
+                                        pg_options=self._canonical_options())
+            if cfg.linear_blocks > 1:  # the linears every TP degree dividing linear_blocks computes alike
+                split_linears(self.model, blocks=cfg.linear_blocks)
+        if cfg.fsdp:  # each rank one shard of the weights, gradients and AdamW's state
+            self.sharded = fully_shard(self.model, group=self.group, order=cfg.order)
+        else:
+            self.ddp = DistributedDataParallel(self.model, process_group=self.group, bucket_cap_mb=cfg.bucket_cap_mb,
+                                               order=cfg.order)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+
+    def _canonical_options(self) -> HFReduceConfig:
+        """hfreduce groups that sum in the canonical order, with the job's collective timeout."""
+        return HFReduceConfig.from_env(order="canonical", timeout=min(COLLECTIVE_TIMEOUT, self.cfg.timeout))
 
     def _restore(self, step: int) -> int:
         return self._take(saved.load_state(self.cfg.out, step))
@@ -144,12 +164,19 @@ class Trainer:
             raise UserError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
                              "vocabulary; start afresh with a new --out")
         rng = state["rng"]
+        if "cpu" not in rng:  # saved per rank (a laid-out run): this rank's, else the first rank's
+            rng = rng.get(f"rank{self.where.rank}", rng["rank0"])
         if self.laid_out is not None:
             self.laid_out.load(state["model"], state["optimizer"], self.optimizer)
-            rng = rng[f"rank{self.where.rank}"]
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # a state saved on any layout: whole tensors under global names (the head is the token embedding)
+            names = plain_names(self.model)
+            if self.sharded is not None:  # this rank's shard of each
+                with torch.no_grad():
+                    for n in names:
+                        n.param.copy_(n.share(state["model"][n.name]))
+            else:
+                self.model.load_state_dict({TIED_HEAD: state["model"][TIED], **state["model"]})
+            load_optimizer(names, state["optimizer"], self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(rng["cpu"])
         if self.where.device.type == "cuda" and "cuda" in rng:
@@ -211,8 +238,15 @@ class Trainer:
             return self._laid_out_step(step)
         # Each micro-batch's forward and backward; the gradients averaged over every rank's micro-batches
         # (in the canonical tree, for order = "canonical") when this returns, with the mean loss.
-        mean = self.ddp.accumulate(self.data.train(step=step), lm_loss)
-        if self.cfg.grad_clip:
+        if self.sharded is not None:  # FSDP deals the step's micro-batches to the shards in turn
+            mine = sharding_info(self.sharded).micro_batch_indices(self.cfg.micro_batches)
+            mean = fsdp_accumulate(self.sharded, [self.data.micro_batch("train", g, at=step) for g in mine], lm_loss)
+        else:
+            mean = self.ddp.accumulate(self.data.train(step=step), lm_loss)
+        if self.cfg.grad_clip and self.cfg.order == "canonical":  # an exact norm: the same bits on every layout
+            shards = self.group if self.sharded is not None else None  # FSDP: each rank adds its own shards
+            clip_exact(self.model.parameters(), self.model.parameters(), self.cfg.grad_clip, shards)
+        elif self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -225,25 +259,26 @@ class Trainer:
         """A step of the layout path: the pipeline (or one forward), global clipping, the balancing step."""
         net = self.laid_out
         assert net is not None
-        (x, y), = self.data.train(step=step)  # one micro-batch: a pipeline cuts it itself
         self.optimizer.zero_grad(set_to_none=False)
-        loss = net.train_loss(x, y)
+        loss = net.train_loss(self.data.train(step=step))
         if self.cfg.grad_clip:
             net.clip(self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         layers = net.after_step()
-        self.history.loss.append(self._replica_mean(loss))
+        # the canonical order's loss is already the global batch's mean, the same on every rank
+        self.history.loss.append(loss.item() if self.cfg.order == "canonical" else self._replica_mean(loss))
         self.history.lr.append(lr)
         if layers or self.cfg.model == "moe":
             self.history.experts.append(self._expert_record(layers))
         return self.history.loss[-1], lr
 
     def _replica_mean(self, value: torch.Tensor | None) -> float:
-        """The mean over data replicas of a value the last stage holds (collective over the world)."""
+        """The mean over data replicas of a value the last stage holds, on every rank of its TP group (collective
+        over the world: TP rank 0 counts it)."""
         buf = torch.zeros(1, dtype=torch.float64, device=self.where.device)
-        if value is not None:
+        if value is not None and self.layout.coords["tp"] == 0:
             buf += value.double()
         dist.all_reduce(buf)
         return buf.item() / self.cfg.replicas
@@ -265,27 +300,28 @@ class Trainer:
     def _evaluate(self, step: int) -> float:
         """Mean validation loss over every rank's fixed validation batches; recorded at ``step``."""
         t0 = time.perf_counter()
-        if self.laid_out is not None:
+        if self.laid_out is not None and self.cfg.order != "canonical":
             total = torch.zeros((), dtype=torch.float64, device=self.where.device)
             for i in range(self.cfg.eval_batches):
-                (x, y), = self.data.eval(index=i)
-                loss = self.laid_out.eval_loss(x, y)
-                if loss is not None:
-                    total += loss.double()
-            self.history.val.append([step, self._replica_mean(total / self.cfg.eval_batches)])
+                for x, y in self.data.eval(index=i):
+                    loss = self.laid_out.eval_loss(x, y)
+                    if loss is not None:
+                        total += loss.double()
+            self.history.val.append([step, self._replica_mean(total / (self.cfg.eval_batches * self.cfg.micro_batches))])
             self.timing["eval_s"] += time.perf_counter() - t0
             return self.history.val[-1][1]
-        # Batch i's loss summed pairwise over this rank's micro-batches, then over the ranks (in the
+        # Batch i's loss summed pairwise over this replica's micro-batches, then over the replicas (in the
         # group's order), then over i in the canonical tree: layout-independent bits in the canonical order.
+        net = self.laid_out
         self.model.eval()
         sums = torch.zeros(self.cfg.eval_batches, device=self.where.device)
         for i in range(self.cfg.eval_batches):
             acc = PairwiseAccumulator()
             for x, y in self.data.eval(index=i):
-                acc.add(lm_loss(self.model, (x, y)).float())
+                acc.add((lm_loss(self.model, (x, y)) if net is None else net.eval_loss(x, y)).float())
             sums[i] = acc.result()
         self.model.train()
-        dist.all_reduce(sums, group=self.group)
+        dist.all_reduce(sums, group=self.group if net is None else self.layout.dense_group)
         mean = canonical_sum(list(sums.unbind())) / (self.cfg.eval_batches * self.cfg.global_micro_batches)
         self.history.val.append([step, mean.item()])
         self.timing["eval_s"] += time.perf_counter() - t0
@@ -321,8 +357,8 @@ class Trainer:
             config=self.cfg.to_dict(),
             vocab=self.tokenizer.chars,
             data_hash=self.data.prepared.key,
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
+            model=plain_state(self.model),
+            optimizer=optimizer_state(plain_names(self.model), self.optimizer),
             scheduler=self.scheduler.state_dict(),
             rng=rng,
             history=self.history.to_dict(),
@@ -342,7 +378,7 @@ class Trainer:
         prompt = self.tokenizer.encode(SAMPLE_PROMPT).to(self.where.device)
         gen = torch.Generator(device=self.where.device).manual_seed(self.cfg.seed)
         model = self.model
-        if self.laid_out is not None:  # the whole model, rebuilt from the saved state's global names
+        if self.laid_out is not None or self.sharded is not None:  # the whole model, from the saved state's names
             state = saved.load_state(self.cfg.out, self.end_step)
             model = whole_model(self.cfg, self.tokenizer.vocab_size, state["model"]).to(self.where.device)
         model.eval()
@@ -417,10 +453,11 @@ class Trainer:
     def _model_record(self, laid: dict[str, Any]) -> dict[str, Any]:
         if not laid:
             return {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size, "kind": "dense",
-                    "weights_sha256": weights_digest(self.model)}
+                    "weights_sha256": weights_digest(saved.load_state(self.cfg.out, self.end_step)["model"])}
         cfg = self.cfg
         out = {"parameters": laid["parameters"]["whole_model"], "parameters_per_rank": laid["parameters"]["per_rank"],
-               "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model}
+               "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model,
+               "weights_sha256": weights_digest(saved.load_state(cfg.out, self.end_step)["model"])}
         if cfg.model == "moe":
             out.update(experts=cfg.experts, shared_experts=cfg.shared_experts, expert_hidden=cfg.expert_hidden,
                        top_k=cfg.top_k, experts_per_rank=cfg.experts // cfg.ep)
@@ -443,10 +480,12 @@ class Trainer:
             self.group = None
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """The sha256 of every tensor of the model's state, in order: equal digests, equal bits."""
+def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """The sha256 of a model's whole state (global names, full tensors), whatever layout held it: every tensor by
+    name, the output head's tie to the token embedding left out. Equal digests, equal bits."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name in sorted(set(state) - {TIED_HEAD}):
+        t = state[name]
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -132,7 +132,22 @@ def attention(ctx, blocks: int, steps: int, dtype: str = "float32") -> dict:
 
 def plain_split(ctx) -> dict:
     """The control: the same MLP with plain ``nn.Linear`` arithmetic split Megatron's way (fc's rows, proj's
-    columns, the partials summed by an allreduce), and the plain one-process MLP; forward outputs."""
+    columns, the partials summed by an allreduce), and the plain one-process MLP; forward outputs. And the TP
+    layers' ``order="fast"`` (plain Megatron on a fast group): its output, input gradient and gathered weight
+    gradients."""
+    fast_group = _tp_group(ctx, "fast")
+    fc, proj = _linears(torch.float32)
+    col = ColumnParallelCanonicalLinear.from_full(fc, fast_group, dist.get_world_size(fast_group), order="fast")
+    row = RowParallelCanonicalLinear.from_full(proj, fast_group, dist.get_world_size(fast_group), order="fast")
+    x, _ = _data(0, torch.float32)
+    xs, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    proj(F.gelu(fc(xs))).sum().backward()
+    megatron = row(F.gelu(col(xf)))
+    megatron.sum().backward()
+    fast = {"out": megatron.detach(), "dx": xf.grad, "whole_dx": xs.grad,
+            "fc": col.full_grads()["weight"], "whole_fc": fc.weight.grad,
+            "proj": row.full_grads()["weight"], "whole_proj": proj.weight.grad}
+    dist.destroy_process_group(fast_group)
     group = _tp_group(ctx)
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     fc, proj = _linears(torch.float32)
@@ -145,7 +160,7 @@ def plain_split(ctx) -> dict:
         dist.all_reduce(partial, group=group)
         split = partial + proj.bias
     dist.destroy_process_group(group)
-    return {"whole": whole, "split": split}
+    return {"whole": whole, "split": split, "fast": fast}
 
 
 def refusals(ctx) -> dict[str, str]:

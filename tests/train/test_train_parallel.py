@@ -1,0 +1,52 @@
+"""``fireflyer train --tp`` and ``--fsdp`` in the fast order, through the CLI and torchrun: tensor parallel
+(DP=2 x TP=2) and FSDP (1 x 4) train the model one process trains on the same global batch, to rounding, and
+save a state any layout can resume (the bits, in the canonical order: ``test_train_canonical.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fireflyer.testing.cli import fireflyer
+from fireflyer.train.config import builtin_config
+
+pytestmark = pytest.mark.multiproc
+
+RUN = [str(builtin_config("tiny")), "--steps", "6", "--eval-interval", "3", "--save-every", "3", "--sample-tokens",
+       "8", "--global-batch", "16", "--micro-batch-size", "4"]
+LAYOUTS = {"one": ["--nodes", "1", "--ranks-per-node", "1"],
+           "tp": ["--nodes", "2", "--ranks-per-node", "2", "--tp", "2"],
+           "fsdp": ["--nodes", "1", "--ranks-per-node", "4", "--fsdp"]}
+
+
+def train(out, *args: str) -> dict:
+    done = fireflyer("train", *args, "--out", str(out), timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    return {**json.loads((out / "run.json").read_text()), "stdout": done.stdout}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    out = {name: train(root / name, *RUN, *flags) for name, flags in LAYOUTS.items()}
+    train(root / "moved", *RUN, *LAYOUTS["tp"], "--stop-at", "3")
+    out["moved"] = train(root / "moved", "--resume", "--tp", "1", *LAYOUTS["fsdp"])
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp", "fsdp", "moved"])
+def test_tensor_parallel_and_fsdp_train_the_model_of_one_process(runs, name):
+    one, other = runs["one"]["history"], runs[name]["history"]
+    assert len(other["loss"]) == 6 and other["loss"][-1] < other["loss"][0]
+    for step, (x, y) in enumerate(zip(one["loss"], other["loss"], strict=True), 1):
+        assert abs(x - y) < 1e-4, (name, step, x, y)
+    for (s1, v1), (s2, v2) in zip(one["val"], other["val"], strict=True):
+        assert s1 == s2 and abs(v1 - v2) < 1e-4
+
+
+def test_the_runs_say_how_the_layout_divides_the_batch(runs):
+    assert "2 micro-batches per TP group x 2 TP groups" in runs["tp"]["stdout"]
+    assert "1 micro-batch per rank x 4 ranks" in runs["fsdp"]["stdout"]
+    assert runs["tp"]["layout"]["tp"] == 2 and runs["fsdp"]["config"]["fsdp"]
+    assert runs["moved"]["resumed_from"] == 3 and runs["fsdp"]["sample"]["text"]
