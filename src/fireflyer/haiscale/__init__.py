@@ -34,6 +34,7 @@ _EXPORTS = {
     "partition": "fireflyer.haiscale.pipeline",
     "MoE": "fireflyer.haiscale.moe",
     "MoEConfig": "fireflyer.haiscale.moe",
+    "CanonicalMoE": "fireflyer.haiscale.moe_canonical",
     "is_expert_param": "fireflyer.haiscale.expert",
     "mark_expert": "fireflyer.haiscale.expert",
     "layout": "fireflyer.haiscale.layout_mesh",

@@ -29,6 +29,14 @@ gradients over the dense group (dp x ep) and expert gradients over the expert gr
 that hold the same experts, dp) gives exactly the gradient of one process on the whole batch.
 :func:`is_expert_param` tells the two kinds apart.
 
+**Canonical order**: :meth:`MoE.set_order` ``("canonical")`` (or
+:class:`~fireflyer.haiscale.moe_canonical.CanonicalMoE`, which runs whole steps) makes the outputs
+and every gradient independent of the layout, bit for bit: one process holding every expert
+and running the global batch's micro-batches in turn equals EP, and EP x DP. Each expert runs
+per source micro-batch, a token's expert outputs meet by ascending expert index, and the
+expert weights' gradients are summed in the canonical tree over global micro-batch indices
+(:mod:`fireflyer.haiscale.moe_canonical`).
+
 **Drops**: dropless by default. With ``capacity_factor`` set, each rank lets at most
 ``ceil(capacity_factor * tokens * top_k / n_routed)`` of its own assignments reach each expert
 (the highest-affinity ones); the rest are dropped (their output from that expert is zero,
@@ -48,11 +56,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fireflyer.errors import UserError, UserTypeError
+from fireflyer.errors import UsageError, UserError, UserTypeError
+from fireflyer.haiscale import moe_canonical as canonical
 from fireflyer.haiscale.expert import is_expert_param, mark_expert
 from fireflyer.haiscale.moe_dispatch import ExchangeTally, exchange_counts, exchange_rows
 
 SCORES = ("sigmoid", "softmax")
+ORDERS = ("fast", "canonical")
 _STREAM_GATE, _STREAM_SHARED, _STREAM_EXPERT = 0, 1, 2
 
 
@@ -286,6 +296,10 @@ class MoE(nn.Module):
         """What the last forward did."""
         self._tallies: list[ExchangeTally] = []  # every training forward's since take_exchange_totals()
         self._counting = True  # False inside uncounted(): forwards that are not training (shape inference)
+        self.order = "fast"
+        """``"fast"`` or ``"canonical"`` (:meth:`set_order`)."""
+        self.expert_grads: canonical.ExpertGrads | None = None
+        """In the canonical order: the step's expert-weight gradients, per source stream."""
 
     @property
     def global_experts(self) -> range:
@@ -295,6 +309,44 @@ class MoE(nn.Module):
     def expert_parameters(self) -> Iterator[nn.Parameter]:
         """The routed experts' weights (sharded over EP): what :func:`is_expert_param` marks."""
         return (p for p in self.parameters() if is_expert_param(p))
+
+    # -- order ------------------------------------------------------------------------------
+    def set_order(self, order: str) -> None:
+        """``"fast"`` (the default) or ``"canonical"``: outputs and gradients whose bits do not depend on the
+        expert-parallel layout (:mod:`fireflyer.haiscale.moe_canonical`). In the canonical order the expert
+        weights get their gradients from :meth:`finish_expert_grads`, not from backward: run the steps with
+        :class:`~fireflyer.haiscale.moe_canonical.CanonicalMoE`, or call :meth:`begin_step`, then
+        :meth:`end_micro_batch` after each micro-batch's backward, then :meth:`finish_expert_grads`."""
+        if order not in ORDERS:
+            raise UserError(f"MoE order must be one of {list(ORDERS)}, got {order!r}")
+        self.order = order
+        self.expert_grads = (canonical.ExpertGrads([self.experts.w1, self.experts.w3, self.experts.w2], self.ep_size)
+                             if order == "canonical" else None)
+
+    def _canonical_grads(self) -> canonical.ExpertGrads:
+        if self.expert_grads is None:
+            raise UsageError("this MoE layer is in the fast order; call set_order('canonical') first")
+        return self.expert_grads
+
+    def begin_step(self) -> None:
+        """Canonical order: start a step (empty expert-gradient streams)."""
+        self._canonical_grads().begin_step()
+
+    def end_micro_batch(self) -> None:
+        """Canonical order: after a micro-batch's backward, fold its expert gradients (one term per source)."""
+        self._canonical_grads().end_micro_batch()
+
+    def finish_expert_grads(self, count: int, group: dist.ProcessGroup | None = None) -> None:
+        """Canonical order: end the step; each expert weight's ``.grad`` becomes the sum of its gradients over
+        the ``count`` global micro-batches, in the canonical tree, divided by ``count``.
+
+        This rank sums its source streams, ``group`` (the ranks holding the same experts, an hfreduce group
+        made with ``HFReduceConfig(order="canonical")``; None when there is one copy) sums the copies. A
+        collective on ``group``: every rank calls it for its layers in the same order."""
+        grads = self._canonical_grads()
+        total = grads.total()
+        canonical.reduce_expert_sum(total, group)
+        grads.publish(total, count)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -345,6 +397,8 @@ class MoE(nn.Module):
 
     def _routed(self, flat: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
+        if self.order == "canonical":
+            return canonical.routed(self, flat, scores, chosen, weights)
         c, E, n = self.config, self.config.n_routed, flat.shape[0]
         expert = chosen.reshape(-1)  # assignment a is (token a // k, its expert)
         if self.training and self._counting:
@@ -372,8 +426,10 @@ class MoE(nn.Module):
         return combined.index_add(0, token, done * w.unsqueeze(1))
 
     def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor, dropped: int,
-                         tally: ExchangeTally) -> torch.Tensor:
-        """Rows (grouped by global expert) to their experts' ranks, through the experts, and back."""
+                         tally: ExchangeTally, run=None) -> torch.Tensor:
+        """Rows (grouped by global expert) to their experts' ranks, through the experts, and back. ``run(got,
+        blocks)``, when given, runs the experts on the rows as they arrive (source-major, expert-minor, ``blocks[s][e]``
+        rows from source ``s`` for local expert ``e``) instead of one block per expert."""
         ep, El, E = self.ep_size, self.local_experts, self.config.n_routed
         mine = torch.cat([counts, counts.new_tensor([dropped])]).to(torch.int64).cpu()
         table = exchange_counts(mine, self.ep_group, tally)  # (ep, E + 1): every rank's counts and drops
@@ -382,6 +438,8 @@ class MoE(nn.Module):
         blocks = table[:, self.ep_rank * El:(self.ep_rank + 1) * El]  # (src, local expert) row counts
         recv = blocks.sum(1).tolist()
         got = exchange_rows(rows, send, recv, self.ep_group, tally)  # source-major, expert-minor
+        if run is not None:
+            return exchange_rows(run(got, blocks.tolist()), recv, send, self.ep_group, tally)
         # to expert-major (each local expert's rows from every source in one block), and back after
         start = (torch.cumsum(blocks.reshape(-1), 0) - blocks.reshape(-1)).view(ep, El)
         perm = torch.cat([torch.arange(int(start[s, e]), int(start[s, e] + blocks[s, e]))
