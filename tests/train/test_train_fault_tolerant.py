@@ -77,7 +77,7 @@ def test_the_split_is_the_issues_example():
 @pytest.mark.parametrize("flags, says", [
     (["--nodes", "1"], "at least 2 nodes"),
     (["--nodes", "2", "--pp", "2", "--layers", "2", "--global-batch", "32"], "cannot run a pipeline across nodes"),
-    (["--model", "moe", "--order", "canonical"], "order = 'canonical' covers the dense model"),
+    (["--model", "moe", "--order", "canonical"], "fault_tolerant runs the MoE model in the fast order only"),
 ])
 def test_layouts_without_a_replica_are_refused_in_one_line(flags, says, tmp_path, capsys):
     assert cli.main(["train", "--preset", "tiny", "--fault-tolerant", *flags, "--out", str(tmp_path / "r")]) == 2

@@ -270,6 +270,9 @@ class TrainConfig:
         if self.tp > 1:
             raise UserError(f"fault_tolerant with tp = {self.tp} is not supported yet: a replica's ranks hold whole "
                             "models there")
+        if self.model == "moe" and self.order == "canonical":
+            raise UserError("fault_tolerant runs the MoE model in the fast order only: its replicas' expert gradients "
+                            "are not split into the canonical tree's blocks yet (use --order fast)")
         # model = "moe": its experts stay inside a node (ep divides ranks_per_node), so every node holds them all
 
     def _check_order(self) -> None:
@@ -278,9 +281,14 @@ class TrainConfig:
             raise UserError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
         if self.order != "canonical":
             return
-        if self.model != "dense" or self.pp > 1:
-            raise UserError("order = 'canonical' covers the dense model with data and tensor parallel so far (not "
-                            "moe or pp > 1)")
+        if self.pp > 1:
+            raise UserError(f"order = 'canonical' does not cover the pipeline yet (pp = {self.pp}): its stages' "
+                            "gradients and the tied embedding's are not summed in the tree")
+        dp = self.world_size // (self.ep * self.tp)
+        if self.model == "moe" and dp > 1 and self.ep & (self.ep - 1):
+            raise UserError(f"order = 'canonical' with ep = {self.ep} on {dp} data-parallel copies of each expert "
+                            "needs a power-of-two ep: an EP group's micro-batches must be a subtree of the tree "
+                            "over the global batch")
         if self.replicas > 1 and self.micro_batches & (self.micro_batches - 1):
             raise UserError(f"order = 'canonical' on {plural(self.replicas, 'data-parallel replica')} needs a "
                             f"power-of-two count of micro-batches per replica (1, 2, 4, ...), but each gets "
@@ -415,7 +423,8 @@ _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 SHAPE_FIELDS = ("context", "layers", "d_model", "heads", "model", "experts", "shared_experts", "expert_hidden",
                 "top_k")
 LAYOUT_FIELDS = ("ep", "pp")
-"""Fields that fix which rank holds which weights and reads which batches: a resume keeps them too."""
+"""Fields that fix which rank holds which weights and reads which batches: a resume keeps them too, but for a
+canonical run with the same global batch (its state is saved under global names, its bits do not depend on them)."""
 
 
 def _same_global_batch(saved: Mapping[str, Any], cfg: TrainConfig, defaults: Mapping[str, Any]) -> bool:
@@ -499,10 +508,12 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
     """
     saved = upgrade_saved(saved)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    moving = _same_global_batch(saved, cfg, defaults)  # a canonical run: its state and bits are the layout's own
     clashes = [f"{name} {saved.get(name, defaults[name])} -> {getattr(cfg, name)}"
-               for name in SHAPE_FIELDS + LAYOUT_FIELDS if saved.get(name, defaults[name]) != getattr(cfg, name)]
+               for name in SHAPE_FIELDS + (() if moving else LAYOUT_FIELDS)
+               if saved.get(name, defaults[name]) != getattr(cfg, name)]
     saved_world = int(saved.get("nodes", 0)) * int(saved.get("ranks_per_node", 0))
-    if saved_world != cfg.world_size and not _same_global_batch(saved, cfg, defaults):
+    if saved_world != cfg.world_size and not moving:
         clashes.append(f"world size {saved_world} -> {cfg.world_size}")
         if cfg.order == "canonical":
             clashes.append(f"a canonical run changes its layout only with the same global batch and micro-batch "
@@ -512,7 +523,7 @@ def check_resumable(saved: Mapping[str, Any], cfg: TrainConfig, *, state: str) -
         raise UserError(f"cannot resume {state}: it was saved with a different model or world ({'; '.join(clashes)}); "
                         "use the config it was saved with, or a new --out to start afresh")
     ignored = {"stop_at", "out", "timeout", "stop_grace", "data_cache", "fault_tolerant", "max_restarts"}
-    if saved_world != cfg.world_size or saved.get("tp", 1) != cfg.tp or saved.get("fsdp", False) != cfg.fsdp:
-        ignored |= {"nodes", "ranks_per_node", "tp", "fsdp"}  # a layout of its own: the state is layout-free
+    if moving or saved_world != cfg.world_size or saved.get("tp", 1) != cfg.tp or saved.get("fsdp", False) != cfg.fsdp:
+        ignored |= {"nodes", "ranks_per_node", "tp", "fsdp", "ep", "pp"}  # another layout: the state is layout-free
     return [name for name in FIELD_NAMES
             if name not in ignored and name in saved and saved[name] != getattr(cfg, name)]

@@ -42,6 +42,7 @@ from fireflyer.haiscale.expert import is_expert_param
 from fireflyer.haiscale.layout_mesh import Layout
 from fireflyer.haiscale.canonical_linear import TensorParallelLinear
 from fireflyer.haiscale.moe import RoutedExperts
+from fireflyer.haiscale.moe_canonical import CanonicalMoE
 from fireflyer.haiscale.pipeline import Pipeline, PipelineConfig, split_sizes
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.model import GPT, ModelShape, split_linears
@@ -176,9 +177,16 @@ class LaidOut:
         self.module = Stage(self.full, start, start + sizes[self.stage], first=self.is_first, last=self.is_last)
         self.named = self._name_params()
         expert_group = self.layout.expert_group if cfg.model == "moe" else None
-        self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
-                                           expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb,
-                                           order=cfg.order)
+        self.ddp: DistributedDataParallel | None = None
+        self.canonical_moe: CanonicalMoE | None = None
+        """MoE in the canonical order: its steps sum the dense gradients and each expert's per-source streams."""
+        if cfg.model == "moe" and cfg.order == "canonical":
+            self.canonical_moe = CanonicalMoE(self.module, dense_group=_unless_alone(self.layout.dense_group),
+                                              expert_group=_unless_alone(self.layout.expert_group))
+        else:
+            self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
+                                               expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb,
+                                               order=cfg.order)
         self.pipeline = None
         if cfg.pp > 1:
             self.pipeline = Pipeline(self.ddp, self.layout.pp_group, loss_fn=_cross_entropy, device=device,
@@ -211,8 +219,11 @@ class LaidOut:
         forward and backward, the gradients reduced with the last). Returns the mean loss on ranks holding the
         last stage, None on the others (collective).
         """
-        if self.cfg.order == "canonical":  # the canonical tree over the global micro-batches (no pipeline here)
+        if self.canonical_moe is not None:  # the canonical tree over the global micro-batches (no pipeline here)
+            return self.canonical_moe.accumulate(micro_batches, lambda m, batch: _cross_entropy(m(batch[0]), batch[1]))
+        if self.cfg.order == "canonical":
             return self.ddp.accumulate(micro_batches, lambda ddp, batch: _cross_entropy(ddp(batch[0]), batch[1]))
+        assert self.ddp is not None
         if self.pipeline is None:
             total = torch.zeros((), device=self.device)
             for j, (x, y) in enumerate(micro_batches):
@@ -330,7 +341,15 @@ class LaidOut:
         return sum(n.param.numel() for n in self.named if n.saved)
 
     def close(self) -> None:
-        self.ddp.close()
+        if self.ddp is not None:
+            self.ddp.close()
+        if self.canonical_moe is not None:
+            self.canonical_moe.close()
+
+
+def _unless_alone(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """``group``, or None when this rank is all of it (nothing to sum over)."""
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def plain_names(model: nn.Module) -> list[Named]:

@@ -1,0 +1,56 @@
+"""``fireflyer train --model moe --order canonical``: a DeepSeekMoE on one global batch of 4 micro-batches, run
+on 1 rank (every expert, 4 micro-batches accumulated), as expert parallel (1x2, EP=2) and as EP=2 x DP=2
+(2x2), through the CLI and torchrun: the same losses, validation losses, expert loads and weights, bit for
+bit; a run stopped as EP x DP and resumed on one rank equals them; the fast order is the control."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fireflyer.testing.cli import fireflyer
+from fireflyer.train.config import builtin_config
+
+pytestmark = pytest.mark.multiproc
+
+RUN = [str(builtin_config("tiny")), "--model", "moe", "--experts", "4", "--expert-hidden", "16", "--top-k", "2",
+       "--layers", "2", "--bias-update-speed", "0.01", "--steps", "6", "--eval-interval", "3", "--save-every", "3",
+       "--sample-tokens", "0", "--global-batch", "16", "--micro-batch-size", "4"]
+LAYOUTS = {"1x1": ["--nodes", "1", "--ranks-per-node", "1"],
+           "1x2-ep": ["--nodes", "1", "--ranks-per-node", "2", "--ep", "2"],
+           "2x2-ep": ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2"]}
+
+
+def train(out, *args: str) -> dict:
+    done = fireflyer("train", *args, "--out", str(out), timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    return json.loads((out / "run.json").read_text())
+
+
+def bits(run: dict) -> tuple:
+    loads = [{layer: v["tokens"] for layer, v in step["layers"].items()} for step in run["history"]["experts"]]
+    return run["history"]["loss"], run["history"]["val"], loads, run["model"]["weights_sha256"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-canonical")
+    out = {name: train(root / name, *RUN, "--order", "canonical", *flags) for name, flags in LAYOUTS.items()}
+    train(root / "moved", *RUN, "--order", "canonical", *LAYOUTS["2x2-ep"], "--stop-at", "3")
+    out["moved"] = train(root / "moved", "--resume", "--ep", "1", *LAYOUTS["1x1"])
+    out["fast"] = train(root / "fast", *RUN, *LAYOUTS["1x2-ep"])
+    return out
+
+
+@pytest.mark.parametrize("name", ["1x2-ep", "2x2-ep", "moved"])
+def test_expert_parallel_trains_the_bits_of_one_process(runs, name):
+    alone = bits(runs["1x1"])
+    assert len(alone[0]) == 6 and alone[0][-1] < alone[0][0] and sum(alone[2][0]["0"]) > 0
+    assert bits(runs[name]) == alone
+
+
+def test_the_fast_order_is_the_control(runs):
+    fast, canon = runs["fast"], runs["1x1"]
+    assert fast["model"]["weights_sha256"] != canon["model"]["weights_sha256"]
+    assert abs(fast["history"]["loss"][0] - canon["history"]["loss"][0]) < 1e-4
