@@ -22,6 +22,7 @@ BENCHES = {
     "platform": "fireflyer.bench.platform",
     "fabric": "fireflyer.bench.fabric",
     "storage": "fireflyer.bench.storage",
+    "parallel": "fireflyer.bench.parallel",
 }
 
 

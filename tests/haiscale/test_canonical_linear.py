@@ -170,6 +170,13 @@ def _equal(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def _same_bits(got: dict) -> None:
+    """Every step's output and gradients, and the weights gathered at the end, are one process's, bit for bit."""
+    for step, (ref, tp_step) in enumerate(zip(got["reference"], got["tp"], strict=True)):
+        assert _equal(ref, tp_step) == [], step
+    assert _equal(got["reference_weights"], got["tp_weights"]) == []  # gathered back in the model's order
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tp", [2, 4])
@@ -178,9 +185,7 @@ def test_tp_gives_the_bits_of_one_process(clusters, tp, dtype):
     for got in results:
         assert got["local_fc"] == (cases.HIDDEN // tp, cases.D_MODEL)
         assert got["local_proj"] == (cases.D_MODEL, cases.HIDDEN // tp)
-        for step, (ref, tp_step) in enumerate(zip(got["reference"], got["tp"], strict=True)):
-            assert _equal(ref, tp_step) == [], step
-        assert _equal(got["reference_weights"], got["tp_weights"]) == []
+        _same_bits(got)
     reference = results[0]["reference"]
     assert all(_equal(r["reference"][-1], reference[-1]) == [] for r in results)
 
@@ -194,9 +199,7 @@ def test_tp_attention_with_a_fused_qkv_gives_the_bits_of_one_process(clusters, t
     for got in results:
         assert got["local_order"]  # this rank's [q_r; k_r; v_r]
         assert got["local_fc"] == (3 * cases.D_MODEL // tp, cases.D_MODEL)
-        for step, (ref, tp_step) in enumerate(zip(got["reference"], got["tp"], strict=True)):
-            assert _equal(ref, tp_step) == [], step
-        assert _equal(got["reference_weights"], got["tp_weights"]) == []  # gathered back in [q; k; v] order
+        _same_bits(got)  # qkv gathered back in [q; k; v] order
 
 
 @pytest.mark.multiproc

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fireflyer.errors import UsageError, UserError
 from fireflyer.haiscale.moe import MoE, MoEConfig
-from fireflyer.haiscale.moe_canonical import CanonicalMoE, check_layout
+from fireflyer.haiscale.moe_steps import CanonicalMoE, check_layout
 from fireflyer.testing.cases import canonical_moe as cases
 from fireflyer.testing.cluster import LocalCluster
 

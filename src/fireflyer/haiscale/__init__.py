@@ -34,7 +34,7 @@ _EXPORTS = {
     "partition": "fireflyer.haiscale.pipeline",
     "MoE": "fireflyer.haiscale.moe",
     "MoEConfig": "fireflyer.haiscale.moe",
-    "CanonicalMoE": "fireflyer.haiscale.moe_canonical",
+    "CanonicalMoE": "fireflyer.haiscale.moe_steps",
     "is_expert_param": "fireflyer.haiscale.expert",
     "mark_expert": "fireflyer.haiscale.expert",
     "layout": "fireflyer.haiscale.layout_mesh",

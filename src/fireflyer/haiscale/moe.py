@@ -30,7 +30,7 @@ that hold the same experts, dp) gives exactly the gradient of one process on the
 :func:`is_expert_param` tells the two kinds apart.
 
 **Canonical order**: :meth:`MoE.set_order` ``("canonical")`` (or
-:class:`~fireflyer.haiscale.moe_canonical.CanonicalMoE`, which runs whole steps) makes the outputs
+:class:`~fireflyer.haiscale.moe_steps.CanonicalMoE`, which runs whole steps) makes the outputs
 and every gradient independent of the layout, bit for bit: one process holding every expert
 and running the global batch's micro-batches in turn equals EP, and EP x DP. Each expert runs
 per source micro-batch, a token's expert outputs meet by ascending expert index, and the
@@ -315,7 +315,7 @@ class MoE(nn.Module):
         """``"fast"`` (the default) or ``"canonical"``: outputs and gradients whose bits do not depend on the
         expert-parallel layout (:mod:`fireflyer.haiscale.moe_canonical`). In the canonical order the expert
         weights get their gradients from :meth:`finish_expert_grads`, not from backward: run the steps with
-        :class:`~fireflyer.haiscale.moe_canonical.CanonicalMoE`, or call :meth:`begin_step`, then
+        :class:`~fireflyer.haiscale.moe_steps.CanonicalMoE`, or call :meth:`begin_step`, then
         :meth:`end_micro_batch` after each micro-batch's backward, then :meth:`finish_expert_grads`."""
         if order not in ORDERS:
             raise UserError(f"MoE order must be one of {list(ORDERS)}, got {order!r}")
@@ -399,31 +399,41 @@ class MoE(nn.Module):
                 weights: torch.Tensor) -> torch.Tensor:
         if self.order == "canonical":
             return canonical.routed(self, flat, scores, chosen, weights)
-        c, E, n = self.config, self.config.n_routed, flat.shape[0]
-        expert = chosen.reshape(-1)  # assignment a is (token a // k, its expert)
-        if self.training and self._counting:
-            self._step_load = self._step_load.to(expert.device) + torch.bincount(expert, minlength=E)
-        assignments = torch.arange(expert.numel(), device=flat.device)
-        dropped = 0
-        if c.capacity_factor is not None:
-            keep = self._keep(expert, scores.detach().gather(1, chosen).reshape(-1), n)
-            dropped = int((~keep).sum())
-            assignments = assignments[keep]
-        assignments = assignments[torch.argsort(expert[assignments], stable=True)]  # grouped by expert
-        token = assignments // c.top_k
-        counts = torch.bincount(expert[assignments], minlength=E)
-        rows = flat[token]
-        tally = ExchangeTally()
-        if self.training and self._counting:
-            self._tallies.append(tally)
-        if self.ep_size == 1:
-            self.stats = MoEStats(tokens=counts.tolist(), dropped=dropped, all_to_all=tally)
-            done = self.experts(rows, counts.tolist())
-        else:
-            done = self._expert_parallel(rows, counts, dropped, tally)
+        expert, assignments, counts, dropped = self.assign(scores, chosen)
+        token = assignments // self.config.top_k
+        done = self.dispatch(flat[token], counts, dropped)
         combined = torch.zeros_like(flat)
         w = weights.reshape(-1)[assignments].to(flat.dtype)
         return combined.index_add(0, token, done * w.unsqueeze(1))
+
+    def assign(self, scores: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The routing's assignments (``a`` is token ``a // top_k``'s slot ``a % top_k``): the expert of each, the
+        kept ones grouped by expert (stable: by token within an expert), the kept count per expert, and how many
+        the capacity dropped. Counts the step's load (training, outside :func:`uncounted`)."""
+        c, E = self.config, self.config.n_routed
+        expert = chosen.reshape(-1)
+        if self.training and self._counting:
+            self._step_load = self._step_load.to(expert.device) + torch.bincount(expert, minlength=E)
+        assignments = torch.arange(expert.numel(), device=chosen.device)
+        dropped = 0
+        if c.capacity_factor is not None:
+            keep = self._keep(expert, scores.detach().gather(1, chosen).reshape(-1), chosen.shape[0])
+            dropped = int((~keep).sum())
+            assignments = assignments[keep]
+        assignments = assignments[torch.argsort(expert[assignments], stable=True)]
+        return expert, assignments, torch.bincount(expert[assignments], minlength=E), dropped
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor, dropped: int, run=None) -> torch.Tensor:
+        """``rows`` (grouped by global expert, ``counts`` each) through their experts, wherever those sit; the
+        outputs in the same order. ``run(rows, blocks)`` runs the experts instead of one block per expert (see
+        :meth:`_expert_parallel`)."""
+        tally = ExchangeTally()
+        if self.training and self._counting:
+            self._tallies.append(tally)
+        if self.ep_size > 1:
+            return self._expert_parallel(rows, counts, dropped, tally, run=run)
+        self.stats = MoEStats(tokens=counts.tolist(), dropped=dropped, all_to_all=tally)
+        return self.experts(rows, counts.tolist()) if run is None else run(rows, [counts.tolist()])
 
     def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor, dropped: int,
                          tally: ExchangeTally, run=None) -> torch.Tensor:

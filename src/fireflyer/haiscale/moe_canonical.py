@@ -28,15 +28,15 @@ meets its terms in a fixed order:
 * **Dense weights** (gate, shared experts, attention, embeddings) follow DDP's canonical round
   (:class:`fireflyer.haiscale.accumulate.Round`) over the dense group.
 
-:class:`CanonicalMoE` runs such a step for a model with MoE layers; :meth:`MoE.set_order` and the
-layer's ``begin_step`` / ``end_micro_batch`` / ``finish_expert_grads`` are the pieces, for a loop
-of one's own.
+:class:`~fireflyer.haiscale.moe_steps.CanonicalMoE` runs such a step for a model with MoE layers;
+:meth:`MoE.set_order` and the layer's ``begin_step`` / ``end_micro_batch`` / ``finish_expert_grads``
+are the pieces, for a loop of one's own. This module holds what a layer runs (it imports no layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,14 +45,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fireflyer.errors import UsageError, UserError, UserTypeError
-from fireflyer.haiscale import accumulate as micro
-from fireflyer.haiscale.expert import ep_size_of
 from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.hfreduce.reduce import Op
-
-if TYPE_CHECKING:
-    from fireflyer.haiscale.moe import MoE
-
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy in a new allocation: a kernel sees the same alignment wherever the rows came from."""
@@ -178,7 +172,7 @@ def _in_slot_order(slots: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def run_blocks(moe: MoE, x: torch.Tensor, blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+def run_blocks(moe: nn.Module, x: torch.Tensor, blocks: Sequence[Sequence[int]]) -> torch.Tensor:
     """``x`` holds ``blocks[s][e]`` rows for local expert ``e`` from source ``s``, source-major (as the
     dispatch delivers them); each block runs alone, and the outputs come back in the same order."""
     ex, grads = moe.experts, moe.expert_grads
@@ -192,43 +186,23 @@ def run_blocks(moe: MoE, x: torch.Tensor, blocks: Sequence[Sequence[int]]) -> to
     return torch.cat(outs) if outs else x[:0]
 
 
-def routed(moe: MoE, flat: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
+def routed(moe: nn.Module, flat: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
            weights: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted outputs ``(N, d)`` in the canonical order (the layer's ``_routed``)."""
-    from fireflyer.haiscale.moe import MoEStats  # moe imports this module
-    from fireflyer.haiscale.moe_dispatch import ExchangeTally
-
-    c, E, k = moe.config, moe.config.n_routed, moe.config.top_k
+    k = moe.config.top_k
     n, d = flat.shape
     chosen, slot = chosen.sort(dim=1)  # a token's slots by ascending expert: the order its k outputs meet
     weights = weights.gather(1, slot)
-    expert = chosen.reshape(-1)  # assignment a is (token a // k, its expert)
-    if moe.training and moe._counting:
-        moe._step_load = moe._step_load.to(expert.device) + torch.bincount(expert, minlength=E)
-    assignments = torch.arange(expert.numel(), device=flat.device)
-    dropped = 0
-    if c.capacity_factor is not None:
-        keep = moe._keep(expert, scores.detach().gather(1, chosen).reshape(-1), n)
-        dropped = int((~keep).sum())
-        assignments = assignments[keep]
-    assignments = assignments[torch.argsort(expert[assignments], stable=True)]  # by expert, then by token
-    counts = torch.bincount(expert[assignments], minlength=E)
+    _, assignments, counts, dropped = moe.assign(scores, chosen)  # by expert, then by token
     rows = _TokenCopies.apply(flat, k)[assignments]
-    tally = ExchangeTally()
-    if moe.training and moe._counting:
-        moe._tallies.append(tally)
-    if moe.ep_size == 1:
-        moe.stats = MoEStats(tokens=counts.tolist(), dropped=dropped, all_to_all=tally)
-        done = run_blocks(moe, rows, [counts.tolist()])
-    else:
-        done = moe._expert_parallel(rows, counts, dropped, tally, run=lambda got, blocks: run_blocks(moe, got, blocks))
+    done = moe.dispatch(rows, counts, dropped, run=lambda got, blocks: run_blocks(moe, got, blocks))
     scaled = done * weights.reshape(-1)[assignments].to(flat.dtype).unsqueeze(1)
     slots = flat.new_zeros(n * k, d).index_copy(0, assignments, scaled)
     return _in_slot_order(slots.view(n, k, d))
 
 
-# -- a step ------------------------------------------------------------------------------------
-class _Group(NamedTuple):
+# -- groups ------------------------------------------------------------------------------------
+class CanonicalGroup(NamedTuple):
     """What :func:`fireflyer.haiscale.accumulate.check_order` reads of a group."""
 
     pg: Any
@@ -236,15 +210,16 @@ class _Group(NamedTuple):
     world: int
 
 
-def _group(pg: dist.ProcessGroup | None, what: str) -> _Group:
+def canonical_group(pg: dist.ProcessGroup | None, what: str) -> CanonicalGroup:
+    """``pg`` (None: this rank alone) checked to sum in the canonical order; ``what`` names it in the error."""
     if pg is None:
-        return _Group(None, None, 1)
+        return CanonicalGroup(None, None, 1)
     if not isinstance(pg, dist.ProcessGroup):
         raise UserTypeError(f"{what} must be a torch.distributed ProcessGroup this rank belongs to, got "
                             f"{type(pg).__name__}")
     if dist.get_rank(pg) < 0:
         raise UserError(f"{what} does not contain this rank; pass each rank the group it is in")
-    g = _Group(pg, getattr(pg, "comm", None), dist.get_world_size(pg))
+    g = CanonicalGroup(pg, getattr(pg, "comm", None), dist.get_world_size(pg))
     if g.world > 1 and getattr(getattr(g.engine, "config", None), "order", None) != "canonical":
         backend = "hfreduce" if g.engine is not None else dist.get_backend(pg)
         raise UserError(f"{what} must sum in the canonical order, but this {backend} group does not; make it with "
@@ -252,134 +227,9 @@ def _group(pg: dist.ProcessGroup | None, what: str) -> _Group:
     return g
 
 
-def check_layout(ep: int, dp: int, ep_rank: int, dp_rank: int, dense_rank: int, dense_world: int) -> None:
-    """Refuse an expert-parallel layout whose blocks of micro-batches are not subtrees of the canonical tree."""
-    if dense_world != ep * dp:
-        raise UserError(f"the dense group has {dense_world} ranks but ep ({ep}) x expert_group ({dp}) is {ep * dp}; "
-                        "the dense group is every data replica (ep x dp ranks)")
-    if dense_rank != dp_rank * ep + ep_rank:
-        raise UserError(f"this rank is dense rank {dense_rank} but EP rank {ep_rank} of copy {dp_rank} (expert_group "
-                        f"rank), which is data replica {dp_rank * ep + ep_rank}; number the dense group copy by copy "
-                        "(dense rank = expert_group rank x ep + EP rank)")
-    if dp > 1 and ep & (ep - 1):
-        raise UserError(f"EP {ep} with {dp} data-parallel copies: in the canonical order the EP size must be a power "
-                        "of two (1, 2, 4, ...) when copies share the batch, so that each copy's micro-batches are a "
-                        "subtree of the tree over the global batch")
-
-
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """The MoE layers of ``model``, in module order."""
-    from fireflyer.haiscale.moe import MoE
-
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-class _Flat:
-    """Dense gradients of one dtype in one buffer: a bucket for :class:`~fireflyer.haiscale.accumulate.Round`."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        p = params[0]
-        self.grads = torch.zeros(sum(q.numel() for q in params), dtype=p.dtype, device=p.device)
-        self.params = tuple(range(len(params)))
-        self.views = [v.view_as(q) for v, q in zip(self.grads.split([q.numel() for q in params]), params)]
-        self.tensors = params
-
-
-class CanonicalMoE:
-    """Training steps of a model with MoE layers in the canonical order (see the module docstring).
-
-    ``steps = CanonicalMoE(model, dense_group=..., expert_group=...)`` switches every MoE layer of
-    ``model`` to ``order="canonical"``; then each step is ``loss = steps.accumulate(micro_batches,
-    loss_fn)``, ``optimizer.step()`` and the layers' bias update (``update_bias`` over the dense
-    group). :meth:`close` switches the layers back.
-
-    Args:
-        model: every rank builds it with the same shape and seed (nothing is broadcast), its MoE
-            layers on one EP group.
-        dense_group: every data replica (dp x ep ranks), an hfreduce group made with
-            ``HFReduceConfig(order="canonical")``, numbered copy by copy (rank ``d*ep + k``);
-            None on one process.
-        expert_group: the ranks holding the same experts (the dp copies, in order), a canonical
-            hfreduce group too; None when dp is 1.
-    """
-
-    def __init__(self, model: nn.Module, *, dense_group: dist.ProcessGroup | None = None,
-                 expert_group: dist.ProcessGroup | None = None) -> None:
-        if not isinstance(model, nn.Module):
-            raise UserTypeError(f"CanonicalMoE takes an nn.Module, got {type(model).__name__}")
-        self.layers = moe_layers(model)
-        if not self.layers:
-            raise UserError("the model has no MoE layer; use DistributedDataParallel(order='canonical') for a "
-                            "dense model")
-        sizes = {(m.ep_size, m.ep_rank) for m in self.layers}
-        if len(sizes) > 1:
-            raise UserError(f"the model's MoE layers sit on different EP groups (size, rank: {sorted(sizes)}); build "
-                            "every layer on the same ep_group")
-        ep, ep_rank = sizes.pop()
-        self.dense, self.expert = _group(dense_group, "dense_group"), _group(expert_group, "expert_group")
-        dp_rank = dist.get_rank(expert_group) if expert_group is not None else 0
-        dense_rank = dist.get_rank(dense_group) if dense_group is not None else 0
-        check_layout(ep, self.expert.world, ep_rank, dp_rank, dense_rank, self.dense.world)
-        self.model = model
-        experts = {id(p) for m in self.layers for p in m.expert_parameters()}
-        dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in experts]
-        for name, p in dense:
-            if ep_size_of(p) > 1:
-                raise UserError(f"parameter {name!r} is an expert weight sharded over {ep_size_of(p)} ranks outside "
-                                "any MoE layer; CanonicalMoE sums only MoE layers' experts over expert_group")
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for _, p in dense:
-            by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        self._flats = [_Flat(ps) for ps in by_dtype.values()]
-        for m in self.layers:
-            m.set_order("canonical")
-
-    def accumulate(self, micro_batches: Sequence[Any],
-                   loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> torch.Tensor:
-        """One step's gradients from this rank's micro-batches; the global mean loss (detached, fp32).
-
-        ``loss_fn(model, micro_batch)`` returns a micro-batch's scalar loss. When this returns, every
-        ``.grad`` (dense and expert) holds the mean over all ranks' micro-batches of their gradients,
-        in the canonical order: ready for ``optimizer.step()``. Rank ``r`` of the dense group holds
-        global micro-batches ``r*m .. r*m+m-1``; every rank passes the same ``m`` (a power of two when
-        there are several ranks).
-        """
-        if not callable(loss_fn):
-            raise UserTypeError(f"loss_fn must be a function (model, micro_batch) -> loss, got "
-                                f"{type(loss_fn).__name__}")
-        if isinstance(micro_batches, (str, bytes)) or not hasattr(micro_batches, "__len__"):
-            raise UserTypeError(f"micro_batches must be a sequence (a list of this rank's micro-batches), got "
-                                f"{type(micro_batches).__name__}")
-        batches = list(micro_batches)
-        micro.check_count(len(batches), self.dense.world)
-        count = micro.agree_count(self.dense.engine, len(batches), self.dense.world)
-        rnd = micro.Round(self._flats, {}, len(batches), count, self.dense.engine, self.dense.world)
-        for flat in self._flats:
-            for p, view in zip(flat.tensors, flat.views):
-                p.grad = view  # backward adds into the buffer, which each micro-batch zeroes
-        for m in self.layers:
-            m.begin_step()
-        for j, batch in enumerate(batches):
-            rnd.begin()
-            loss = micro.micro_loss(loss_fn, self.model, batch, j)
-            loss.backward()
-            rnd.end_backward(loss)
-            for m in self.layers:
-                m.end_micro_batch()
-        mean = rnd.finish()
-        for m in self.layers:  # in layer order on every rank
-            m.finish_expert_grads(count, self.expert.pg)
-        return mean
-
-    def close(self) -> None:
-        """Switch the layers back to the fast order."""
-        for m in self.layers:
-            m.set_order("fast")
-
-
 def reduce_expert_sum(total: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Sum a rank's block of expert gradients over ``group`` (the expert group), in place, in its canonical order."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    engine = _group(group, "expert_group").engine
+    engine = canonical_group(group, "expert_group").engine
     engine.allreduce(total, Op.SUM).wait()

@@ -60,9 +60,13 @@ def clip_exact(params: Iterable[nn.Parameter], owned: Iterable[nn.Parameter], ma
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.grad is not None]
-    grads = (p.grad.detach() for p in owned if p.grad is not None)
-    norm = exact_norm((g.to_local() if isinstance(g, DTensor) else g for g in grads), group,
-                      device=params[0].device if params else None)
+    grads = [p.grad.detach() for p in owned if p.grad is not None]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in grads:
+        g = g.to_local() if isinstance(g, DTensor) else g
+        by_kind.setdefault((g.dtype, g.device), []).append(g.reshape(-1))
+    # one flat tensor per dtype: the exact sum's fixed cost is paid once, not once per parameter
+    norm = exact_norm([torch.cat(gs) for gs in by_kind.values()], group, device=params[0].device if params else None)
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         with torch.no_grad():

@@ -42,7 +42,7 @@ from fireflyer.haiscale.expert import is_expert_param
 from fireflyer.haiscale.layout_mesh import Layout
 from fireflyer.haiscale.canonical_linear import TensorParallelLinear
 from fireflyer.haiscale.moe import RoutedExperts
-from fireflyer.haiscale.moe_canonical import CanonicalMoE
+from fireflyer.haiscale.moe_steps import CanonicalMoE
 from fireflyer.haiscale.pipeline import Pipeline, PipelineConfig, split_sizes
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.model import GPT, ModelShape, split_linears

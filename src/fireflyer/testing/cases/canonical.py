@@ -8,10 +8,22 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from fireflyer.errors import FireflyerError
 from fireflyer.hfreduce import HFReduceConfig
 from fireflyer.hfreduce.canonical import canonical_sum
 
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
+class Refusals(dict):
+    """What each misuse gets: ``name -> "ErrorType: message"``, or ``"no error"`` where none was raised."""
+
+    def attempt(self, name: str, fn) -> None:
+        try:
+            fn()
+            self[name] = "no error"
+        except FireflyerError as e:
+            self[name] = f"{type(e).__name__}: {e}"
 
 
 def term(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

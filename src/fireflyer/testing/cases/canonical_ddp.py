@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fireflyer.errors import FireflyerError
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce import HFReduceConfig
+from fireflyer.testing.cases.canonical import Refusals
 from fireflyer.testing.cases.ddp import Net
 
 
@@ -72,14 +72,8 @@ def refusals(ctx) -> dict[str, str]:
     group = _groups(ctx, "canonical")
     fast = dist.new_group(backend="hfreduce", pg_options=HFReduceConfig(order="fast"))
     gloo = dist.new_group(backend="gloo")
-    out: dict[str, str] = {}
-
-    def attempt(name: str, fn) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except FireflyerError as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    out = Refusals()
+    attempt = out.attempt
 
     torch.manual_seed(0)
     model = Net()

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from fireflyer.errors import FireflyerError
 from fireflyer.haiscale.fsdp import (FullyShardedDataParallel, apply_optimizer_in_backward, fsdp_accumulate, fully_shard,
                                      sharding_info)
 from fireflyer.hfreduce import HFReduceConfig
 from fireflyer.hfreduce.canonical import PairwiseAccumulator
+from fireflyer.testing.cases.canonical import Refusals
 from fireflyer.train.model import GPT, Block, ModelShape, lm_loss, synthetic_batch
 
 CFG = ModelShape(vocab_size=67, context=8, layers=2, d_model=64, heads=2)
@@ -109,14 +109,8 @@ def refusals(ctx) -> dict[str, str]:
     fast = dist.new_group(backend="hfreduce", pg_options=HFReduceConfig(order="fast"))
     gloo = dist.new_group(backend="gloo")
     three = dist.new_group(ranks=[0, 1, 2], backend="hfreduce", pg_options=HFReduceConfig(order="canonical"))
-    out: dict[str, str] = {}
-
-    def attempt(name: str, fn) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except FireflyerError as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    out = Refusals()
+    attempt = out.attempt
 
     def shard(**options):
         return fully_shard(_model("float32"), shard_types=(Block,), **options)

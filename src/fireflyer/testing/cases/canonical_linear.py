@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fireflyer.errors import FireflyerError
 from fireflyer.haiscale.canonical_linear import (CanonicalLinear, ColumnParallelCanonicalLinear,
                                                  RowParallelCanonicalLinear)
 from fireflyer.hfreduce import HFReduceConfig
+from fireflyer.testing.cases.canonical import Refusals
 
 D_MODEL, HIDDEN = 32, 64
 HEADS = 4  # of D_MODEL / HEADS = 8 features each
@@ -168,14 +168,8 @@ def refusals(ctx) -> dict[str, str]:
     group = _tp_group(ctx)
     fast = _tp_group(ctx, "fast")
     gloo = dist.new_group(backend="gloo")
-    out: dict[str, str] = {}
-
-    def attempt(name: str, fn) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except FireflyerError as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    out = Refusals()
+    attempt = out.attempt
 
     attempt("blocks 3", lambda: ColumnParallelCanonicalLinear(8, 8, blocks=3, group=group))
     attempt("tp over blocks", lambda: RowParallelCanonicalLinear(8, 8, blocks=1, group=group))

@@ -1,4 +1,4 @@
-"""Rank-side functions for the canonical-order MoE tests: :class:`~fireflyer.haiscale.moe_canonical.CanonicalMoE`
+"""Rank-side functions for the canonical-order MoE tests: :class:`~fireflyer.haiscale.moe_steps.CanonicalMoE`
 on one process, on EP=2 (one node of 2) and on EP=2 x DP=2 (2 nodes of 2: EP inside a node, copies across).
 
 Global micro-batch ``g`` of step ``s`` is a function of ``(g, s)`` alone, and data replica ``r`` (the
@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fireflyer.errors import FireflyerError
 from fireflyer.haiscale.moe import MoE, MoEConfig
-from fireflyer.haiscale.moe_canonical import CanonicalMoE, moe_layers
+from fireflyer.haiscale.moe_steps import CanonicalMoE, moe_layers
 from fireflyer.hfreduce import HFReduceConfig
+from fireflyer.testing.cases.canonical import Refusals
 from fireflyer.train.moe_model import MoEGPT, MoEShape
 
 CONFIG = MoEConfig(d_model=16, n_routed=8, n_shared=1, expert_hidden=8, top_k=3, init_std=0.3,
@@ -165,14 +165,8 @@ def refusals(ctx) -> dict[str, str]:
     torch.set_num_threads(1)
     gs = groups(ctx)
     fast = dist.new_group(backend="hfreduce", pg_options=HFReduceConfig(order="fast"))
-    out: dict[str, str] = {}
-
-    def attempt(name: str, fn) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except FireflyerError as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    out = Refusals()
+    attempt = out.attempt
 
     layer = build("layer", gs["ep"])
     attempt("order", lambda: layer.set_order("tree"))
