@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -264,8 +265,14 @@ def after_failure(ctx):
     except Exception as exc:  # noqa: BLE001
         outcome = type(exc).__name__
     ctx.comm.close()
-    left = [t.name for t in threading.enumerate() if t.name.startswith("hfreduce") and t.is_alive()]
-    return outcome, left
+    # the watch thread ends within a tick, or once a store call it is in returns: on a busy host that can
+    # outlast close()'s own join, so the threads get a bounded while to go
+    deadline = time.monotonic() + 15.0
+    while True:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("hfreduce") and t.is_alive()]
+        if not left or time.monotonic() > deadline:
+            return outcome, left
+        time.sleep(0.05)
 
 
 def intrude(ctx, target: int):
