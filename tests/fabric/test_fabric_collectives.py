@@ -1,5 +1,6 @@
-"""Figure 7: the allreduce model against the paper's chart readings, each point within +-20%,
-from one set of physical parameters (no per-point constants)."""
+"""Figure 7: the allreduce model against the paper's chart readings, each point within 10%
+(the reproduction table's tolerance) but the named misses, from one set of physical parameters
+(no per-point constants)."""
 
 import math
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fireflyer.errors import UserError
-from fireflyer.fabric import catalog, paper
+from fireflyer.fabric import catalog, paper, reproduce
 from fireflyer.fabric.collectives import ModelParams, allreduce, busbw_factor, sweep
 from fireflyer.fabric.trees import (
     double_binary_tree,
@@ -17,7 +18,19 @@ from fireflyer.fabric.trees import (
     zoned_double_binary_tree,
 )
 
-TOL = 0.20
+TOL = reproduce.WITHIN
+
+
+def _points(series, label):
+    """``series``' GPU counts, the reproduction table's named misses marked as strict expected failures."""
+    out = []
+    for g in sorted(series):
+        why = reproduce.WHY.get(label.format(g=g), "")
+        if why and not why.startswith("calibration"):
+            out.append(pytest.param(g, marks=pytest.mark.xfail(strict=True, reason=why)))
+        else:
+            out.append(g)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +47,10 @@ def _algbw(algo, node, net, gpus, placement="packed"):
     return sweep([algo], [gpus], paper.FIG7_BYTES, node, network=net, placement_policy=placement)[0].algbw_gb_s
 
 
-@pytest.mark.parametrize("gpus", sorted(paper.FIG7A_HFREDUCE))
+@pytest.mark.parametrize("gpus", _points(paper.FIG7A_HFREDUCE, "HFReduce, {g} GPUs (GB/s)"))
 def test_fig7a_hfreduce(net, a100, gpus):
-    assert _algbw("hfreduce", a100, net, gpus) == pytest.approx(paper.FIG7A_HFREDUCE[gpus], rel=TOL)
+    run = paper.FIG7_RUN_GPUS.get(gpus, gpus)  # the chart's "1440" ran on 160 nodes
+    assert _algbw("hfreduce", a100, net, run) == pytest.approx(paper.FIG7A_HFREDUCE[gpus], rel=TOL)
 
 
 def test_fig7a_hfreduce_is_bound_by_the_shared_root_port(net, a100):
@@ -69,7 +83,7 @@ def test_fig7a_nccl_cliff_at_1024(net, a100, gpus):
     assert _algbw("ring", a100, net, gpus) == pytest.approx(paper.FIG7A_NCCL[gpus], rel=TOL)
 
 
-@pytest.mark.parametrize("gpus", sorted(paper.FIG7B_IN_ZONE))
+@pytest.mark.parametrize("gpus", _points(paper.FIG7B_IN_ZONE, "HFReduce+NVLink, {g} GPUs (GB/s)"))
 def test_fig7b_hfreduce_nvlink_in_zone(net, a100_nvlink, gpus):
     assert _algbw("hfreduce-nvlink", a100_nvlink, net, gpus) == pytest.approx(paper.FIG7B_IN_ZONE[gpus], rel=TOL)
 

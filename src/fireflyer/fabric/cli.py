@@ -40,7 +40,7 @@ def parse_counts(text: str, what: str = "--gpus") -> list[int]:
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if not args or args[0] not in ("plan", "simulate"):
-        raise UserError("usage: fireflyer plan ... | fireflyer simulate allreduce|placement|paper|goodput ...")
+        raise UserError("usage: fireflyer plan ... | fireflyer simulate allreduce|placement|paper|train|goodput ...")
     if args[0] == "plan":
         return plan_main(args[1:])
     return simulate_main(args[1:])
@@ -64,10 +64,20 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--catalog", default=None, metavar="FILE", help="TOML merged over the default parts catalogue")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="DIR", help="write fabric-topology.png and fabric-cost.png into DIR")
+    p.add_argument("--job", default=None, metavar="MODEL",
+                   help="price a training job on all the GPUs against --baseline-node (a model preset or TOML), "
+                        "e.g. deepseekmoe-16b for section IX's MoE design")
+    p.add_argument("--ep", type=int, default=-1,
+                   help="expert-parallel ranks of --job (default: the model's routed experts; 0: a node's DP ranks)")
+    p.add_argument("--baseline-node", default="pcie-a100-nvlink",
+                   help="today's node to price --job against (default pcie-a100-nvlink: one NIC)")
     a = p.parse_args(argv)
     cat = catalog_mod.load(a.catalog)
+    if a.job:
+        cat.node(a.baseline_node)
     cfg = PlanConfig(gpus=a.gpus, node=a.node, switch=a.switch, planes=a.planes, storage_nodes=a.storage_nodes,
-                     alternative_node=a.alternative_node, core_rounding=a.core_rounding)
+                     alternative_node=a.alternative_node, core_rounding=a.core_rounding, job=a.job, ep=a.ep,
+                     baseline_node=a.baseline_node)
     result = plan(cfg, cat)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -85,10 +95,11 @@ def plan_main(argv: list[str]) -> int:
 
 def simulate_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fireflyer simulate allreduce|placement|paper|goodput [options]\n"
+        print("usage: fireflyer simulate allreduce|placement|paper|train|goodput [options]\n"
               "  allreduce  time, algbw and busbw against GPU count\n"
               "  placement  HAI's zone-aware placement against a naive one\n"
               "  paper      every reproduced figure of the paper, model next to paper\n"
+              "  train      a training step's time for a model on N GPUs (the Fig. 8/9 model)\n"
               "  goodput    checkpoint-restart against fault-tolerant training as failures grow with GPU count\n"
               "Run 'fireflyer simulate allreduce --help' for the options.")
         return 0 if argv else 2
@@ -98,11 +109,13 @@ def simulate_main(argv: list[str]) -> int:
         return _placement_main(argv[1:])
     if argv[0] == "paper":
         return _paper_main(argv[1:])
+    if argv[0] == "train":
+        return _train_main(argv[1:])
     if argv[0] == "goodput":  # the failure model lives with the failure data, in the validator
         from fireflyer.validator import goodput_cli
 
         return goodput_cli.main(argv[1:])
-    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement, paper or goodput")
+    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement, paper, train or goodput")
 
 
 def _paper_main(argv: list[str]) -> int:
@@ -113,6 +126,8 @@ def _paper_main(argv: list[str]) -> int:
     p.add_argument("--catalog", default=None, metavar="FILE", help="TOML merged over the default parts catalogue")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the Figure 7 chart (model and paper)")
+    p.add_argument("--plot-training", default=None, metavar="PNG",
+                   help="write the Figures 8 and 9 chart (step time, model and paper)")
     a = p.parse_args(argv)
     cat = catalog_mod.load(a.catalog)
     rows = reproduce.rows(cat)
@@ -125,6 +140,70 @@ def _paper_main(argv: list[str]) -> int:
 
         path = plot_allreduce(reproduce.figure7(cat), a.plot)
         print(f"wrote {path}", file=sys.stderr if a.json else sys.stdout)
+    if a.plot_training:
+        from fireflyer.fabric.report import plot_training
+
+        path = plot_training(reproduce.figure8_9(cat), a.plot_training)
+        print(f"wrote {path}", file=sys.stderr if a.json else sys.stdout)
+    return 0
+
+
+def _train_main(argv: list[str]) -> int:
+    from fireflyer.fabric import reproduce
+    from fireflyer.fabric.steptime import STRATEGIES, SYSTEMS, Job, step_time
+    from fireflyer.fabric.workloads import MODELS, TRAIN_PRESETS, model
+
+    p = ArgumentParser(prog="fireflyer simulate train",
+                       description="A training step's time on N GPUs: compute, communication, overlap and the "
+                                   "pipeline bubble, with the constants that reproduce Figures 8 and 9.")
+    p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)} | FILE.toml (a ModelSpec)")
+    p.add_argument("--gpus", required=True, help="GPU counts, comma-separated")
+    p.add_argument("--strategy", default=None, choices=STRATEGIES,
+                   help="pipeline (default for transformers), ddp or fsdp (weak scaling)")
+    p.add_argument("--system", default="haiscale", choices=SYSTEMS, help="haiscale (default) or torch")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the paper's for the preset, else 1)")
+    p.add_argument("--ep", type=int, default=0, help="expert-parallel ranks of an MoE (default: a node's DP ranks)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step (pipeline)")
+    p.add_argument("--batch-per-gpu", type=int, default=None, help="samples per GPU per step (ddp, fsdp)")
+    p.add_argument("--no-stagger", action="store_true", help="place a node's GPUs in one DP rank (not the paper's way)")
+    p.add_argument("--node", default=None, help="node preset (default pcie-a100-nvlink for pipeline, else pcie-a100)")
+    p.add_argument("--catalog", default=None, metavar="FILE", help="TOML merged over the default parts catalogue")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    a = p.parse_args(argv)
+    cat = catalog_mod.load(a.catalog)
+    spec = model(a.model)
+    counts = parse_counts(a.gpus)
+    preset = TRAIN_PRESETS.get(spec.name, {})
+    strategy = a.strategy or ("pipeline" if spec.layers else "ddp")
+    node = cat.node(a.node or ("pcie-a100-nvlink" if strategy == "pipeline" else "pcie-a100"))
+    for name in ("pp", "global_batch", "batch_per_gpu"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    net = reproduce.fire_flyer_network() if max(counts) <= 10000 else None
+    results = []
+    for gpus in counts:
+        batch = a.global_batch or preset.get("global_batch", 0) or (gpus if strategy == "pipeline" else 0)
+        job = Job(model=spec, gpus=gpus, strategy=strategy, system=a.system, pp=a.pp or preset.get("pp", 1),
+                  ep=a.ep, global_batch=batch,
+                  batch_per_gpu=a.batch_per_gpu or (0 if strategy == "pipeline" else 32), stagger=not a.no_stagger)
+        results.append(step_time(job, node, network=net))
+    if a.json:
+        print(json.dumps({"node": node.name, "results": [r.to_dict() for r in results]}, indent=2))
+        return 0
+    j0 = results[0].job
+    batch = f", {j0.global_batch} samples a step" if strategy == "pipeline" else f", {j0.batch_per_gpu} per GPU"
+    print(f"{spec.name} ({spec.training_flops_per_sample:.3g} FLOP per sample, {spec.precision}), {strategy}, "
+          f"{a.system}, pp={j0.pp} on {node.name} nodes{batch}")
+    base = results[0]
+    print(f"{'GPUs':>6} {'step s':>10} {'compute s':>10} {'efficiency':>10}  exposed")
+    for r in results:
+        if strategy == "pipeline":  # strong scaling: the same batch on more GPUs
+            eff = (base.seconds * base.job.gpus) / (r.seconds * r.job.gpus)
+        else:
+            eff = base.seconds / r.seconds
+        exposed = ", ".join(f"{k} {v:.3g}" for k, v in r.parts.items() if v > 0)
+        print(f"{r.job.gpus:>6} {r.seconds:>10.4g} {r.compute:>10.4g} {eff:>10.1%}  {exposed}")
     return 0
 
 
@@ -136,7 +215,7 @@ def _common(p: ArgumentParser) -> None:
     p.add_argument("--planes", type=int, default=1, help="network planes (default 1)")
     p.add_argument("--catalog", default=None, metavar="FILE", help="TOML merged over the default parts catalogue")
     p.add_argument("--size", default="186MiB", help="buffer per GPU (default 186MiB, the paper's Figure 7)")
-    p.add_argument("--chunk", default="4MiB", help="HFReduce pipeline chunk (default 4MiB)")
+    p.add_argument("--chunk", default="5MiB", help="HFReduce pipeline chunk (default 5MiB)")
     p.add_argument("--seed", type=int, default=0, help="seed of the naive placement (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

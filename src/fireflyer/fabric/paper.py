@@ -11,6 +11,9 @@ FIG7_BYTES = 186 * MiB
 
 #: Figure 7a, HFReduce algbw (GB/s) by GPU count, chart readings.
 FIG7A_HFREDUCE = {16: 8.10, 128: 7.78, 1024: 6.31, 1440: 6.99}
+#: The GPUs a Figure 7 point labelled with a count really ran on: the artifact's "1440 GPUs" job
+#: is its 160-node job (submit.sh), 1,280 GPUs.
+FIG7_RUN_GPUS = {1440: 1280}
 
 #: Figure 7a, NCCL: 3.73-4.83 GB/s from 16 to 512 GPUs (a band; points not read one by one), then:
 FIG7A_NCCL_BAND = (16, 512, 3.73, 4.83)
@@ -49,3 +52,13 @@ MULTIPLANE = {"radix": 128, "planes": 4, "gpus": 32768}
 
 #: VIII-C2: the whole Fire-Flyer 2 draws "just over 3 MW", at most 4 MW.
 CLUSTER_POWER_MW = (3.0, 4.0)
+
+#: Figure 8a (VGG16, weak scaling, 50 images per GPU): seconds per step, chart readings.
+FIG8A = {"HaiScale DDP (HFReduce)": {32: 0.13, 512: 0.15}, "Torch DDP (NCCL)": {32: 0.27, 512: 0.288}}
+#: Figure 8b (GPT-2 medium, FSDP, weak scaling, 32 x 256 tokens per GPU): seconds per step.
+FIG8B = {"HaiScale FSDP": {16: 0.57, 32: 0.58, 64: 0.598, 128: 0.595},
+         "Torch FSDP": {16: 0.84, 32: 0.985, 64: 0.875, 128: 0.99}}
+#: Figure 9a (LLaMA-13B, seq 2048, batch 4096, PP=4): seconds per step.
+FIG9A = {64: 64.118, 128: 32.508, 256: 17.448, 512: 9.717}
+#: Figure 9b (DeepSeekMoE-16B, seq 4096, batch 4608, PP=10): seconds per step.
+FIG9B = {40: 79.615, 80: 40.352, 160: 20.784, 320: 10.71, 640: 6.535}

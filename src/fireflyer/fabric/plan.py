@@ -13,6 +13,7 @@ from fireflyer.fabric.catalog import Catalog, NodeSpec, SwitchSpec
 from fireflyer.fabric.collectives import AllreduceResult, MiB, allreduce
 from fireflyer.fabric.cost import Cost, NodeComparison, compare_nodes, cost_of
 from fireflyer.fabric.routing import Network
+from fireflyer.fabric.steptime import Job, StepTime, step_time
 from fireflyer.fabric.topology import Fabric
 
 
@@ -33,6 +34,12 @@ class PlanConfig:
     core_rounding: str = "pow2"
     allreduce_bytes: int = 186 * MiB
     """Buffer of the whole-cluster allreduce estimate (the paper's Figure 7 size)."""
+    job: str | None = None
+    """A model preset (or ModelSpec TOML) to train on all the cluster's GPUs, priced on this design
+    and on ``baseline_node`` (section IX: the MoE design against today's single-NIC node)."""
+    ep: int = -1
+    """Expert-parallel ranks of the job (-1: the model's routed experts, spread over nodes; 0: a node's DP ranks)."""
+    baseline_node: str = "pcie-a100-nvlink"
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -82,6 +89,7 @@ class Plan:
     allreduce: AllreduceResult | None
     extra_gpus: int = 0
     notes: tuple[str, ...] = field(default=())
+    job: JobPrice | None = None
 
     def designs(self) -> list[Design]:
         return [d for d in (self.design, self.three_layer, self.dgx) if d is not None]
@@ -95,8 +103,58 @@ class Plan:
             "alternative": self.dgx.to_dict() if self.dgx else None,
             "nodes_compared": self.nodes_compared.to_dict() if self.nodes_compared else None,
             "allreduce": self.allreduce.to_dict() if self.allreduce else None,
+            "job": self.job.to_dict() if self.job else None,
             "notes": list(self.notes),
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobPrice:
+    """One training job on this design and on the baseline node's design of as many GPUs."""
+
+    model: str
+    gpus: int
+    ep: int
+    design: StepTime
+    baseline: StepTime
+    design_price: float
+    baseline_price: float
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.seconds / self.design.seconds
+
+    @property
+    def cost_per_step_ratio(self) -> float:
+        """(price x step time) of this design over the baseline's: below 1, each step costs less."""
+        return (self.design_price * self.design.seconds) / (self.baseline_price * self.baseline.seconds)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "gpus": self.gpus, "ep": self.ep, "design": self.design.to_dict(),
+                "baseline": self.baseline.to_dict(), "design_price": self.design_price,
+                "baseline_price": self.baseline_price, "speedup": self.speedup,
+                "cost_per_step_ratio": self.cost_per_step_ratio}
+
+
+def price_job(config: PlanConfig, design: Design, catalog: Catalog) -> JobPrice:
+    """Step time of ``config.job`` on all of ``design``'s GPUs and on the baseline node's Fire-Flyer design.
+
+    Both networks are taken as non-blocking (a two-layer fat tree per plane, the job in one zone);
+    what differs is the node: its NICs (the all-to-all and the allreduce), its GPU<->NIC path and its
+    root ports. The job's layout is the paper's for the preset (PP, global batch); EP spreads the
+    routed experts over nodes unless ``config.ep`` says otherwise.
+    """
+    from fireflyer.fabric.workloads import TRAIN_PRESETS, model
+
+    spec = model(config.job or "")
+    preset = TRAIN_PRESETS.get(spec.name, {"pp": 1, "global_batch": design.nodes * design.node.gpus})
+    gpus = design.nodes * design.node.gpus
+    ep = config.ep if config.ep >= 0 else (spec.experts if spec.moe else 0)
+    job = Job(model=spec, gpus=gpus, pp=preset["pp"], global_batch=preset["global_batch"], ep=ep)
+    base_node = catalog.node(config.baseline_node)
+    base = build_design(gpus, base_node, catalog.switch(catalog.defaults.switch), catalog)
+    return JobPrice(model=spec.name, gpus=gpus, ep=ep, design=step_time(job, design.node),
+                    baseline=step_time(job, base_node), design_price=design.cost.total, baseline_price=base.cost.total)
 
 
 def _smallest_tree(endpoints: int, switch: SwitchSpec, core_rounding: str) -> Fabric:
@@ -176,8 +234,9 @@ def plan(config: PlanConfig, catalog: Catalog) -> Plan:
     extra = design.nodes * node.gpus - config.gpus
     if extra:
         notes.append(f"{config.gpus} GPUs round up to {design.nodes} nodes ({extra} more GPUs)")
+    job = price_job(config, design, catalog) if config.job else None
     return Plan(config=config, design=design, three_layer=three, dgx=dgx, nodes_compared=compared,
-                allreduce=result, extra_gpus=extra, notes=tuple(notes))
+                allreduce=result, extra_gpus=extra, notes=tuple(notes), job=job)
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -247,6 +306,15 @@ def render(p: Plan) -> str:
         lines += ["", (f"{r.algo} allreduce of {r.size_bytes / MiB:g} MiB over all {r.gpus:,} GPUs "
                        f"(tree depth {r.tree_depth}): {r.seconds * 1000:.1f} ms, algbw {r.algbw_gb_s:.2f} GB/s, "
                        f"busbw {r.busbw_gb_s:.2f} GB/s; bottleneck: {r.bottleneck}")]
+    jp = p.job
+    if jp is not None:
+        lines += ["", (f"{jp.model} on all {jp.gpus:,} GPUs (ep={jp.ep}): {jp.design.seconds:.3g} s a step on "
+                       f"{node.name} against {jp.baseline.seconds:.3g} s on {p.config.baseline_node} "
+                       f"({jp.speedup:.2f}x); total price {jp.design_price:,.0f} against {jp.baseline_price:,.0f}; "
+                       f"price x step time {jp.cost_per_step_ratio:.0%} of the baseline's")]
+        for label, st in (("this design", jp.design), (p.config.baseline_node, jp.baseline)):
+            lines.append(f"  {label}: compute {st.compute:.3g} s, " + ", ".join(
+                f"{k} {v:.3g} s" for k, v in st.parts.items() if v > 0))
     for note in p.notes:
         lines.append(f"note: {note}")
     lines.append("prices in Table III units (one PCIe A100 node = 9); override with --catalog FILE")

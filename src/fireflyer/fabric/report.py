@@ -61,6 +61,8 @@ def plot_allreduce(series: dict[str, list[AllreduceResult]], path: str | Path, *
                                       (paper.FIG7A_NCCL, "paper 7a NCCL", "v", "tab:orange"),
                                       (paper.FIG7B_IN_ZONE, "paper 7b HFReduce+NVLink", "D", "tab:green"),
                                       (paper.FIG7B_CROSS_ZONE, "paper 7b cross-zone", "X", "tab:red")):
+            pts = {paper.FIG7_RUN_GPUS.get(g, g) if pts is paper.FIG7A_HFREDUCE or pts is paper.FIG7A_NCCL else g: v
+                   for g, v in pts.items()}  # the chart's "1440" ran on 1,280 GPUs
             ax.scatter(list(pts), list(pts.values()), marker=mk, s=36, color=color, edgecolor="black",
                        linewidths=0.6, zorder=4, label=label)
         lo, hi, a, b = paper.FIG7A_NCCL_BAND
@@ -74,6 +76,43 @@ def plot_allreduce(series: dict[str, list[AllreduceResult]], path: str | Path, *
     ax.set_title(title or "allreduce of 186 MiB: model against the paper's Figure 7")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_training(series: dict[str, dict[int, float]], path: str | Path) -> Path:
+    """Figures 8 and 9: the model's step time (lines) against the paper's readings (markers)."""
+    plt = _pyplot()
+    want = {**paper.FIG8A, **paper.FIG8B, "LLaMA-13B PP=4": paper.FIG9A, "DeepSeekMoE-16B PP=10": paper.FIG9B}
+    panels = [("Fig. 8a: VGG16, DDP (weak scaling)", [k for k in series if k in paper.FIG8A]),
+              ("Fig. 8b: GPT-2 medium, FSDP (weak scaling)", [k for k in series if k in paper.FIG8B]),
+              ("Fig. 9a: LLaMA-13B, PP=4 (strong scaling)", ["LLaMA-13B PP=4"]),
+              ("Fig. 9b: DeepSeekMoE-16B, PP=10 (strong scaling)", ["DeepSeekMoE-16B PP=10"])]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (title, names) in zip(axes.flat, panels):
+        for i, name in enumerate(names):
+            pts = series.get(name, {})
+            color = f"C{i}"
+            ax.plot(list(pts), list(pts.values()), marker="o", ms=4, color=color, label=f"model: {name}")
+            ref = want[name]
+            ax.scatter(list(ref), list(ref.values()), marker="D", s=36, color=color, edgecolor="black",
+                       linewidths=0.6, zorder=4, label=f"paper: {name}")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({g for n in names for g in want[n]})
+        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
+        ax.minorticks_off()
+        if "strong" in title:
+            from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("seconds per step")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle("step-time model (one set of constants) against the paper's Figures 8 and 9", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 

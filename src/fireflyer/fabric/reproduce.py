@@ -14,13 +14,46 @@ from fireflyer.fabric.collectives import AllreduceResult, sweep
 from fireflyer.fabric.cost import compare_nodes
 from fireflyer.fabric.plan import PlanConfig, plan
 from fireflyer.fabric.routing import Network
+from fireflyer.fabric.steptime import Job, step_time
+from fireflyer.fabric.workloads import DEEPSEEKMOE_16B, GPT2_MEDIUM, LLAMA_13B, VGG16
 from fireflyer.fabric.traffic import (
     memory_traffic,
     ring_pcie_units,
     ring_pcie_units_paper,
 )
 
-FIG7A_GPUS = [16, 32, 64, 128, 256, 512, 1024, 1440]
+FIG7A_GPUS = [16, 32, 64, 128, 256, 512, 1024, 1280]
+"""Figure 7a's counts as run: the chart's "1440" is the artifact's 160-node job (1,280 GPUs)."""
+WITHIN = 0.10
+"""Every figure's row is held to 10% unless its paper value is exact (0) or a range (the band)."""
+
+#: Rows the model does not reproduce within 10%, and rows that calibrate a constant, with why.
+WHY = {
+    "NCCL, 1440 GPUs (GB/s)": "NCCL's cliff (1.63-1.65 GB/s from 1,024 GPUs): no cause the paper supports "
+                              "was found (128-160 nodes sit in one zone, the tree's depth and the 9 GiB/s "
+                              "GPU<->NIC path do not change at 1,024), so the ring keeps its 2.9 GB/s",
+    "NCCL, 1024 GPUs (GB/s)": "NCCL's cliff, as at 1,440: no physical cause found; the model does not invent one",
+    "HFReduce+NVLink, 16 GPUs (GB/s)": "the chart's 19.18 GB/s is above the 18.75 GB/s the shared root port "
+                                       "allows (4 x 0.5 units on GPU5/6's 37.5 GB/s), before any pipeline fill",
+    "HFReduce+NVLink, 32 GPUs (GB/s)": "the chart's 13.0 GB/s at 4 nodes is above the 12.5 GB/s a 25 GB/s NIC "
+                                       "allows when each node sends 2 units in a double binary tree",
+    "HFReduce+NVLink, 64 GPUs (GB/s)": "near the NIC's 12.5 GB/s bound at 8 nodes; the 5 MiB pipeline fill that "
+                                       "matches 128-1,024 GPUs costs too much here",
+    "HFReduce, 1440 GPUs (GB/s)": "run on 160 nodes; the chart rises from 6.31 at 1,024 to 6.99 here, while "
+                                  "a deeper tree can only lose",
+    "HaiScale FSDP, 16 GPUs (s)": "calibration: the TF32 rate is read off this point",
+    "LLaMA-13B PP=4, 64 GPUs (s)": "calibration: the BF16 rate is read off this point",
+    "HaiScale DDP (HFReduce), 32 GPUs (s)": "VGG16's convolutions run above the one TF32 rate (read off GPT-2 "
+                                            "medium); the step is all compute here, so the model is that much slow",
+    "Torch FSDP, 16 GPUs (s)": "the chart's Torch FSDP is not monotone (0.84, 0.985, 0.875, 0.99 s); the model "
+                               "is flat at compute + allgathers + reduce-scatter",
+    "Torch FSDP, 64 GPUs (s)": "as at 16 GPUs: the chart's dip to 0.875 s",
+    "DeepSeekMoE-16B PP=10, 80 GPUs (s)": "at 80 GPUs EP goes from 4 to 8 ranks (a node's DP ranks), so each "
+                                          "GPU sends 7/8 instead of 3/4 of its tokens, most over PCIe; the chart "
+                                          "scales at 98.6% there",
+    "DeepSeekMoE-16B PP=10, 160 GPUs (s)": "as at 80 GPUs: EP of 8 over PCIe, serial with compute",
+    "DeepSeekMoE-16B PP=10, 320 GPUs (s)": "as at 80 GPUs: EP of 8 over PCIe, serial with compute",
+}
 FIG7B_GPUS = [16, 32, 64, 128, 256, 512, 1024]
 
 
@@ -32,6 +65,8 @@ class Row:
     paper: float | tuple[float, float]
     tolerance: float
     """Relative tolerance the tests hold the model to (0: exact)."""
+    why: str = ""
+    """Why the row misses, or which constant it calibrates."""
 
     @property
     def error(self) -> float:
@@ -50,7 +85,7 @@ class Row:
     def to_dict(self) -> dict:
         return {"figure": self.figure, "what": self.what, "model": self.model,
                 "paper": list(self.paper) if isinstance(self.paper, tuple) else self.paper,
-                "error": self.error, "tolerance": self.tolerance, "ok": self.ok}
+                "error": self.error, "tolerance": self.tolerance, "ok": self.ok, "why": self.why}
 
 
 def fire_flyer_network(nodes: int = 1250) -> Network:
@@ -93,7 +128,7 @@ def rows(catalog: Catalog | None = None) -> list[Row]:
         out.append(Row("Table III", f"{name}: total price", round(d.cost.total, 1), t3[key]["total"], 0.01))
     out.append(Row("III-C", "network saving against three layers", round(1 - p.design.cost.network
                                                                            / p.three_layer.cost.network, 3),
-                   0.40, 0.125))
+                   0.40, WITHIN))
     out.append(Row("VIII-C2", "whole cluster power (MW)", round(p.design.cost.power_w / 1e6, 2),
                    paper.CLUSTER_POWER_MW, 0.0))
     c = compare_nodes(cat.node("pcie-a100"), cat.node("dgx-a100"))
@@ -116,23 +151,72 @@ def rows(catalog: Catalog | None = None) -> list[Row]:
                    min(mp.nodes * 8, mp.fabric.planes * topology.two_layer_capacity(128)), 32768, 0.0))
     fig = figure7(cat)
     lo_g, hi_g, lo, hi = paper.FIG7A_NCCL_BAND
+    label = {run: shown for shown, run in paper.FIG7_RUN_GPUS.items()}
     for r in fig["HFReduce"]:
-        if r.gpus in paper.FIG7A_HFREDUCE:
-            out.append(Row("Fig. 7a", f"HFReduce, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2),
-                           paper.FIG7A_HFREDUCE[r.gpus], 0.20))
+        g = label.get(r.gpus, r.gpus)
+        if g in paper.FIG7A_HFREDUCE:
+            out.append(_row("Fig. 7a", f"HFReduce, {g} GPUs (GB/s)", round(r.algbw_gb_s, 2), paper.FIG7A_HFREDUCE[g]))
     for r in fig["NCCL ring"]:
-        if lo_g <= r.gpus <= hi_g:
-            out.append(Row("Fig. 7a", f"NCCL, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2), (lo, hi), 0.20))
-        elif r.gpus in paper.FIG7A_NCCL:
-            out.append(Row("Fig. 7a", f"NCCL, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2),
-                           paper.FIG7A_NCCL[r.gpus], 0.20))
+        g = label.get(r.gpus, r.gpus)
+        if lo_g <= g <= hi_g:
+            out.append(_row("Fig. 7a", f"NCCL, {g} GPUs (GB/s)", round(r.algbw_gb_s, 2), (lo, hi)))
+        elif g in paper.FIG7A_NCCL:
+            out.append(_row("Fig. 7a", f"NCCL, {g} GPUs (GB/s)", round(r.algbw_gb_s, 2), paper.FIG7A_NCCL[g]))
     for r in fig["HFReduce with NVLink"]:
-        out.append(Row("Fig. 7b", f"HFReduce+NVLink, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2),
-                       paper.FIG7B_IN_ZONE[r.gpus], 0.20))
+        out.append(_row("Fig. 7b", f"HFReduce+NVLink, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2),
+                        paper.FIG7B_IN_ZONE[r.gpus]))
     for r in fig["HFReduce with NVLink, cross-zone"]:
-        out.append(Row("Fig. 7b", f"HFReduce+NVLink cross-zone, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2),
-                       paper.FIG7B_CROSS_ZONE[r.gpus], 0.20))
+        out.append(_row("Fig. 7b", f"HFReduce+NVLink cross-zone, {r.gpus} GPUs (GB/s)", round(r.algbw_gb_s, 2),
+                        paper.FIG7B_CROSS_ZONE[r.gpus]))
+    out += training_rows(cat)
     return out
+
+
+def _row(figure: str, what: str, model: float, want: float | tuple[float, float]) -> Row:
+    return Row(figure, what, model, want, WITHIN, WHY.get(what, ""))
+
+
+def figure8_9(catalog: Catalog | None = None) -> dict[str, dict[int, float]]:
+    """The model's step times (seconds) for every series of Figures 8 and 9, by GPU count."""
+    cat = catalog or catalog_mod.default()
+    net = fire_flyer_network()
+    a100, nvl = cat.node("pcie-a100"), cat.node("pcie-a100-nvlink")
+    out: dict[str, dict[int, float]] = {}
+    for (name, strategy, model, batch, node) in (("HaiScale DDP (HFReduce)", "ddp", VGG16, 50, a100),
+                                                  ("Torch DDP (NCCL)", "ddp", VGG16, 50, a100),
+                                                  ("HaiScale FSDP", "fsdp", GPT2_MEDIUM, 32, a100),
+                                                  ("Torch FSDP", "fsdp", GPT2_MEDIUM, 32, a100)):
+        system = "haiscale" if name.startswith("HaiScale") else "torch"
+        pts = (paper.FIG8A if strategy == "ddp" else paper.FIG8B)[name]
+        out[name] = {g: step_time(Job(model=model, gpus=g, strategy=strategy, system=system, batch_per_gpu=batch),
+                                  node, network=net).seconds for g in pts}
+    for name, model, pp, batch, pts in (("LLaMA-13B PP=4", LLAMA_13B, 4, 4096, paper.FIG9A),
+                                        ("DeepSeekMoE-16B PP=10", DEEPSEEKMOE_16B, 10, 4608, paper.FIG9B)):
+        out[name] = {g: step_time(Job(model=model, gpus=g, pp=pp, global_batch=batch), nvl, network=net).seconds
+                     for g in pts}
+    return out
+
+
+def training_rows(catalog: Catalog | None = None) -> list[Row]:
+    """Figures 8a, 8b, 9a and 9b: step time, model next to paper."""
+    papers = {**{k: ("Fig. 8a", v) for k, v in paper.FIG8A.items()},
+              **{k: ("Fig. 8b", v) for k, v in paper.FIG8B.items()},
+              "LLaMA-13B PP=4": ("Fig. 9a", paper.FIG9A), "DeepSeekMoE-16B PP=10": ("Fig. 9b", paper.FIG9B)}
+    out = []
+    for name, pts in figure8_9(catalog).items():
+        fig, want = papers[name]
+        for g, sec in pts.items():
+            out.append(_row(fig, f"{name}, {g} GPUs (s)", round(sec, 3), want[g]))
+    return out
+
+
+def within(rs: list[Row], limit: float) -> int:
+    """Rows whose model is within ``limit`` (relative) of the paper's value or band."""
+    return sum(abs(r.error) <= limit + 1e-9 for r in rs)
+
+
+def worst(rs: list[Row], n: int = 3) -> list[Row]:
+    return sorted(rs, key=lambda r: -abs(r.error))[:n]
 
 
 def render(rs: list[Row]) -> str:
@@ -143,6 +227,13 @@ def render(rs: list[Row]) -> str:
         lines.append(f"{r.figure:<9}  {r.what:<{w}}  {r.model:>9g}  {pv:>11}  {r.error:>+7.1%}  "
                      f"{'yes' if r.ok else 'NO'} (+-{r.tolerance:.0%})")
     bad = [r for r in rs if not r.ok]
-    lines.append(f"{len(rs) - len(bad)} of {len(rs)} within tolerance"
-                 + (f"; not reproduced: {', '.join(r.what for r in bad)}" if bad else ""))
+    lines.append(f"{len(rs) - len(bad)} of {len(rs)} within tolerance; {within(rs, 0.10)} of {len(rs)} within 10%, "
+                 f"{within(rs, 0.05)} within 5%")
+    lines.append("worst rows:")
+    for r in worst(rs):
+        lines.append(f"  {r.figure} {r.what}: {r.error:+.1%}; {r.why or 'no reason recorded'}")
+    rest = [r for r in bad if r not in worst(rs)]
+    if rest:
+        lines.append("other rows outside 10%:")
+        lines += [f"  {r.figure} {r.what}: {r.error:+.1%}; {r.why or 'no reason recorded'}" for r in rest]
     return "\n".join(lines)
