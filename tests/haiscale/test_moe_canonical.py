@@ -157,3 +157,64 @@ def test_layouts_whose_blocks_are_not_subtrees_are_refused():
         check_layout(2, 2, 0, 1, 1, 4)
     with pytest.raises(UserError, match="the model has no MoE layer"):
         CanonicalMoE(torch.nn.Linear(2, 2))
+
+
+def test_steps_driven_by_hand_are_accumulate_and_misuse_is_refused():
+    """CanonicalSteps' pieces (a pipeline's hooks call them) give accumulate()'s bits; a dense model is taken."""
+    from fireflyer.haiscale.moe_steps import CanonicalSteps
+
+    config = MoEConfig(d_model=16, n_routed=4, expert_hidden=8, top_k=2, init_std=0.2, aux_loss_alpha=0.01)
+    by_hand, whole = MoE(config, seed=5), MoE(config, seed=5)
+    batches = _batches(4)
+    steps = CanonicalSteps(by_hand)
+    with pytest.raises(UsageError, match="no canonical step is open: call begin"):
+        steps.begin_micro_batch()
+    assert steps.begin(4) == 4
+    for micro in batches[:3]:
+        steps.begin_micro_batch()
+        _loss(by_hand, micro).backward()
+        steps.end_micro_batch(_loss(by_hand, micro).detach())
+    with pytest.raises(UsageError, match="begun with 4 micro-batches but 3 ran"):
+        steps.finish()
+    steps.begin(4)
+    for micro in batches:
+        steps.begin_micro_batch()
+        loss = _loss(by_hand, micro)
+        loss.backward()
+        steps.end_micro_batch(loss)
+    mean = steps.finish()
+    want = CanonicalSteps(whole).accumulate(batches, _loss)
+    assert torch.equal(mean, want)
+    for p, q in zip(by_hand.parameters(), whole.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    dense = torch.nn.Linear(16, 16)
+    assert CanonicalSteps(dense).accumulate(batches, lambda m, b: F.mse_loss(m(b[0]), b[1])).dim() == 0
+
+
+def test_a_backward_inside_uncounted_reaches_no_canonical_gradient():
+    """A pipeline stage's shape inference runs a forward and a backward on uninitialised tensors inside
+    ``uncounted``: neither the load nor the expert gradients may see it."""
+    from fireflyer.haiscale.moe import uncounted
+
+    config = MoEConfig(d_model=16, n_routed=4, expert_hidden=8, top_k=2, init_std=0.2)
+    clean, probed = MoE(config, seed=7), MoE(config, seed=7)
+    batches = _batches(2)
+    want = CanonicalMoE(clean).accumulate(batches, _loss_plain)
+    steps = CanonicalMoE(probed)
+    steps.begin(2)
+    with uncounted(probed):
+        _loss_plain(probed, (torch.full((2, 5, 16), 1e3), torch.zeros(2, 5, 16))).backward()
+    for micro in batches:
+        steps.begin_micro_batch()
+        loss = _loss_plain(probed, micro)
+        loss.backward()
+        steps.end_micro_batch(loss)
+    assert torch.equal(steps.finish(), want)
+    for p, q in zip(probed.experts.parameters(), clean.experts.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(probed.take_step_load(), clean.take_step_load())
+
+
+def _loss_plain(model, micro):
+    x, y = micro
+    return F.mse_loss(model(x), y)

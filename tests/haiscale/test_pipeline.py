@@ -112,6 +112,60 @@ def train_pp_dp(ctx, n_mb: int, haiscale: bool = False) -> dict[str, Any]:
             "syncs": ddp.stats()["steps"] if haiscale else None}
 
 
+class Steps:
+    """Micro-batch hooks that fold each backward into a :class:`CanonicalSteps` (how a caller runs a pipeline in
+    the canonical order)."""
+
+    def __init__(self, steps) -> None:
+        self.steps, self.seen = steps, []
+
+    def before_backward(self, index: int) -> None:
+        self.steps.begin_micro_batch()
+
+    def after_backward(self, index: int, loss) -> None:
+        self.seen.append(index)
+        self.steps.end_micro_batch(loss)
+
+
+def canonical_groups() -> Any:
+    """Each node's two ranks (a stage's replicas) in a group that sums in the canonical order."""
+    from fireflyer.hfreduce import HFReduceConfig
+
+    mine = None
+    for ranks in ([0, 1], [2, 3]):
+        g = dist.new_group(ranks, backend="hfreduce", pg_options=HFReduceConfig(order="canonical"))
+        if dist.get_rank() in ranks:
+            mine = g
+    return mine
+
+
+def train_pp_canonical(ctx) -> dict[str, Any]:
+    """Two pipelines of two stages in the canonical order: each stage's micro-batches folded by the hooks, the
+    two replicas of a stage summed in the tree; a global batch of 4 micro-batches, 2 per pipeline."""
+    from fireflyer.haiscale.moe_steps import CanonicalSteps
+
+    _init(ctx)
+    _, pp_group = _subgroups(2)
+    dense = canonical_groups()
+    pp_rank, replica = dist.get_rank(pp_group), dist.get_rank(dense)
+    stage = partition(build_model(), pp_rank, 2)
+    steps = CanonicalSteps(stage, dense_group=dense)
+    hooks = Steps(steps)
+    pipe = Pipeline(stage, pp_group, loss_fn=F.mse_loss, hooks=hooks,
+                    config=PipelineConfig(schedule="1F1B", n_microbatches=2, scale_grads=False))
+    opt = torch.optim.SGD(stage.parameters(), lr=LR)
+    means = []
+    for x, y in batches(16):
+        shard = slice(8 * replica, 8 * replica + 8)
+        opt.zero_grad()
+        steps.begin(2)
+        pipe.forward_backward(x[shard], y[shard])
+        means.append(steps.finish())
+        opt.step()
+    return {"last": pipe.is_last, "seen": hooks.seen, "means": means,
+            "params": {k: v.clone() for k, v in stage.state_dict().items()}}
+
+
 def one_step(ctx) -> dict[str, Any]:
     """The one-call helper: a pipeline step's losses and the gradients it leaves in .grad."""
     _init(ctx)
@@ -146,6 +200,11 @@ def bad_step(ctx, what: str) -> None:
     elif what == "missing":
         pipe = Pipeline(stage, pp_group, loss_fn=F.mse_loss, config=PipelineConfig(n_microbatches=2))
         pipe.forward_backward(None, None)
+    elif what == "hooks":
+        Pipeline(stage, pp_group, loss_fn=F.mse_loss, hooks=object(), config=PipelineConfig(n_microbatches=2))
+    elif what == "interleaved hooks":
+        Pipeline([stage, stage], pp_group, loss_fn=F.mse_loss, hooks=Steps(None),
+                 config=PipelineConfig(schedule="Interleaved1F1B", n_microbatches=2))
     elif what == "uneven":
         pipe = Pipeline(stage, pp_group, loss_fn=F.mse_loss, config=PipelineConfig(n_microbatches=3))
         pipe.forward_backward(torch.randn(4, 6), torch.randn(4, 3))
@@ -237,6 +296,29 @@ def test_paper_placement_with_ddp_per_stage(two_nodes_two_ranks, haiscale):
                                    torch.tensor([step[half] for step in ref4]), rtol=1e-5, atol=1e-6)
 
 
+def test_a_pipeline_in_the_canonical_order_has_the_bits_of_one_process(two_nodes_two_ranks):
+    """Hooks around each backward and CanonicalSteps: 2 pipelines x 2 stages give exactly what one process
+    accumulating the 4 micro-batches in the canonical tree gives (torch.equal, not a tolerance)."""
+    from fireflyer.haiscale.moe_steps import CanonicalSteps
+
+    results = two_nodes_two_ranks.run(train_pp_canonical, timeout=90)
+    model = build_model()
+    steps = CanonicalSteps(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    means = []
+    for x, y in batches(16):
+        opt.zero_grad()
+        means.append(steps.accumulate(list(zip(x.chunk(4), y.chunk(4))), lambda m, b: F.mse_loss(m(b[0]), b[1])))
+        opt.step()
+    ref = model.state_dict()
+    for r in results:
+        assert r["seen"] == [0, 1] * len(batches(16))  # every backward, in micro-batch order
+        for k, v in r["params"].items():
+            assert torch.equal(v, ref[k]), k
+        if r["last"]:
+            assert [m.item() for m in r["means"]] == [m.item() for m in means]
+
+
 def test_bad_subgroups_say_what_to_do(two_nodes_two_ranks):
     with pytest.raises(RankFailed) as err:
         two_nodes_two_ranks.run(bad_pp_size, 3, timeout=30)
@@ -252,11 +334,13 @@ def test_bad_subgroups_say_what_to_do(two_nodes_two_ranks):
     ("modules", "runs one stage per rank"),
     ("missing", "holds the (first|last) stage"),
     ("uneven", "does not split into n_microbatches=3"),
+    ("hooks", r"hooks must have before_backward\(index\) and after_backward\(index, loss\), got object"),
+    ("interleaved hooks", "micro-batch hooks run with GPipe or 1F1B"),
 ])
 def test_bad_pipeline_input(two_nodes_two_ranks, what, words):
     with pytest.raises(RankFailed) as err:
         two_nodes_two_ranks.run(bad_step, what, timeout=30)
     assert len(err.value.errors) == 4
     for e in err.value.errors.values():
-        assert "ValueError" in e or "UserError" in e  # fireflyer's UserError is a ValueError
+        assert "ValueError" in e or "UserError" in e or "UserTypeError" in e  # fireflyer's UserError is a ValueError
         assert re.search(words, e), e

@@ -1,8 +1,8 @@
 """``fireflyer train --order canonical``: one global batch of 4 micro-batches of 4 sequences, run on 1 rank,
-as tensor parallel (1x2, TP=2), as FSDP (1x4), as data x tensor parallel (2x2, DP=2 x TP=2) and as data
-parallel (2x2), through the real CLI and torchrun: the same losses, validation losses and weights, bit for
-bit; a run stopped on DP x TP and resumed as FSDP equals them too; and what would break the guarantee is
-refused with one line."""
+as tensor parallel (1x2, TP=2), as FSDP (1x4), as data x tensor parallel (2x2, DP=2 x TP=2), as data
+parallel (2x2) and as two pipelines of two stages (2x2, PP=2 x DP=2), through the real CLI and torchrun: the
+same losses, validation losses and weights, bit for bit; runs stopped on DP x TP and on PP x DP and resumed
+as FSDP and as TP equal them too; and what would break the guarantee is refused with one line."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ pytestmark = pytest.mark.multiproc
 TINY = str(builtin_config("tiny"))
 STEPS = 8
 LAYOUTS = {"1x1": ("1", "1"), "1x2-tp": ("1", "2", "--tp", "2"), "1x4-fsdp": ("1", "4", "--fsdp"),
-           "2x2-tp": ("2", "2", "--tp", "2"), "2x2": ("2", "2")}
+           "2x2-tp": ("2", "2", "--tp", "2"), "2x2": ("2", "2"), "2x2-pp": ("2", "2", "--pp", "2")}
 """name: nodes, ranks per node, the parallelism; every layout runs the global batch of 4 micro-batches of 4 (4, 2 or
 1 per data-parallel replica)."""
-BATCH = ["--global-batch", "16", "--micro-batch-size", "4", "--linear-blocks", "2"]
-"""Every linear in 2 blocks of its weight: what TP=2 computes, so the other layouts compute it too."""
+BATCH = ["--global-batch", "16", "--micro-batch-size", "4", "--linear-blocks", "2", "--layers", "2"]
+"""Every linear in 2 blocks of its weight: what TP=2 computes, so the other layouts compute it too; two blocks, one
+per pipeline stage."""
 
 
 def train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -55,6 +56,10 @@ def runs(tmp_path_factory):
     assert resume.returncode == 0, resume.stderr[-3000:]
     out["moved"] = json.loads((root / "moved" / "run.json").read_text())
     out["moved_stdout"] = resume.stdout
+    canonical_run(root / "unpiped", "2x2-pp", "--stop-at", "4")
+    resume = train("--out", str(root / "unpiped"), "--resume", "--pp", "1", *layout("1x2-tp"))
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    out["unpiped"] = json.loads((root / "unpiped" / "run.json").read_text())
     fast = train(TINY, "--steps", str(STEPS), "--eval-interval", "4", "--sample-tokens", "0",
                  "--out", str(root / "fast"), *BATCH, *layout("1x1"))
     assert fast.returncode == 0, fast.stderr[-3000:]
@@ -84,6 +89,12 @@ def test_a_run_stopped_as_dp_x_tp_and_resumed_as_fsdp_equals_the_uninterrupted_r
     assert bits(moved) == bits(runs["1x1"])
 
 
+def test_a_run_stopped_as_pipelines_and_resumed_as_tensor_parallel_equals_the_uninterrupted_run(runs):
+    unpiped = runs["unpiped"]
+    assert unpiped["resumed_from"] == 4 and unpiped["config"]["pp"] == 1 and unpiped["config"]["tp"] == 2
+    assert bits(unpiped) == bits(runs["1x1"])
+
+
 def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
     """The control: one rank accumulating 4 micro-batches one after another ((g0 + g1) + g2) + g3 differs
     from the pairwise tree, so the tests above can fail."""
@@ -99,7 +110,9 @@ def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
     (["--micro-batch-size", "3"], "micro_batch_size (3) must divide global_batch (16)"),
     (["--ranks-per-node", "3", "--global-batch", "48"],
      "across 2 nodes needs a power-of-two ranks_per_node (1, 2, 4, ...), got 3"),
-    (["--pp", "2", "--layers", "2"], "does not cover the pipeline yet (pp = 2)"),
+    (["--pp", "2", "--layers", "2", "--global-batch", "4", "--micro-batch-size", "4"],
+     "a pipeline of 2 stages needs at least 2 micro-batches per step for the 1F1B schedule, but each of its 1 "
+     "pipeline gets 1"),
     (["--model", "moe", "--experts", "6", "--ep", "3", "--ranks-per-node", "3", "--global-batch", "48"],
      "with ep = 3 on 2 data-parallel copies of each expert needs a power-of-two ep"),
     (["--nodes", "1", "--ranks-per-node", "2", "--tp", "2"],
@@ -109,6 +122,7 @@ def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
     (["--fsdp", "--tp", "2", "--ranks-per-node", "2", "--linear-blocks", "2"], "fsdp shards the dense model over data "
      "parallel only so far"),
     (["--linear-blocks", "3"], "linear_blocks must be a power of two"),
+    (["--model", "moe", "--linear-blocks", "2"], "linear_blocks (2) is for the dense model's linear layers"),
     (["--order", "tree"], "invalid choice: 'tree'"),
 ])
 def test_what_would_break_the_guarantee_is_refused(tmp_path, args, needle):

@@ -1,7 +1,8 @@
 """``fireflyer train --model moe --order canonical``: a DeepSeekMoE on one global batch of 4 micro-batches, run
-on 1 rank (every expert, 4 micro-batches accumulated), as expert parallel (1x2, EP=2) and as EP=2 x DP=2
-(2x2), through the CLI and torchrun: the same losses, validation losses, expert loads and weights, bit for
-bit; a run stopped as EP x DP and resumed on one rank equals them; the fast order is the control."""
+on 1 rank (every expert, 4 micro-batches accumulated), as expert parallel (1x2, EP=2), as EP=2 x DP=2 (2x2)
+and as two pipelines of two stages with EP=2 in each stage (2x2, PP=2 x EP=2), through the CLI and torchrun:
+the same losses, validation losses, expert loads and weights, bit for bit; runs stopped as EP x DP and as
+PP x EP and resumed on one rank and as EP=2 equal them; the fast order is the control."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ RUN = [str(builtin_config("tiny")), "--model", "moe", "--experts", "4", "--exper
        "--sample-tokens", "0", "--global-batch", "16", "--micro-batch-size", "4"]
 LAYOUTS = {"1x1": ["--nodes", "1", "--ranks-per-node", "1"],
            "1x2-ep": ["--nodes", "1", "--ranks-per-node", "2", "--ep", "2"],
-           "2x2-ep": ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2"]}
+           "2x2-ep": ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2"],
+           "2x2-pp-ep": ["--nodes", "2", "--ranks-per-node", "2", "--pp", "2", "--ep", "2"]}
 
 
 def train(out, *args: str) -> dict:
@@ -39,11 +41,13 @@ def runs(tmp_path_factory):
     out = {name: train(root / name, *RUN, "--order", "canonical", *flags) for name, flags in LAYOUTS.items()}
     train(root / "moved", *RUN, "--order", "canonical", *LAYOUTS["2x2-ep"], "--stop-at", "3")
     out["moved"] = train(root / "moved", "--resume", "--ep", "1", *LAYOUTS["1x1"])
+    train(root / "unpiped", *RUN, "--order", "canonical", *LAYOUTS["2x2-pp-ep"], "--stop-at", "3")
+    out["unpiped"] = train(root / "unpiped", "--resume", "--pp", "1", *LAYOUTS["1x2-ep"])
     out["fast"] = train(root / "fast", *RUN, *LAYOUTS["1x2-ep"])
     return out
 
 
-@pytest.mark.parametrize("name", ["1x2-ep", "2x2-ep", "moved"])
+@pytest.mark.parametrize("name", ["1x2-ep", "2x2-ep", "2x2-pp-ep", "moved", "unpiped"])
 def test_expert_parallel_trains_the_bits_of_one_process(runs, name):
     alone = bits(runs["1x1"])
     assert len(alone[0]) == 6 and alone[0][-1] < alone[0][0] and sum(alone[2][0]["0"]) > 0

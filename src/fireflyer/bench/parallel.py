@@ -54,6 +54,9 @@ CASES = (
     Case("tp 1x2 (TP=2)", 1.3, ("--nodes", "1", "--ranks-per-node", "2", "--tp", "2"), ("--linear-blocks", "2")),
     Case("dp x tp 2x2", 1.3, ("--nodes", "2", "--ranks-per-node", "2", "--tp", "2"), ("--linear-blocks", "2")),
     Case("ddp 1x4 linear-blocks 2", 1.3, ("--nodes", "1", "--ranks-per-node", "4"), ("--linear-blocks", "2")),
+    Case("pp 2x2 (PP=2 x DP=2)", 1.15, ("--nodes", "2", "--ranks-per-node", "2", "--pp", "2")),
+    Case("pp x ep 2x2 (PP=2 x EP=2)", 1.15, ("--nodes", "2", "--ranks-per-node", "2", "--model", "moe", "--pp", "2",
+                                             "--ep", "2")),
 )
 
 

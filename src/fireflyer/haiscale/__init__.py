@@ -35,6 +35,8 @@ _EXPORTS = {
     "MoE": "fireflyer.haiscale.moe",
     "MoEConfig": "fireflyer.haiscale.moe",
     "CanonicalMoE": "fireflyer.haiscale.moe_steps",
+    "CanonicalSteps": "fireflyer.haiscale.moe_steps",
+    "MicroBatchHooks": "fireflyer.haiscale.pipeline",
     "is_expert_param": "fireflyer.haiscale.expert",
     "mark_expert": "fireflyer.haiscale.expert",
     "layout": "fireflyer.haiscale.layout_mesh",

@@ -222,18 +222,24 @@ class RoutedExperts(nn.Module):
 
 @contextmanager
 def uncounted(module: nn.Module) -> Iterator[None]:
-    """Forwards inside this block leave every MoE layer of ``module``'s load and all-to-all tallies alone:
-    for the extra forward a pipeline stage runs on its first step to learn its tensors' shapes, which
-    must not move the balancing bias."""
+    """Forwards and backwards inside this block leave every MoE layer of ``module``'s load, all-to-all tallies
+    and canonical expert gradients alone: for the extra forward and backward a pipeline stage runs on its
+    first step, on uninitialised tensors, to learn its tensors' shapes, which must not move the balancing
+    bias nor reach a gradient."""
     layers = [m for m in module.modules() if isinstance(m, MoE)]
     before = [m._counting for m in layers]
+    grads = [m.expert_grads for m in layers if m.expert_grads is not None]
     for m in layers:
         m._counting = False
+    for g in grads:
+        g.muted = True
     try:
         yield
     finally:
         for m, was in zip(layers, before):
             m._counting = was
+        for g in grads:
+            g.muted = False
 
 
 class MoE(nn.Module):

@@ -66,6 +66,9 @@ class ExpertGrads:
         self.streams: list[PairwiseAccumulator] = []
         self._terms: list[torch.Tensor] | None = None  # this micro-batch's dW per source, flat
         self.open = False
+        self.muted = False
+        """True while a backward must not reach the gradients (a pipeline stage's shape inference, on
+        uninitialised tensors: :func:`fireflyer.haiscale.moe.uncounted`)."""
 
     def begin_step(self) -> None:
         """Empty streams: the step's first micro-batch comes next."""
@@ -83,6 +86,8 @@ class ExpertGrads:
     @torch.no_grad()
     def deposit(self, source: int, expert: int, grads: Sequence[torch.Tensor]) -> None:
         """Add local expert ``expert``'s weight gradients from the tokens of ``source`` to this micro-batch's term."""
+        if self.muted:
+            return
         if not self.open:
             raise UsageError("this MoE layer sums its expert gradients in the canonical order, so its backward must "
                              "run inside a step: use CanonicalMoE(model, ...).accumulate(micro_batches, loss_fn), or "

@@ -1,4 +1,5 @@
-"""Whole training steps of a model with MoE layers in the canonical order: :class:`CanonicalMoE`.
+"""Whole training steps in the canonical order: :class:`CanonicalSteps` (any model, driven micro-batch by
+micro-batch, as a pipeline's schedule does) and :class:`CanonicalMoE` (a model with MoE layers).
 
 Each MoE layer computes in the canonical order (:mod:`fireflyer.haiscale.moe_canonical`); this
 module drives a step over them: the micro-batches' forwards and backwards, the dense gradients in
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.errors import UserError, UserTypeError
+from fireflyer.errors import UsageError, UserError, UserTypeError
 from fireflyer.haiscale import accumulate as micro
 from fireflyer.haiscale.expert import ep_size_of
 from fireflyer.haiscale.moe import MoE
@@ -53,13 +54,15 @@ class _Flat:
         self.tensors = params
 
 
-class CanonicalMoE:
-    """Training steps of a model with MoE layers in the canonical order (see the module docstring).
+class CanonicalSteps:
+    """Training steps of a model in the canonical order, micro-batch by micro-batch (see the module docstring).
 
-    ``steps = CanonicalMoE(model, dense_group=..., expert_group=...)`` switches every MoE layer of
-    ``model`` to ``order="canonical"``; then each step is ``loss = steps.accumulate(micro_batches,
-    loss_fn)``, ``optimizer.step()`` and the layers' bias update (``update_bias`` over the dense
-    group). :meth:`close` switches the layers back.
+    ``steps = CanonicalSteps(model, dense_group=..., expert_group=...)`` switches every MoE layer of
+    ``model`` (it may have none) to ``order="canonical"``. A step is either :meth:`accumulate`, or,
+    for a loop that runs the backwards itself (a pipeline's schedule), :meth:`begin`, then
+    :meth:`begin_micro_batch` before and :meth:`end_micro_batch` after each micro-batch's backward,
+    then :meth:`finish`. Then ``optimizer.step()`` and the layers' bias update (``update_bias`` over
+    the dense group). :meth:`close` switches the layers back.
 
     Args:
         model: every rank builds it with the same shape and seed (nothing is broadcast), its MoE
@@ -68,39 +71,81 @@ class CanonicalMoE:
             ``HFReduceConfig(order="canonical")``, numbered copy by copy (rank ``d*ep + k``);
             None on one process.
         expert_group: the ranks holding the same experts (the dp copies, in order), a canonical
-            hfreduce group too; None when dp is 1.
+            hfreduce group too; None when dp is 1 or the model has no MoE layer.
     """
 
     def __init__(self, model: nn.Module, *, dense_group: dist.ProcessGroup | None = None,
                  expert_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(model, nn.Module):
-            raise UserTypeError(f"CanonicalMoE takes an nn.Module, got {type(model).__name__}")
+            raise UserTypeError(f"{type(self).__name__} takes an nn.Module, got {type(model).__name__}")
         self.layers = moe_layers(model)
-        if not self.layers:
-            raise UserError("the model has no MoE layer; use DistributedDataParallel(order='canonical') for a "
-                            "dense model")
-        sizes = {(m.ep_size, m.ep_rank) for m in self.layers}
-        if len(sizes) > 1:
-            raise UserError(f"the model's MoE layers sit on different EP groups (size, rank: {sorted(sizes)}); build "
-                            "every layer on the same ep_group")
-        ep, ep_rank = sizes.pop()
         self.dense, self.expert = canonical_group(dense_group, "dense_group"), canonical_group(expert_group, "expert_group")
-        dp_rank = dist.get_rank(expert_group) if expert_group is not None else 0
-        dense_rank = dist.get_rank(dense_group) if dense_group is not None else 0
-        check_layout(ep, self.expert.world, ep_rank, dp_rank, dense_rank, self.dense.world)
+        if self.layers:
+            sizes = {(m.ep_size, m.ep_rank) for m in self.layers}
+            if len(sizes) > 1:
+                raise UserError(f"the model's MoE layers sit on different EP groups (size, rank: {sorted(sizes)}); "
+                                "build every layer on the same ep_group")
+            ep, ep_rank = sizes.pop()
+            dp_rank = dist.get_rank(expert_group) if expert_group is not None else 0
+            dense_rank = dist.get_rank(dense_group) if dense_group is not None else 0
+            check_layout(ep, self.expert.world, ep_rank, dp_rank, dense_rank, self.dense.world)
         self.model = model
         experts = {id(p) for m in self.layers for p in m.expert_parameters()}
         dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in experts]
         for name, p in dense:
             if ep_size_of(p) > 1:
                 raise UserError(f"parameter {name!r} is an expert weight sharded over {ep_size_of(p)} ranks outside "
-                                "any MoE layer; CanonicalMoE sums only MoE layers' experts over expert_group")
+                                "any MoE layer; the canonical steps sum only MoE layers' experts over expert_group")
         by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for _, p in dense:
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
         self._flats = [_Flat(ps) for ps in by_dtype.values()]
+        self._round: micro.Round | None = None
+        self._count = 0
         for m in self.layers:
             m.set_order("canonical")
+
+    def begin(self, m: int) -> int:
+        """Start a step of ``m`` micro-batches on this rank; the global count (a tiny collective on the dense
+        group, which refuses ranks that hold different counts)."""
+        micro.check_count(m, self.dense.world)
+        self._count = micro.agree_count(self.dense.engine, m, self.dense.world)
+        self._round = micro.Round(self._flats, {}, m, self._count, self.dense.engine, self.dense.world)
+        for flat in self._flats:
+            for p, view in zip(flat.tensors, flat.views):
+                p.grad = view  # backward adds into the buffer, which each micro-batch zeroes
+        for layer in self.layers:
+            layer.begin_step()
+        return self._count
+
+    def _open(self) -> micro.Round:
+        if self._round is None:
+            raise UsageError("no canonical step is open: call begin(micro_batches) first")
+        return self._round
+
+    def begin_micro_batch(self) -> None:
+        """Before a micro-batch's backward: its gradients start from zero."""
+        self._open().begin()
+
+    def end_micro_batch(self, loss: torch.Tensor | None) -> None:
+        """After a micro-batch's backward: fold its gradients into the step's trees. ``loss`` is the micro-batch's
+        (None on a rank that computes no loss, such as a pipeline's earlier stages)."""
+        rnd = self._open()
+        for layer in self.layers:
+            layer.end_micro_batch()
+        rnd.end_backward(loss if loss is not None else torch.zeros((), dtype=torch.float32))
+
+    def finish(self) -> torch.Tensor:
+        """End the step: every ``.grad`` holds the mean over the global micro-batches in the canonical order;
+        the global mean loss (collectives on the dense and expert groups)."""
+        rnd = self._open()
+        if rnd.index != rnd.m - 1:
+            raise UsageError(f"the step was begun with {rnd.m} micro-batches but {rnd.index + 1} ran")
+        self._round = None
+        mean = rnd.finish()
+        for layer in self.layers:  # in layer order on every rank
+            layer.finish_expert_grads(self._count, self.expert.pg)
+        return mean
 
     def accumulate(self, micro_batches: Sequence[Any],
                    loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> torch.Tensor:
@@ -119,27 +164,31 @@ class CanonicalMoE:
             raise UserTypeError(f"micro_batches must be a sequence (a list of this rank's micro-batches), got "
                                 f"{type(micro_batches).__name__}")
         batches = list(micro_batches)
-        micro.check_count(len(batches), self.dense.world)
-        count = micro.agree_count(self.dense.engine, len(batches), self.dense.world)
-        rnd = micro.Round(self._flats, {}, len(batches), count, self.dense.engine, self.dense.world)
-        for flat in self._flats:
-            for p, view in zip(flat.tensors, flat.views):
-                p.grad = view  # backward adds into the buffer, which each micro-batch zeroes
-        for m in self.layers:
-            m.begin_step()
-        for j, batch in enumerate(batches):
-            rnd.begin()
-            loss = micro.micro_loss(loss_fn, self.model, batch, j)
-            loss.backward()
-            rnd.end_backward(loss)
-            for m in self.layers:
-                m.end_micro_batch()
-        mean = rnd.finish()
-        for m in self.layers:  # in layer order on every rank
-            m.finish_expert_grads(count, self.expert.pg)
-        return mean
+        self.begin(len(batches))
+        try:
+            for j, batch in enumerate(batches):
+                self.begin_micro_batch()
+                loss = micro.micro_loss(loss_fn, self.model, batch, j)
+                loss.backward()
+                self.end_micro_batch(loss)
+        except BaseException:
+            self._round = None
+            raise
+        return self.finish()
 
     def close(self) -> None:
         """Switch the layers back to the fast order."""
         for m in self.layers:
             m.set_order("fast")
+
+
+class CanonicalMoE(CanonicalSteps):
+    """:class:`CanonicalSteps` for a model that has MoE layers (refused without one: a dense model's steps are
+    ``DistributedDataParallel(order="canonical")``'s)."""
+
+    def __init__(self, model: nn.Module, *, dense_group: dist.ProcessGroup | None = None,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
+        if isinstance(model, nn.Module) and not moe_layers(model):
+            raise UserError("the model has no MoE layer; use DistributedDataParallel(order='canonical') for a "
+                            "dense model")
+        super().__init__(model, dense_group=dense_group, expert_group=expert_group)

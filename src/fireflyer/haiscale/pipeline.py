@@ -35,6 +35,12 @@ neighbour died or never arrives raises instead of hanging.
 ``DistributedDataParallel(stage, process_group=dp_group)`` before building the
 :class:`Pipeline`: torch's stages skip the gradient allreduce for every micro-batch but
 the last, so gradients are reduced once per step over the stage's DP group.
+
+**In the canonical order.** Give the :class:`Pipeline` the bare stage module, ``scale_grads=False``
+and :class:`MicroBatchHooks` that open and fold each micro-batch's gradients
+(:class:`~fireflyer.haiscale.moe_steps.CanonicalSteps` does both): a stage runs its backwards in
+micro-batch order, so its gradients are summed in the canonical tree over the micro-batches'
+indices, and the stage's replicas sum their blocks in it.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,6 +61,7 @@ from fireflyer.haiscale.pipeline_placement import PipelinePlacement, plan_pipeli
 from fireflyer.errors import UsageError, UserError, UserTypeError
 
 __all__ = [
+    "MicroBatchHooks",
     "Pipeline",
     "PipelineConfig",
     "PipelinePlacement",
@@ -70,6 +77,16 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 60.0
 Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class MicroBatchHooks(Protocol):
+    """Called around each micro-batch's backward on a stage (in the order the schedule runs them: ascending
+    micro-batch index for GPipe and 1F1B). ``index`` is the micro-batch's index in this pipeline's step;
+    ``loss`` its loss on the last stage, None elsewhere."""
+
+    def before_backward(self, index: int) -> None: ...
+
+    def after_backward(self, index: int, loss: torch.Tensor | None) -> None: ...
 
 
 class PlacementWarning(UserWarning):
@@ -273,6 +290,21 @@ def _stage_class() -> type:
     from fireflyer.haiscale.moe import uncounted
 
     class _Stage(PipelineStage):
+        hooks: MicroBatchHooks | None = None
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> Any:
+            if self.hooks is None:
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
+            if not full_backward:
+                raise UsageError("micro-batch hooks need the full backward of a micro-batch at once (a schedule "
+                                 "that splits weight gradients from input gradients cannot keep their order)")
+            self.hooks.before_backward(bwd_chunk_id)
+            out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+            self.hooks.after_backward(bwd_chunk_id, loss.detach() if loss is not None else None)
+            return out
+
         def _no_sync(self) -> Any:
             if isinstance(self.submod, (DistributedDataParallel, HaiScaleDDP)):
                 return self.submod.no_sync()
@@ -305,12 +337,13 @@ class Pipeline:
     ``modules`` is one stage module (GPipe, 1F1B) or a list of ``v`` modules for
     Interleaved1F1B: module ``k`` is stage ``pp_rank + k * pp_size`` (see
     :func:`stage_indices`), and every rank passes the same number. Reuse the object
-    across steps; building it again repeats the shape exchange with the neighbours.
+    across steps; building it again repeats the shape exchange with the neighbours. ``hooks``
+    are called around each micro-batch's backward (:class:`MicroBatchHooks`; GPipe and 1F1B).
     """
 
     def __init__(self, modules: nn.Module | Sequence[nn.Module], pp_group: dist.ProcessGroup, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], config: PipelineConfig,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, hooks: MicroBatchHooks | None = None) -> None:
         from torch.distributed.pipelining import (
             Schedule1F1B,
             ScheduleGPipe,
@@ -342,6 +375,13 @@ class Pipeline:
         if schedule is Schedule.INTERLEAVED_1F1B and m % max(1, m // p):
             raise UserError(f"Interleaved1F1B needs n_microbatches to be a multiple of its rounds "
                              f"(n_microbatches // pp_size = {m // p}), got {m}; use a multiple of pp_size={p}")
+        if hooks is not None and schedule is Schedule.INTERLEAVED_1F1B:
+            raise UserError("micro-batch hooks run with GPipe or 1F1B: the interleaved schedule runs several stages' "
+                            "backwards on a rank, out of one micro-batch order")
+        if hooks is not None and not (callable(getattr(hooks, "before_backward", None))
+                                      and callable(getattr(hooks, "after_backward", None))):
+            raise UserTypeError(f"hooks must have before_backward(index) and after_backward(index, loss), got "
+                                f"{type(hooks).__name__}")
         self.stages_per_rank = len(mods)
         self.num_stages = p * len(mods)
         self.stage_indices = stage_indices(self.pp_rank, p, len(mods))
@@ -354,6 +394,8 @@ class Pipeline:
         stage_cls = _stage_class()
         self.stages = [stage_cls(mod, idx, self.num_stages, self.device, group=pp_group)
                        for mod, idx in zip(mods, self.stage_indices)]
+        for stage in self.stages:
+            stage.hooks = hooks
         if schedule is Schedule.INTERLEAVED_1F1B:
             self.schedule: Any = ScheduleInterleaved1F1B(self.stages, m, loss_fn=loss_fn,
                                                          scale_grads=config.scale_grads)

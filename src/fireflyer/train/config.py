@@ -223,6 +223,9 @@ class TrainConfig:
         if self.linear_blocks > 1 and self.d_model % self.linear_blocks:
             raise UserError(f"linear_blocks ({self.linear_blocks}) must divide d_model ({self.d_model}): every block "
                             "of a linear layer has one shape")
+        if self.linear_blocks > 1 and self.model != "dense":
+            raise UserError(f"linear_blocks ({self.linear_blocks}) is for the dense model's linear layers: the MoE "
+                            "model's are not split into blocks (leave it at 1)")
         if self.tp == 1:
             return
         if self.model != "dense":
@@ -281,10 +284,7 @@ class TrainConfig:
             raise UserError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
         if self.order != "canonical":
             return
-        if self.pp > 1:
-            raise UserError(f"order = 'canonical' does not cover the pipeline yet (pp = {self.pp}): its stages' "
-                            "gradients and the tied embedding's are not summed in the tree")
-        dp = self.world_size // (self.ep * self.tp)
+        dp = self.world_size // (self.pp * self.ep * self.tp)
         if self.model == "moe" and dp > 1 and self.ep & (self.ep - 1):
             raise UserError(f"order = 'canonical' with ep = {self.ep} on {dp} data-parallel copies of each expert "
                             "needs a power-of-two ep: an EP group's micro-batches must be a subtree of the tree "

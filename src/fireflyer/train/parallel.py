@@ -29,6 +29,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,13 +38,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fireflyer.errors import UserError
 from fireflyer.haiscale import DistributedDataParallel
 from fireflyer.haiscale.expert import is_expert_param
 from fireflyer.haiscale.layout_mesh import Layout
 from fireflyer.haiscale.canonical_linear import TensorParallelLinear
 from fireflyer.haiscale.moe import RoutedExperts
-from fireflyer.haiscale.moe_steps import CanonicalMoE
-from fireflyer.haiscale.pipeline import Pipeline, PipelineConfig, split_sizes
+from fireflyer.haiscale.moe_steps import CanonicalSteps
+from fireflyer.haiscale.env import pp_timeout_s
+from fireflyer.haiscale.pipeline import DEFAULT_TIMEOUT_S, Pipeline, PipelineConfig, split_sizes
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.model import GPT, ModelShape, split_linears
 from fireflyer.train.optim import clip_exact
@@ -171,6 +174,8 @@ class LaidOut:
         self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.ep > 1 else None).to(device)
         if cfg.tp > 1:  # Megatron over the TP group; in the canonical order in the run's blocks, not the layout's
             split_linears(self.full, blocks=cfg.linear_blocks, tp_group=self.layout.tp_group, order=cfg.order)
+        elif cfg.order == "canonical" and cfg.linear_blocks > 1:  # the blocks one process computes, on one rank
+            split_linears(self.full, blocks=cfg.linear_blocks)
         sizes = split_sizes(cfg.layers, cfg.pp)
         start = sum(sizes[:self.stage])
         self.is_first, self.is_last = self.stage == 0, self.stage == cfg.pp - 1
@@ -178,20 +183,27 @@ class LaidOut:
         self.named = self._name_params()
         expert_group = self.layout.expert_group if cfg.model == "moe" else None
         self.ddp: DistributedDataParallel | None = None
-        self.canonical_moe: CanonicalMoE | None = None
-        """MoE in the canonical order: its steps sum the dense gradients and each expert's per-source streams."""
-        if cfg.model == "moe" and cfg.order == "canonical":
-            self.canonical_moe = CanonicalMoE(self.module, dense_group=_unless_alone(self.layout.dense_group),
-                                              expert_group=_unless_alone(self.layout.expert_group))
+        self.steps: CanonicalSteps | None = None
+        """MoE or a pipeline in the canonical order: steps that sum the dense gradients (and each expert's
+        per-source streams) micro-batch by micro-batch; plain DDP (its own canonical round) otherwise."""
+        if cfg.order == "canonical" and (cfg.model == "moe" or cfg.pp > 1):
+            self.steps = CanonicalSteps(self.module, dense_group=_unless_alone(self.layout.dense_group),
+                                        expert_group=_unless_alone(self.layout.expert_group) if expert_group else None)
+            _check_replica_order(self.layout, cfg)
         else:
             self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
                                                expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb,
                                                order=cfg.order)
-        self.pipeline = None
-        if cfg.pp > 1:
-            self.pipeline = Pipeline(self.ddp, self.layout.pp_group, loss_fn=_cross_entropy, device=device,
-                                     config=PipelineConfig(n_microbatches=cfg.micro_batches, schedule="1F1B"))
         self.device = device
+        self.pipeline = None
+        self.tied: TiedStages | None = None
+        if cfg.pp > 1:
+            if self.steps is not None:
+                self.tied = TiedStages(self, self.steps)
+            self.pipeline = Pipeline(self.module if self.steps is not None else self.ddp, self.layout.pp_group,
+                                     loss_fn=_cross_entropy, device=device, hooks=self.tied,
+                                     config=PipelineConfig(n_microbatches=cfg.micro_batches, schedule="1F1B",
+                                                           scale_grads=self.steps is None))
         self.moe_layers = [(i, b.moe) for i, b in enumerate(self.full.blocks) if isinstance(b, MoEBlock)
                            and start <= i < start + sizes[self.stage]]
 
@@ -219,8 +231,14 @@ class LaidOut:
         forward and backward, the gradients reduced with the last). Returns the mean loss on ranks holding the
         last stage, None on the others (collective).
         """
-        if self.canonical_moe is not None:  # the canonical tree over the global micro-batches (no pipeline here)
-            return self.canonical_moe.accumulate(micro_batches, lambda m, batch: _cross_entropy(m(batch[0]), batch[1]))
+        if self.tied is not None:  # a pipeline in the canonical order: its schedule runs the micro-batches
+            assert self.steps is not None and self.pipeline is not None
+            self.steps.begin(len(micro_batches))
+            x, y = (torch.cat(parts) for parts in zip(*micro_batches, strict=True))
+            self.pipeline.forward_backward(x, y)
+            return self.from_last_stage(self.tied.finish())
+        if self.steps is not None:  # the canonical tree over the global micro-batches
+            return self.steps.accumulate(micro_batches, lambda m, batch: _cross_entropy(m(batch[0]), batch[1]))
         if self.cfg.order == "canonical":
             return self.ddp.accumulate(micro_batches, lambda ddp, batch: _cross_entropy(ddp(batch[0]), batch[1]))
         assert self.ddp is not None
@@ -236,6 +254,15 @@ class LaidOut:
         losses = self.pipeline.forward_backward(x, y)
         self._reduce_tied()
         return torch.stack(losses).mean() if losses is not None else None
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the pipeline's last stage holds it, on every stage (a broadcast over the pipeline; ``value``
+        itself without one). Every rank passes a tensor of the same shape."""
+        if self.pipeline is None:
+            return value
+        buf = value.detach().clone().contiguous()
+        dist.broadcast(buf, src=self.layout.plan.group_of("pp", dist.get_rank())[-1], group=self.layout.pp_group)
+        return buf
 
     def _reduce_tied(self) -> None:
         """Sum the tied embedding's gradient over its two holders in each pipeline (zeros in between)."""
@@ -343,8 +370,75 @@ class LaidOut:
     def close(self) -> None:
         if self.ddp is not None:
             self.ddp.close()
-        if self.canonical_moe is not None:
-            self.canonical_moe.close()
+        if self.steps is not None:
+            self.steps.close()
+
+
+class TiedStages:
+    """A pipeline's stages in the canonical order: each micro-batch's gradients opened and folded around its
+    backward (:class:`~fireflyer.haiscale.pipeline.MicroBatchHooks`), and the tied embedding's two halves met
+    as one process meets them.
+
+    One process adds, for each micro-batch, the output projection's gradient of the token embedding and the
+    embedding's own (autograd's sum of a tied weight's two uses), and sums those in the canonical tree. Here the
+    halves sit on the first and the last stage: after each micro-batch's backward the last stage sends its half
+    to the first (and keeps zero), which adds it before folding, so the first stage's tree is the one process's.
+    After the step the first stage's gradient goes back to the last stage's copy. The cost is one
+    ``vocab x d_model`` message per micro-batch from the last stage to the first.
+
+    Collective to build: every rank makes the pipelines' (first, last) groups in the same order.
+    """
+
+    def __init__(self, net: LaidOut, steps: CanonicalSteps) -> None:
+        self.steps = steps
+        self.group: dist.ProcessGroup | None = None
+        self.role = "first" if net.is_first else "last" if net.is_last else ""
+        rank = dist.get_rank()
+        for ranks in net.layout.plan.groups("pp"):  # one (first, last) group per pipeline, on every rank alike
+            group = dist.new_group([ranks[0], ranks[-1]], timeout=timedelta(seconds=pp_timeout_s(DEFAULT_TIMEOUT_S)))
+            if rank in (ranks[0], ranks[-1]):
+                self.group, self.first, self.last = group, ranks[0], ranks[-1]
+        self.param = next((n.param for n in net.named if n.name == TIED), None) if self.role else None
+        self.sends: list[tuple[torch.Tensor, Any]] = []
+
+    def before_backward(self, index: int) -> None:
+        self.steps.begin_micro_batch()
+
+    @torch.no_grad()
+    def after_backward(self, index: int, loss: torch.Tensor | None) -> None:
+        if self.param is not None:
+            grad = self.param.grad
+            assert grad is not None
+            if self.role == "last":  # the projection's half goes to the first stage; this copy keeps zero
+                half = grad.detach().clone()
+                grad.zero_()
+                self.sends.append((half, dist.isend(half, dst=self.first, group=self.group)))
+            else:
+                half = torch.empty_like(grad)
+                dist.recv(half, src=self.last, group=self.group)
+                grad.add_(half)
+        self.steps.end_micro_batch(loss)
+
+    def finish(self) -> torch.Tensor:
+        """End the step: the gradients in the canonical order, the last stage's copy of the tied embedding given
+        the first stage's; the global mean loss on the last stage (collective)."""
+        for _, work in self.sends:
+            work.wait()
+        self.sends = []
+        mean = self.steps.finish()
+        if self.param is not None:
+            assert self.param.grad is not None
+            dist.broadcast(self.param.grad, src=self.first, group=self.group)
+        return mean
+
+
+def _check_replica_order(laid: Layout, cfg: TrainConfig) -> None:
+    """The canonical tree needs the dense group numbered by data replica (rank ``r`` sums the block of replica
+    ``r``); a layout that numbers it otherwise is refused rather than giving other bits."""
+    here, replica = dist.get_rank(laid.dense_group), replica_of(laid, cfg)
+    if here != replica:
+        raise UserError(f"this rank is rank {here} of its dense group but reads data replica {replica}: the "
+                        "canonical order needs the dense group numbered by replica")
 
 
 def _unless_alone(group: dist.ProcessGroup) -> dist.ProcessGroup | None:

@@ -318,11 +318,16 @@ class Trainer:
         for i in range(self.cfg.eval_batches):
             acc = PairwiseAccumulator()
             for x, y in self.data.eval(index=i):
-                acc.add((lm_loss(self.model, (x, y)) if net is None else net.eval_loss(x, y)).float())
-            sums[i] = acc.result()
+                loss = lm_loss(self.model, (x, y)) if net is None else net.eval_loss(x, y)
+                if loss is not None:  # None on a pipeline's earlier stages, which only pass activations on
+                    acc.add(loss.float())
+            if acc.count:
+                sums[i] = acc.result()
         self.model.train()
         dist.all_reduce(sums, group=self.group if net is None else self.layout.dense_group)
         mean = canonical_sum(list(sums.unbind())) / (self.cfg.eval_batches * self.cfg.global_micro_batches)
+        if net is not None:  # a pipeline's last stage holds it
+            mean = net.from_last_stage(mean)
         self.history.val.append([step, mean.item()])
         self.timing["eval_s"] += time.perf_counter() - t0
         return self.history.val[-1][1]
