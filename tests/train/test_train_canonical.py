@@ -1,6 +1,7 @@
 """``fireflyer train --order canonical``: one global batch of 4 micro-batches of 4 sequences, run on 1 rank,
 as tensor parallel (1x2, TP=2), as FSDP (1x4), as data x tensor parallel (2x2, DP=2 x TP=2), as data
-parallel (2x2) and as two pipelines of two stages (2x2, PP=2 x DP=2), through the real CLI and torchrun: the
+parallel (2x2), as two pipelines of two stages (2x2, PP=2 x DP=2) and as one pipeline of two TP=2 stages (2x2,
+PP=2 x TP=2), through the real CLI and torchrun: the
 same losses, validation losses and weights, bit for bit; runs stopped on DP x TP and on PP x DP and resumed
 as FSDP and as TP equal them too; and what would break the guarantee is refused with one line."""
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.multiproc
 TINY = str(builtin_config("tiny"))
 STEPS = 8
 LAYOUTS = {"1x1": ("1", "1"), "1x2-tp": ("1", "2", "--tp", "2"), "1x4-fsdp": ("1", "4", "--fsdp"),
-           "2x2-tp": ("2", "2", "--tp", "2"), "2x2": ("2", "2"), "2x2-pp": ("2", "2", "--pp", "2")}
+           "2x2-tp": ("2", "2", "--tp", "2"), "2x2": ("2", "2"), "2x2-pp": ("2", "2", "--pp", "2"),
+           "2x2-pp-tp": ("2", "2", "--pp", "2", "--tp", "2")}
 """name: nodes, ranks per node, the parallelism; every layout runs the global batch of 4 micro-batches of 4 (4, 2 or
 1 per data-parallel replica)."""
 BATCH = ["--global-batch", "16", "--micro-batch-size", "4", "--linear-blocks", "2", "--layers", "2"]

@@ -1,5 +1,5 @@
 """``fireflyer train --tp`` and ``--fsdp`` in the fast order, through the CLI and torchrun: tensor parallel
-(DP=2 x TP=2) and FSDP (1 x 4) train the model one process trains on the same global batch, to rounding, and
+(DP=2 x TP=2, and PP=2 x TP=2: a pipeline whose stages are TP groups) and FSDP (1 x 4) train the model one process trains on the same global batch, to rounding, and
 save a state any layout can resume (the bits, in the canonical order: ``test_train_canonical.py``)."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from fireflyer.train.config import builtin_config
 pytestmark = pytest.mark.multiproc
 
 RUN = [str(builtin_config("tiny")), "--steps", "6", "--eval-interval", "3", "--save-every", "3", "--sample-tokens",
-       "8", "--global-batch", "16", "--micro-batch-size", "4"]
+       "8", "--global-batch", "16", "--micro-batch-size", "4", "--layers", "2"]
 LAYOUTS = {"one": ["--nodes", "1", "--ranks-per-node", "1"],
            "tp": ["--nodes", "2", "--ranks-per-node", "2", "--tp", "2"],
+           "pp-tp": ["--nodes", "2", "--ranks-per-node", "2", "--pp", "2", "--tp", "2"],
            "fsdp": ["--nodes", "1", "--ranks-per-node", "4", "--fsdp"]}
 
 
@@ -35,7 +36,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["tp", "fsdp", "moved"])
+@pytest.mark.parametrize("name", ["tp", "pp-tp", "fsdp", "moved"])
 def test_tensor_parallel_and_fsdp_train_the_model_of_one_process(runs, name):
     one, other = runs["one"]["history"], runs[name]["history"]
     assert len(other["loss"]) == 6 and other["loss"][-1] < other["loss"][0]

@@ -231,9 +231,6 @@ class TrainConfig:
         if self.model != "dense":
             raise UserError(f"tp = {self.tp} is for the dense model so far: the MoE model's attention is not split "
                             "over a TP group yet")
-        if self.pp > 1:
-            raise UserError(f"tp = {self.tp} with pp = {self.pp} is not supported yet: choose tensor or pipeline "
-                            "parallel")
         if self.ranks_per_node % self.tp:
             raise UserError(f"tp ({self.tp}) does not divide ranks_per_node ({self.ranks_per_node}): a TP group stays "
                             "inside one node, since it exchanges activations in every layer")
