@@ -124,7 +124,8 @@ def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
     (["--fsdp", "--tp", "2", "--ranks-per-node", "2", "--linear-blocks", "2"], "fsdp shards the dense model over data "
      "parallel only so far"),
     (["--linear-blocks", "3"], "linear_blocks must be a power of two"),
-    (["--model", "moe", "--linear-blocks", "2"], "linear_blocks (2) is for the dense model's linear layers"),
+    (["--model", "moe", "--experts", "4", "--ep", "2", "--tp", "2", "--linear-blocks", "2"],
+     "ep x tp (2 x 2) does not divide ranks_per_node (2)"),
     (["--order", "tree"], "invalid choice: 'tree'"),
 ])
 def test_what_would_break_the_guarantee_is_refused(tmp_path, args, needle):

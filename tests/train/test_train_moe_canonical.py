@@ -1,6 +1,7 @@
 """``fireflyer train --model moe --order canonical``: a DeepSeekMoE on one global batch of 4 micro-batches, run
 on 1 rank (every expert, 4 micro-batches accumulated), as expert parallel (1x2, EP=2), as EP=2 x DP=2 (2x2)
-and as two pipelines of two stages with EP=2 in each stage (2x2, PP=2 x EP=2), through the CLI and torchrun:
+as two pipelines of two stages with EP=2 in each stage (2x2, PP=2 x EP=2) and as EP=2 x TP=2 (1x4, the attention
+split over the TP group, every linear in 2 blocks on every layout), through the CLI and torchrun:
 the same losses, validation losses, expert loads and weights, bit for bit; runs stopped as EP x DP and as
 PP x EP and resumed on one rank and as EP=2 equal them; the fast order is the control."""
 
@@ -17,11 +18,12 @@ pytestmark = pytest.mark.multiproc
 
 RUN = [str(builtin_config("tiny")), "--model", "moe", "--experts", "4", "--expert-hidden", "16", "--top-k", "2",
        "--layers", "2", "--bias-update-speed", "0.01", "--steps", "6", "--eval-interval", "3", "--save-every", "3",
-       "--sample-tokens", "0", "--global-batch", "16", "--micro-batch-size", "4"]
+       "--sample-tokens", "0", "--global-batch", "16", "--micro-batch-size", "4", "--linear-blocks", "2"]
 LAYOUTS = {"1x1": ["--nodes", "1", "--ranks-per-node", "1"],
            "1x2-ep": ["--nodes", "1", "--ranks-per-node", "2", "--ep", "2"],
            "2x2-ep": ["--nodes", "2", "--ranks-per-node", "2", "--ep", "2"],
-           "2x2-pp-ep": ["--nodes", "2", "--ranks-per-node", "2", "--pp", "2", "--ep", "2"]}
+           "2x2-pp-ep": ["--nodes", "2", "--ranks-per-node", "2", "--pp", "2", "--ep", "2"],
+           "1x4-ep-tp": ["--nodes", "1", "--ranks-per-node", "4", "--ep", "2", "--tp", "2"]}
 
 
 def train(out, *args: str) -> dict:
@@ -47,7 +49,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["1x2-ep", "2x2-ep", "2x2-pp-ep", "moved", "unpiped"])
+@pytest.mark.parametrize("name", ["1x2-ep", "2x2-ep", "2x2-pp-ep", "1x4-ep-tp", "moved", "unpiped"])
 def test_expert_parallel_trains_the_bits_of_one_process(runs, name):
     alone = bits(runs["1x1"])
     assert len(alone[0]) == 6 and alone[0][-1] < alone[0][0] and sum(alone[2][0]["0"]) > 0

@@ -51,3 +51,13 @@ def test_the_runs_say_how_the_layout_divides_the_batch(runs):
     assert "1 micro-batch per rank x 4 ranks" in runs["fsdp"]["stdout"]
     assert runs["tp"]["layout"]["tp"] == 2 and runs["fsdp"]["config"]["fsdp"]
     assert runs["moved"]["resumed_from"] == 3 and runs["fsdp"]["sample"]["text"]
+
+
+def test_the_moe_model_with_its_attention_over_a_tp_group_trains_the_model_of_one_process(tmp_path):
+    """EP=2 x TP=2 on one node: each TP group splits the attention, each EP group shares the experts."""
+    moe = [*RUN, "--model", "moe", "--experts", "4", "--expert-hidden", "16", "--top-k", "2"]
+    one = train(tmp_path / "one", *moe, *LAYOUTS["one"])["history"]
+    split = train(tmp_path / "split", *moe, "--nodes", "1", "--ranks-per-node", "4", "--ep", "2", "--tp", "2")
+    assert split["layout"]["tp"] == 2 and split["layout"]["ep"] == 2
+    for step, (x, y) in enumerate(zip(one["loss"], split["history"]["loss"], strict=True), 1):
+        assert abs(x - y) < 1e-4, (step, x, y)

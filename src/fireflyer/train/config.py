@@ -74,8 +74,8 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages (one per node, a node's ranks in different pipelines); data parallel takes the rest."""
     tp: int = 1
-    """Tensor-parallel degree: ranks of one node that split every block's attention heads and MLP (Megatron's
-    column- then row-parallel linears) and read the same micro-batches."""
+    """Tensor-parallel degree: ranks of one node that split every block's attention heads and dense MLP (Megatron's
+    column- then row-parallel linears; a MoE layer's experts stay whole on each) and read the same micro-batches."""
     fsdp: bool = False
     """Shard the weights, gradients and optimizer state over the data-parallel ranks (FSDP2's ZeRO-3 over hfreduce)
     instead of holding a whole replica on each."""
@@ -223,14 +223,11 @@ class TrainConfig:
         if self.linear_blocks > 1 and self.d_model % self.linear_blocks:
             raise UserError(f"linear_blocks ({self.linear_blocks}) must divide d_model ({self.d_model}): every block "
                             "of a linear layer has one shape")
-        if self.linear_blocks > 1 and self.model != "dense":
-            raise UserError(f"linear_blocks ({self.linear_blocks}) is for the dense model's linear layers: the MoE "
-                            "model's are not split into blocks (leave it at 1)")
         if self.tp == 1:
             return
-        if self.model != "dense":
-            raise UserError(f"tp = {self.tp} is for the dense model so far: the MoE model's attention is not split "
-                            "over a TP group yet")
+        if self.model == "moe" and self.ranks_per_node % (self.ep * self.tp):
+            raise UserError(f"ep x tp ({self.ep} x {self.tp}) does not divide ranks_per_node ({self.ranks_per_node}): "
+                            "an expert-parallel group of TP groups stays inside one node")
         if self.ranks_per_node % self.tp:
             raise UserError(f"tp ({self.tp}) does not divide ranks_per_node ({self.ranks_per_node}): a TP group stays "
                             "inside one node, since it exchanges activations in every layer")

@@ -286,19 +286,21 @@ def split_linears(model: nn.Module, *, blocks: int, tp_group: ProcessGroup | Non
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     blocks = tp if order == "fast" else blocks
     for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
+        attn, mlp = block.attn, getattr(block, "mlp", None)  # a MoE block has no MLP: its experts stay whole
         if tp_group is None:
             attn.qkv = CanonicalLinear.from_linear(attn.qkv, blocks, chunks=QKV_CHUNKS)
             attn.proj = CanonicalLinear.from_linear(attn.proj, blocks)
-            mlp[0] = CanonicalLinear.from_linear(mlp[0], blocks)
-            mlp[2] = CanonicalLinear.from_linear(mlp[2], blocks)
+            if mlp is not None:
+                mlp[0] = CanonicalLinear.from_linear(mlp[0], blocks)
+                mlp[2] = CanonicalLinear.from_linear(mlp[2], blocks)
             continue
         if attn.heads % tp:
             raise UserError(f"tp ({tp}) does not divide the attention's {attn.heads} heads")
         column = dict(group=tp_group, blocks=blocks, order=order)
         attn.qkv = ColumnParallelCanonicalLinear.from_full(attn.qkv, chunks=QKV_CHUNKS, **column)
         attn.proj = RowParallelCanonicalLinear.from_full(attn.proj, **column)
-        mlp[0] = ColumnParallelCanonicalLinear.from_full(mlp[0], **column)
-        mlp[2] = RowParallelCanonicalLinear.from_full(mlp[2], **column)
+        if mlp is not None:
+            mlp[0] = ColumnParallelCanonicalLinear.from_full(mlp[0], **column)
+            mlp[2] = RowParallelCanonicalLinear.from_full(mlp[2], **column)
         attn.heads //= tp
     return model
