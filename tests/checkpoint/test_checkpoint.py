@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import signal
 from datetime import timedelta
 
 import numpy as np
@@ -21,7 +22,7 @@ from fireflyer.checkpoint import (
     committed_steps,
     rng_state,
 )
-from fireflyer.checkpoint.manager import step_dir
+from fireflyer.checkpoint.manager import PERSIST_DELAY_ENV, step_dir
 
 
 def _state(seed: int = 0) -> dict:
@@ -97,6 +98,34 @@ def test_policy_skip_and_wait(tmp_path):
     assert all(wait.save(s, big) for s in range(1, 4))
     wait.wait()
     assert committed_steps(str(tmp_path / "w"))[-1] == 3
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_wait_cut_short_by_a_stop_signal_still_waits_for_the_save_after(tmp_path, monkeypatch):
+    """A rank's stop raises from its signal handler wherever the main thread is, also inside a wait for the save
+    in flight; its unwinding waits again, and that wait must still wait (a broken Thread.join would not)."""
+    monkeypatch.setenv(PERSIST_DELAY_ENV, "1.5")
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+
+    def stop(_signum, _frame):
+        raise _Stop
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        mgr.save(1, {"x": torch.ones(3)})
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Stop):
+            mgr.wait()  # interrupted well before the save's delay is over
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert mgr.stats["saves"] == 1 and committed_steps(str(tmp_path)) == []
+    mgr.wait(timeout=60)
+    assert committed_steps(str(tmp_path)) == [1]
+    assert torch.equal(mgr.load()["x"], torch.ones(3))
 
 
 def test_maybe_save_by_steps_and_by_time(tmp_path):

@@ -124,7 +124,7 @@ def test_the_fast_order_learns_the_same_but_not_in_the_same_bits(runs):
     (["--fsdp", "--tp", "2", "--ranks-per-node", "2", "--linear-blocks", "2"], "fsdp shards the dense model over data "
      "parallel only so far"),
     (["--linear-blocks", "3"], "linear_blocks must be a power of two"),
-    (["--model", "moe", "--experts", "4", "--ep", "2", "--tp", "2", "--linear-blocks", "2"],
+    (["--model", "moe", "--experts", "4", "--ep", "2", "--tp", "2", "--ranks-per-node", "2", "--linear-blocks", "2"],
      "ep x tp (2 x 2) does not divide ranks_per_node (2)"),
     (["--order", "tree"], "invalid choice: 'tree'"),
 ])

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import math
+import os
+import signal
+import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from fireflyer import lifetime
+from fireflyer.checkpoint import CheckpointManager, committed_steps
+from fireflyer.checkpoint.manager import PERSIST_DELAY_ENV
 from fireflyer.errors import UserError
+from fireflyer.train import job
 from fireflyer.train import report, state
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, CharTokenizer, RecordBatches, load_corpus
@@ -233,3 +242,37 @@ def test_throughput_and_plain_progress_lines():
     out = buf.getvalue().splitlines()
     assert [ln.split()[1] for ln in out] == ["1/10", "5/10", "10/10"]
     assert out[-1] == "step 10/10  loss 3.0000  lr 1.00e-03  12.3k tok/s  allreduce 0.50 GB/s"
+
+
+def test_a_stop_while_the_rank_waits_for_its_save_lets_the_save_finish(tmp_path, monkeypatch):
+    """The usual order of a stopped multi-node run: a peer stops first, this rank's collective fails, and this
+    rank's own SIGTERM arrives while it waits for its save in flight. The save is still finished and committed,
+    and the stop (not the peer's failure) is what the rank reports."""
+    monkeypatch.setenv(PERSIST_DELAY_ENV, "1.5")
+    monkeypatch.setenv(lifetime.GRACE, "60")
+
+    class Run:  # the trainer's part that train() touches, around a real checkpoint manager
+        where = SimpleNamespace(rank=0)
+
+        def __init__(self) -> None:
+            self.ckpt = CheckpointManager(tmp_path, rank=0, world_size=1)
+
+        def run(self) -> None:
+            self.ckpt.save(1, {"x": torch.arange(4.0)})
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            raise RuntimeError("a peer's failure")
+
+        def close(self) -> None:
+            pass
+
+    handlers = {s: signal.getsignal(s) for s in lifetime.STOP_SIGNALS}
+    try:
+        lifetime.graceful(60)
+        with pytest.raises(lifetime.Stopped, match="SIGTERM"):
+            job.train(Run)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert committed_steps(str(tmp_path)) == [1]
+    assert torch.equal(CheckpointManager(tmp_path, rank=0, world_size=1).load()["x"], torch.arange(4.0))

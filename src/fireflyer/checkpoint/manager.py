@@ -185,6 +185,11 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         os.makedirs(self.root, exist_ok=True)
         self._thread: threading.Thread | None = None
+        # Set when no save is in flight. Waited on instead of Thread.join: a join that a signal handler's
+        # exception interrupts (a rank's stop) marks the still-running thread as ended (CPython 3.11,
+        # bpo-45274), and every later join, the interpreter's at exit included, returns at once.
+        self._idle = threading.Event()
+        self._idle.set()
         self._error: BaseException | None = None
         self._failed_step: int | None = None
         self._buffers: dict[str, torch.Tensor] = {}
@@ -224,10 +229,10 @@ class CheckpointManager:
                 return False
         else:
             self._raise_failure()
-            if self._thread is not None and self._thread.is_alive() and self.config.policy == "skip":
+            if self._in_flight() and self.config.policy == "skip":
                 self.stats["skipped"] += 1
                 return False
-        if self._thread is not None and self._thread.is_alive():
+        if self._in_flight():
             self.wait()
         t0 = time.perf_counter()
         if self.config.kind == "sharded":
@@ -251,7 +256,12 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._thread = threading.Thread(target=self._persist, args=(step, snapshot, deferred, events, blob, all_names),
                                         name=f"ckpt-persist-{step}", daemon=False)
-        self._thread.start()
+        self._idle.clear()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._idle.set()
+            raise
         self.stats["saves"] += 1
         if blocking:
             self.wait()
@@ -271,7 +281,7 @@ class CheckpointManager:
         held = {n: (shard.st_dtype(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         error = self._error
         mine = {"held": held, "skeleton": dumps_skeleton(skeleton, allowed),
-                "busy": self._thread is not None and self._thread.is_alive(),
+                "busy": self._in_flight(),
                 "failed": None if error is None else f"step {self._failed_step}: {type(error).__name__}: {error}"}
         everyone = self._exchange(mine)
         if error is not None:
@@ -391,6 +401,7 @@ class CheckpointManager:
             self._error, self._failed_step = exc, step
         finally:
             self.stats["persist_seconds"] += time.perf_counter() - t0
+            self._idle.set()
 
     def _commit(self, step: int, d: str, all_names: list[str]) -> None:
         deadline = time.monotonic() + self.config.commit_timeout
@@ -454,12 +465,12 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight is persisted (and, on rank 0, committed); raise if it failed."""
-        th = self._thread
-        if th is not None:
-            th.join(timeout)
-            if th.is_alive():
-                raise TimedOut(f"the checkpoint save in flight did not finish within {timeout:.0f}s")
+        if not self._idle.wait(timeout):
+            raise TimedOut(f"the checkpoint save in flight did not finish within {timeout:.0f}s")
         self._raise_failure()
+
+    def _in_flight(self) -> bool:
+        return not self._idle.is_set()
 
     def _raise_failure(self) -> None:
         if self._error is not None:

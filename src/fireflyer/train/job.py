@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -73,13 +74,28 @@ def train(trainer_of: Callable[[], Trainer], announce: Callable[[Trainer], None]
         finally:
             trainer.close()
         return trainer
-    except BaseException:
+    except BaseException as failure:
         if trainer is not None:
-            try:
-                trainer.ckpt.wait(timeout=lifetime.grace_from_env())
-            except Exception:  # noqa: BLE001 - the stop or the failure is what is reported; this save is simply lost
-                pass
+            stop = _finish_save(trainer)
+            if stop is not None and stop is not failure:  # the stop came while the save was waited for: it is
+                raise stop from None                      # what ended the run, whatever failed just before
         raise
+
+
+def _finish_save(trainer: Trainer) -> Stopped | None:
+    """Wait (within the stop's grace) for the save in flight; a stop signal that comes meanwhile does not cut
+    the wait short (a peer's failure, then this rank's SIGTERM, is the usual order). Returns that stop."""
+    deadline = time.monotonic() + lifetime.grace_from_env()
+    stop = None
+    while True:
+        try:
+            trainer.ckpt.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return stop
+        except Stopped as exc:  # one only: the handler ignores later stop signals
+            stop = exc
+        except Exception as exc:  # noqa: BLE001 - the stop or the failure is what goes on up; the lost save is said
+            print(f"rank {trainer.where.rank}: {exc}", file=sys.stderr, flush=True)
+            return stop
 
 
 def main(argv: list[str] | None = None) -> int:
