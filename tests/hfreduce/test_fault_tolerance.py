@@ -51,10 +51,25 @@ def lighthouse():
     proc.wait()
 
 
-def replica(name: str, lighthouse: str, out: Path, steps: int = STEPS, sleep: float = 0.15) -> subprocess.Popen:
+def replica(name: str, lighthouse: str, out: Path, steps: int = STEPS, sleep: float = 0.15, *extra: str
+            ) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(JOB), name, lighthouse, str(steps), str(out / f"{name}.jsonl"),
-                             "--step-sleep", str(sleep)], stdout=subprocess.DEVNULL,
+                             "--step-sleep", str(sleep), *extra], stdout=subprocess.DEVNULL,
                             stderr=open(out / f"{name}.log", "ab"), stdin=subprocess.DEVNULL)
+
+
+def join_while_held(name: str, lighthouse: str, out: Path, hold: Path) -> subprocess.Popen:
+    """Start replica ``name`` while the live one waits at its next step (``hold``), and let it go on once the
+    newcomer is about to ask for its first quorum: however slowly this host starts a process, the live replica
+    cannot finish the run alone before the newcomer joins."""
+    ready = out / f"{name}.ready"
+    ready.unlink(missing_ok=True)
+    newcomer = replica(name, lighthouse, out, STEPS, 0.15, "--ready", str(ready))
+    try:
+        wait_until(ready.exists, timeout=120)
+    finally:
+        hold.unlink(missing_ok=True)
+    return newcomer
 
 
 def rows(out: Path, name: str) -> list[dict]:
@@ -79,9 +94,11 @@ def straight_sha(tmp_path: Path, lighthouse: str) -> str:
 
 
 def test_a_late_replica_heals_from_a_live_one_and_both_end_with_the_same_weights(tmp_path, lighthouse):
-    a = replica("a", lighthouse, tmp_path)
+    hold = tmp_path / "hold"
+    a = replica("a", lighthouse, tmp_path, STEPS, 0.15, "--hold", str(hold))
     wait_until(lambda: len(rows(tmp_path, "a")) >= 3, timeout=120)
-    b = replica("b", lighthouse, tmp_path)
+    hold.touch()
+    b = join_while_held("b", lighthouse, tmp_path, hold)
     finish(a, b)
     ra, rb = rows(tmp_path, "a"), rows(tmp_path, "b")
     assert ra[-1]["step"] == rb[-1]["step"] == STEPS
@@ -91,7 +108,8 @@ def test_a_late_replica_heals_from_a_live_one_and_both_end_with_the_same_weights
 
 
 def test_a_replica_killed_mid_run_leaves_the_survivor_training_and_its_restart_heals(tmp_path, lighthouse):
-    a, b = replica("a", lighthouse, tmp_path), replica("b", lighthouse, tmp_path)
+    hold = tmp_path / "hold"
+    a, b = replica("a", lighthouse, tmp_path, STEPS, 0.15, "--hold", str(hold)), replica("b", lighthouse, tmp_path)
     wait_until(lambda: any(r["participants"] == 2 for r in rows(tmp_path, "a")), timeout=120)
     b.kill()
     b.wait()
@@ -99,7 +117,8 @@ def test_a_replica_killed_mid_run_leaves_the_survivor_training_and_its_restart_h
     # the survivor goes on in a quorum of one: the kill costs seconds, not a restart
     after = wait_until(lambda: [r for r in rows(tmp_path, "a") if r["t"] > killed_at and r["participants"] == 1], timeout=120)
     assert after[0]["t"] - killed_at < 30
-    b2 = replica("b", lighthouse, tmp_path)  # restarted: it heals from a over the network
+    hold.touch()
+    b2 = join_while_held("b", lighthouse, tmp_path, hold)  # restarted: it heals from a over the network
     finish(a, b2)
     ra, rb = rows(tmp_path, "a"), [r for r in rows(tmp_path, "b") if r["pid"] == b2.pid]
     assert ra[-1]["step"] == rb[-1]["step"] == STEPS and ra[-1]["sha"] == rb[-1]["sha"]

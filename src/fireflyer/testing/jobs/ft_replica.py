@@ -1,6 +1,6 @@
 """One replica group (one process) of a torchft job on hfreduce, for the fault-tolerance tests.
 
-``python ft_replica.py REPLICA_ID LIGHTHOUSE STEPS OUT_JSONL [--min-replicas N]``: trains a small
+``python ft_replica.py REPLICA_ID LIGHTHOUSE STEPS OUT_JSONL [--min-replicas N] [--hold F] [--ready F]``: trains a small
 linear model with ``torchft.Manager(pg=ProcessGroupHFReduce())``: every step starts a quorum,
 averages the gradient across the live replica groups with ``Manager.allreduce`` and commits
 only if every member says so. A replica that joins late heals: it takes the model and optimizer
@@ -30,6 +30,8 @@ p.add_argument("steps", type=int)
 p.add_argument("out")
 p.add_argument("--min-replicas", type=int, default=1)
 p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--hold", default=None, help="before each step, wait while this file exists (120 s at most)")
+p.add_argument("--ready", default=None, help="create this file once the Manager exists, before the first quorum")
 args = p.parse_args()
 lifetime.graceful(2.0)
 os.environ.setdefault("FIREFLYER_NODE_ID", f"replica-{args.replica_id}")
@@ -62,8 +64,22 @@ manager = Manager(pg=ProcessGroupHFReduce(timeout=timedelta(seconds=10)), min_re
                   world_size=1, timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30),
                   connect_timeout=timedelta(seconds=10), hostname="127.0.0.1")
 opt = OptimizerWrapper(manager, optim)
+
+
+def hold() -> None:
+    """A test's pause: this replica stays out of the next quorum while the file exists (a bounded while)."""
+    deadline = time.monotonic() + 120
+    while args.hold and os.path.exists(args.hold):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replica {args.replica_id}: held for over 120 s by {args.hold}")
+        time.sleep(0.02)
+
+
+if args.ready:
+    open(args.ready, "w").close()
 with open(args.out, "a") as out:
     while manager.current_step() < args.steps:
+        hold()
         opt.zero_grad()  # starts the quorum (healing from a live replica if this one is behind)
         step = manager.current_step()
         g = torch.Generator().manual_seed(1000 + step)  # the same global batch on every replica
