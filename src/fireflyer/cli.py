@@ -48,6 +48,16 @@ def _demo(rest: list[str]) -> int:
     return cli.main(rest, prog="fireflyer demo")
 
 
+def _simulate(rest: list[str]) -> int:
+    if rest and rest[0] == "goodput":  # the failure model lives with the failure data, in the validator
+        from fireflyer.validator import goodput_cli
+
+        return goodput_cli.main(rest[1:])
+    from fireflyer.fabric import cli
+
+    return cli.main(["simulate", *rest])
+
+
 def _validate(rest: list[str]) -> int:
     from fireflyer.validator import cli
 
@@ -111,8 +121,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "drain": ("take a node out of scheduling: fireflyer drain NODE", _lazy(_PLATFORM, "drain")),
     "undrain": ("return a drained node: fireflyer undrain NODE", _lazy(_PLATFORM, "undrain")),
     "plan": ("plan a cluster's fabric, cost and power: fireflyer plan --gpus N", _lazy("fireflyer.fabric.cli", "plan")),
-    "simulate": ("simulate collectives at scale: fireflyer simulate allreduce --gpus ...",
-                 _lazy("fireflyer.fabric.cli", "simulate")),
+    "simulate": ("simulate collectives at scale: fireflyer simulate allreduce --gpus ...", _simulate),
     "cache": ("the tiered shard cache: fireflyer cache simulate", _lazy("fireflyer.storage.cli", "cache")),
 }
 

@@ -46,7 +46,58 @@ def _imports(src: Path) -> dict[str, set[str]]:
     return graph
 
 
-def test_no_two_modules_import_each_other():
-    graph = _imports(ROOT / "src")
-    pairs = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, ())})
-    assert not pairs, f"modules that import each other (even lazily): {pairs}"
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of any length: the strongly connected components of more than one module
+    (Tarjan's algorithm, iterative, so a deep import chain cannot reach Python's recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            mod, deps = work[-1]
+            for dep in deps:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph.get(dep, ())))))
+                    break
+                if dep in on_stack:
+                    low[mod] = min(low[mod], index[dep])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[mod])
+                if low[mod] == index[mod]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == mod:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return circles
+
+
+def test_the_circle_finder_finds_circles_of_every_length():
+    assert _circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"d"}, "d": {"a"}, "e": {"a"}}) == [["a", "b", "c", "d"]]
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    long = {f"m{i}": {f"m{(i + 1) % 3000}"} for i in range(3000)}
+    assert [len(c) for c in _circles(long)] == [3000]
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    circles = _circles(_imports(ROOT / "src"))
+    assert not circles, f"modules that import each other in a circle (even lazily): {circles}"

@@ -111,11 +111,9 @@ def simulate_main(argv: list[str]) -> int:
         return _paper_main(argv[1:])
     if argv[0] == "train":
         return _train_main(argv[1:])
-    if argv[0] == "goodput":  # the failure model lives with the failure data, in the validator
-        from fireflyer.validator import goodput_cli
-
-        return goodput_cli.main(argv[1:])
-    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement, paper, train or goodput")
+    raise UserError(f"unknown simulation {argv[0]!r}; choose allreduce, placement, paper, train or goodput"
+                    + (" (goodput is the validator's: run it as 'fireflyer simulate goodput')" if argv[0] == "goodput"
+                       else ""))
 
 
 def _paper_main(argv: list[str]) -> int:
