@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from fireflyer.hfreduce import HFReduceConfig
-from fireflyer.hfreduce.config import default_chunk_bytes
+from fireflyer.hfreduce.config import DEFAULT_TIMEOUT, default_chunk_bytes
 
 ENV = ("CHUNK_BYTES", "DEPTH", "TIMEOUT", "IFADDR")
 
@@ -27,7 +27,7 @@ def test_defaults_are_valid() -> None:
         assert chunk >= 4096 and chunk % 64 == 0 and HFReduceConfig(chunk_bytes=chunk).chunk_bytes == chunk
     assert default_chunk_bytes(1) < default_chunk_bytes(2)
     assert cfg.depth >= 2
-    assert cfg.timeout > 0
+    assert cfg.timeout is None and cfg.settled().timeout > 0  # not set: the one rule decides it
     assert cfg.ifaddr is None
 
 
@@ -104,13 +104,50 @@ def test_from_env_timeout_argument() -> None:
 
 
 def test_from_env_precedence(monkeypatch) -> None:
-    # The named environment variable overrides the timeout argument; explicit overrides beat both.
+    # An explicit timeout beats the environment's; explicit overrides beat the environment.
     monkeypatch.setenv("FIREFLYER_HFREDUCE_TIMEOUT", "3")
     monkeypatch.setenv("FIREFLYER_HFREDUCE_DEPTH", "5")
     cfg = HFReduceConfig.from_env(timeout=timedelta(seconds=5), depth=8, ifaddr=None)
-    assert cfg.timeout == 3.0
+    assert cfg.timeout == 5.0
     assert cfg.depth == 8
     assert cfg.ifaddr is None  # None overrides are ignored
+    assert HFReduceConfig.from_env().timeout == 3.0  # no explicit one: the environment's
+
+
+def test_one_timeout_rule_set_beats_given_beats_environment_beats_default(monkeypatch) -> None:
+    monkeypatch.delenv("FIREFLYER_HFREDUCE_TIMEOUT", raising=False)
+    assert HFReduceConfig().timeout is None, "None means not set"
+    assert HFReduceConfig().settled().timeout == DEFAULT_TIMEOUT
+    assert HFReduceConfig().settled(default=90).timeout == 90
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_TIMEOUT", "7")
+    assert HFReduceConfig().settled(default=90).timeout == 7
+    assert HFReduceConfig().settled(timedelta(seconds=5), default=90).timeout == 5
+    assert HFReduceConfig(timeout=60).settled(timedelta(seconds=5)).timeout == 60, "60 set by hand is set"
+    assert HFReduceConfig(timeout=2).settled().timeout == 2
+
+
+def _world_timeout(**init) -> float:
+    """The collective timeout of a one-rank hfreduce world made through ``dist.init_process_group``."""
+    import torch.distributed as dist
+
+    import fireflyer.hfreduce  # noqa: F401 - registers the backend
+
+    dist.init_process_group("hfreduce", store=dist.HashStore(), rank=0, world_size=1, **init)
+    try:
+        return dist.group.WORLD.comm.config.timeout  # with extended_api, WORLD is hfreduce's group itself
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_rule_through_init_process_group(monkeypatch) -> None:
+    monkeypatch.delenv("FIREFLYER_HFREDUCE_TIMEOUT", raising=False)
+    assert _world_timeout() == 1800, "no timeout anywhere: torch's default, as with gloo"
+    monkeypatch.setenv("FIREFLYER_HFREDUCE_TIMEOUT", "7")
+    assert _world_timeout() == 7, "the environment beats torch's default"
+    assert _world_timeout(timeout=timedelta(seconds=5)) == 5, "torch's explicit timeout beats the environment"
+    assert _world_timeout(timeout=timedelta(seconds=5), pg_options=HFReduceConfig(timeout=60)) == 60, \
+        "the group's own config beats them all, 60 included"
+    assert _world_timeout(pg_options=HFReduceConfig(order="canonical")) == 7
 
 
 def test_memory_traffic_counts_the_engine_copies():

@@ -7,6 +7,7 @@ launcher's variables. The names, with what each means, are in :mod:`fireflyer.hf
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping
@@ -30,8 +31,12 @@ class HFReduceConfig:
     None: chosen when the group forms (:func:`default_chunk_bytes`)."""
     depth: int = 4
     """Chunks in flight per node (arena buffers). At least 2."""
-    timeout: float = 60.0
-    """Seconds a collective may take before every rank raises CollectiveTimeout."""
+    timeout: float | None = None
+    """Seconds a collective may take before every rank raises CollectiveTimeout. ``None``: not set here.
+    One rule decides it (:meth:`settled`): a value set here beats the caller's explicit timeout (torch's
+    ``init_process_group``/``new_group(timeout=...)``, or ``from_env(timeout=...)``), which beats
+    ``FIREFLYER_HFREDUCE_TIMEOUT``, which beats the default (torch's own default through ``dist``,
+    :data:`DEFAULT_TIMEOUT` for a Communicator made directly)."""
     ifaddr: str | None = None
     """IPv4 address to listen on for other nodes. Default: the address that routes to MASTER_ADDR."""
     oneshot_bytes: int = 256 << 10
@@ -78,7 +83,7 @@ class HFReduceConfig:
             raise UserError(f"chunk_bytes must be a multiple of 64 and at least 4096, got {self.chunk_bytes}")
         if self.depth < 2:
             raise UserError(f"depth must be at least 2, got {self.depth}")
-        if not self.timeout > 0:
+        if self.timeout is not None and not self.timeout > 0:
             raise UserError(f"timeout must be positive seconds, got {self.timeout}")
         if not 0 <= self.oneshot_bytes <= 1 << 40:
             raise UserError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
@@ -87,23 +92,49 @@ class HFReduceConfig:
         if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yields <= 1 << 20:
             raise UserError(f"spin must be 0..{1 << 24} and yields 0..{1 << 20}, got {self.spin} and {self.yields}")
 
+    def settled(self, given: float | timedelta | None = None, default: float | None = None) -> "HFReduceConfig":
+        """This config with its timeout a number, by the one rule: its own where set, else ``given`` (the
+        caller's explicit timeout), else ``FIREFLYER_HFREDUCE_TIMEOUT``, else ``default``
+        (:data:`DEFAULT_TIMEOUT` when None)."""
+        if self.timeout is not None:
+            return self
+        if given is not None:
+            value = given.total_seconds() if isinstance(given, timedelta) else float(given)
+        else:
+            from_env = _env_field("timeout", float)
+            value = from_env if from_env is not None else (DEFAULT_TIMEOUT if default is None else default)
+        return dataclasses.replace(self, timeout=value)
+
     @classmethod
     def from_env(cls, timeout: float | timedelta | None = None, **overrides) -> "HFReduceConfig":
-        """The defaults, then ``FIREFLYER_HFREDUCE_<FIELD>`` where set, then ``timeout``, then ``overrides``."""
+        """The defaults, then ``FIREFLYER_HFREDUCE_<FIELD>`` where set, then ``overrides``; an explicit
+        ``timeout`` beats the environment's (see :attr:`timeout` for the one rule)."""
         kw: dict = {}
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
                            ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int),
                            ("arena", str), ("order", str)):
-            raw = read(names.field(name))
-            if raw:
-                try:
-                    kw[name] = conv(raw)
-                except ValueError:
-                    raise UserError(f"{names.field(name)}={raw!r} is not a valid {conv.__name__}") from None
-        if timeout is not None and "timeout" not in kw:
+            value = _env_field(name, conv)
+            if value is not None:
+                kw[name] = value
+        if timeout is not None:
             kw["timeout"] = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
+
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds: a Communicator's collective timeout where nothing else sets one (torch's default through ``dist``)."""
+
+
+def _env_field(name: str, conv):
+    """``FIREFLYER_HFREDUCE_<NAME>`` converted, or None where unset or empty."""
+    raw = read(names.field(name))
+    if not raw:
+        return None
+    try:
+        return conv(raw)
+    except ValueError:
+        raise UserError(f"{names.field(name)}={raw!r} is not a valid {conv.__name__}") from None
 
 
 ORDERS = ("fast", "canonical")

@@ -89,7 +89,7 @@ class Communicator:
     ) -> None:
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is outside 0..{world_size - 1}")
-        self.config = config or HFReduceConfig.from_env()
+        self.config = (config or HFReduceConfig.from_env()).settled()  # its timeout a number, by the one rule
         self.rank = rank
         self.world_size = world_size
         self._store = store
@@ -379,9 +379,9 @@ class Communicator:
         self._failures.check()
 
     @property
-    def _seq(self) -> int:
-        """The number the next collective gets (so the last one's is ``_seq - 1``)."""
-        return self._jobs.seq
+    def last_number(self) -> int:
+        """The number of this rank's latest collective (the flight recorder's and the work's ``#``)."""
+        return self._jobs.seq - 1
 
     @property
     def _core_comm(self) -> bytes | None:

@@ -15,11 +15,11 @@ implements; every other collective raises ``NotImplementedError`` naming it.
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from fireflyer.hfreduce import collectives, spread
 from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
@@ -129,7 +129,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
             p.timeout = timeout
             if trace is not None:
                 p.trace = trace
-        inline = not getattr(opts, "asyncOp", False)
+        inline = not asynchronous(opts)
         if inline and len(plans) == 1:
             try:
                 if self.comm.run_now(plans[0]):
@@ -161,15 +161,15 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         t = _one(tensors, "allreduce")
-        if not getattr(opts, "asyncOp", True) and isinstance(t, torch.Tensor):
+        if not asynchronous(opts) and isinstance(t, torch.Tensor):
             # dist.all_reduce of a small CPU tensor on one node: one call of the compiled core
             try:
                 if self.comm.allreduce_now(t, op, seconds(opts.timeout)):
-                    return DoneWork(tensors, self.comm._seq - 1, "all_reduce")
+                    return DoneWork(tensors, self.comm.last_number, "all_reduce")
             except HFReduceError as exc:
                 failed: torch.futures.Future = torch.futures.Future()
                 failed.set_exception(exc)
-                return HFReduceWork(self.comm, [failed], tensors, seqs=[self.comm._seq - 1], what="all_reduce")
+                return HFReduceWork(self.comm, [failed], tensors, seqs=[self.comm.last_number], what="all_reduce")
         return self._work([collectives.allreduce(t, op, self.size())], tensors, opts, "all_reduce", [t], [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -332,21 +332,38 @@ for _method, _name in _REFUSED.items():
 
 def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
     """torch's creator hook. ``pg_options`` (``init_process_group``, ``new_group``), where given, is the
-    group's :class:`HFReduceConfig` (for example ``HFReduceConfig(order="canonical")``); its timeout is
-    the group's own unless it left the default, when torch's ``timeout`` counts, as without it."""
-    timeout = getattr(dist_opts, "timeout", None)
-    timeout = timeout if isinstance(timeout, timedelta) else None
+    group's :class:`HFReduceConfig` (for example ``HFReduceConfig(order="canonical")``). The group's timeout
+    follows the one rule of :attr:`HFReduceConfig.timeout`: the config's own where set, else torch's
+    ``timeout=`` where the caller gave one, else ``FIREFLYER_HFREDUCE_TIMEOUT``, else torch's default.
+    torch hands its default over when the caller gives none, so a timeout equal to it counts as none."""
+    given = torch_timeout(getattr(dist_opts, "timeout", None))
     if backend_options is None:
-        config = HFReduceConfig.from_env(timeout=timeout)
+        config = HFReduceConfig.from_env(timeout=given)
     elif isinstance(backend_options, HFReduceConfig):
         config = backend_options
-        if timeout is not None and config.timeout == HFReduceConfig.timeout:
-            config = dataclasses.replace(config, timeout=timeout.total_seconds())
     else:
         raise UserTypeError(f"hfreduce's pg_options must be an HFReduceConfig, got {type(backend_options).__name__}")
+    config = config.settled(given, default=TORCH_DEFAULT_TIMEOUT.total_seconds())
     ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or range(dist_opts.group_size))
     return HFReduceProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, config,
                                 group_name=str(getattr(dist_opts, "group_id", "") or ""), global_ranks=ranks)
+
+
+def asynchronous(opts: object) -> bool:
+    """Whether torch asked for the collective to go on in the background (``async_op=True``). torch's
+    options default to it, and so does a direct call without options."""
+    return bool(getattr(opts, "asyncOp", True))
+
+
+TORCH_DEFAULT_TIMEOUT = default_pg_timeout
+"""What torch passes a backend when ``init_process_group``/``new_group`` got no ``timeout``."""
+
+
+def torch_timeout(timeout: object) -> timedelta | None:
+    """The timeout a caller gave torch, or None where it gave none (torch's default stands in for none)."""
+    if not isinstance(timeout, timedelta) or timeout == TORCH_DEFAULT_TIMEOUT or timeout <= timedelta(0):
+        return None
+    return timeout
 
 
 def register() -> None:
