@@ -44,6 +44,7 @@ from torch import nn
 
 from fireflyer.errors import UserError, UserTypeError
 from fireflyer.haiscale.accumulate import check_order
+from fireflyer.hfreduce import engine_of
 from fireflyer.hfreduce.canonical import accumulation_dtype, split_point
 
 __all__ = ["CanonicalLinear", "ColumnParallelCanonicalLinear", "RowParallelCanonicalLinear", "TensorParallelLinear",
@@ -285,7 +286,7 @@ class TensorParallelLinear(_BlockedLinear):
             self._plan = replace(self._plan, blocks=1, n_blocks=1, k_blocks=1)
         elif self.tp > 1:
             try:
-                check_order("canonical", [SimpleNamespace(pg=group, engine=getattr(group, "comm", None),
+                check_order("canonical", [SimpleNamespace(pg=group, engine=engine_of(group),
                                                           world=self.tp)], None)
             except UserError as e:
                 raise UserError(f"{type(self).__name__} sums over its TP group in the canonical order: {e}") from None

@@ -50,6 +50,7 @@ import torch.nn as nn
 from fireflyer.haiscale import accumulate as micro
 from fireflyer.haiscale.buckets import plan_buckets
 from fireflyer.haiscale.expert import ep_size_of, is_expert_param
+from fireflyer.hfreduce import engine_of
 from fireflyer.hfreduce.reduce import Op
 from fireflyer.errors import UsageError, UserError, UserTypeError
 
@@ -95,7 +96,7 @@ class _Group:
 
 
 def _group(pg: dist.ProcessGroup) -> _Group:
-    return _Group(pg, getattr(pg, "comm", None), dist.get_world_size(pg), dist.get_global_rank(pg, 0))
+    return _Group(pg, engine_of(pg), dist.get_world_size(pg), dist.get_global_rank(pg, 0))
 
 
 class _Bucket:
@@ -178,7 +179,7 @@ class DistributedDataParallel(nn.Module):
             _check_group(process_group, "process_group")
         self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
         self.expert_process_group = expert_process_group
-        self._comm = getattr(self.process_group, "comm", None)  # the hfreduce engine, when that is the backend
+        self._comm = engine_of(self.process_group)  # the hfreduce engine, when that is the backend
         self._world = dist.get_world_size(self.process_group)
         self._root = dist.get_global_rank(self.process_group, 0)
         self._groups: list[_Group] = [_group(self.process_group)]

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from fireflyer.errors import UsageError, UserError
 from fireflyer.haiscale import accumulate as micro
 from fireflyer.haiscale.fsdp_comm import CUSTOM_REDUCE_SCATTER, ReduceScatter, ReduceScatterBacklog
+from fireflyer.hfreduce import engine_of
 from fireflyer.hfreduce.canonical import PairwiseAccumulator, accumulation_dtype
 
 
@@ -59,7 +60,7 @@ class _Group(NamedTuple):
 def check(group: dist.ProcessGroup, mp_policy: MixedPrecisionPolicy | None, optimizer: Any) -> None:
     """Refuse what cannot sum in the canonical order, before anything is sharded."""
     world = group.size()
-    micro.check_order("canonical", [_Group(group, getattr(group, "comm", None), world)], None)
+    micro.check_order("canonical", [_Group(group, engine_of(group), world)], None)
     if world & (world - 1):
         raise UserError(f"order='canonical' needs a power-of-two number of shard ranks (1, 2, 4, 8, ...), but the group "
                         f"has {world}, so the micro-batches of one local step are not a subtree of the canonical tree")
@@ -193,7 +194,7 @@ class CanonicalAccumulation:
         if not batches:
             raise UserError("fsdp_accumulate() needs at least one micro-batch")
         m = len(batches)
-        self.count = micro.agree_count(getattr(self.group, "comm", None), m, self.world)
+        self.count = micro.agree_count(engine_of(self.group), m, self.world)
         self.m = m
         params = [p for p in model.parameters() if p.requires_grad]
         alone = [PairwiseAccumulator() for _ in params] if self.world == 1 else []

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fireflyer.errors import UsageError, UserError, UserTypeError
+from fireflyer.hfreduce import engine_of
 from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.hfreduce.reduce import Op
 
@@ -224,7 +225,7 @@ def canonical_group(pg: dist.ProcessGroup | None, what: str) -> CanonicalGroup:
                             f"{type(pg).__name__}")
     if dist.get_rank(pg) < 0:
         raise UserError(f"{what} does not contain this rank; pass each rank the group it is in")
-    g = CanonicalGroup(pg, getattr(pg, "comm", None), dist.get_world_size(pg))
+    g = CanonicalGroup(pg, engine_of(pg), dist.get_world_size(pg))
     if g.world > 1 and getattr(getattr(g.engine, "config", None), "order", None) != "canonical":
         backend = "hfreduce" if g.engine is not None else dist.get_backend(pg)
         raise UserError(f"{what} must sum in the canonical order, but this {backend} group does not; make it with "

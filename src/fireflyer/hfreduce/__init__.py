@@ -1,7 +1,7 @@
 """HFReduce: CPU-side collectives for commodity GPU and CPU clusters (Fire-Flyer AI-HPC, paper section IV).
 
 ``import fireflyer.hfreduce`` registers the torch.distributed backend ``"hfreduce"``.
-The direct API is :class:`Communicator`; configuration is :class:`HFReduceConfig`, which
+The direct API is :class:`Communicator` (:func:`engine_of` finds the one behind a torch group); configuration is :class:`HFReduceConfig`, which
 (with :mod:`~fireflyer.hfreduce.config`'s readers) is the only reader of the environment
 variables named in :mod:`~fireflyer.hfreduce.env`.
 """
@@ -9,7 +9,7 @@ variables named in :mod:`~fireflyer.hfreduce.env`.
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
 from fireflyer.hfreduce.engine import Communicator
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.process_group import BACKEND, HFReduceProcessGroup, register
+from fireflyer.hfreduce.process_group import BACKEND, HFReduceProcessGroup, engine_of, register
 from fireflyer.hfreduce.reduce import Op
 
 register()
@@ -24,6 +24,7 @@ __all__ = [
     "HFReduceProcessGroup",
     "Op",
     "PeerFailure",
+    "engine_of",
     "node_key",
     "register",
 ]

@@ -23,6 +23,7 @@ announces is never seen before that data. The stages hand chunks over through
 from __future__ import annotations
 
 import ctypes
+import enum
 import errno
 import mmap
 import os
@@ -43,7 +44,26 @@ SHM_DIR = "/dev/shm"
 NAME_PREFIX = "fireflyer-hfr-"
 MAGIC = 0x48465231  # "HFR1"
 
-STAGES = ("in", "red", "out", "done")
+class Flag(str, enum.Enum):
+    """The four flags each local rank raises per chunk, in the arena's order: its input staged ``IN``, its
+    slice ``RED``uced, the node's result ``OUT`` of the trees, and ``DONE`` reading its peers' buffers. A
+    member equals (and hashes as) its string, which the flight recorder and the messages print."""
+
+    IN = "in"
+    RED = "red"
+    OUT = "out"
+    DONE = "done"
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+STAGES = tuple(Flag)
 SLICE = 0.05  # seconds a wait sleeps on a flag between liveness checks
 RED_FACTOR = 2  # red buffers are twice a chunk: room for fp16/bf16 chunks accumulated in fp32
 _LINE = 64  # bytes per flag: one cache line each, so owners never share a line
@@ -288,13 +308,13 @@ class Arena:
     def read_flag(self, stage: str, local_rank: int) -> int:
         return self._words[self._index[stage, local_rank]] & 0xFFFFFFFF
 
-    def publish(self, stage: str, local_rank: int, value: int) -> None:
+    def publish(self, stage: Flag, local_rank: int, value: int) -> None:
         """Announce that ``local_rank`` has finished ``stage`` of chunks up to ``value`` (exclusive), and wake its waiters."""
         i = self._index[stage, local_rank]
         self._words[i] = _to_i32(value)
         futex.wake(self._base + 4 * i)
 
-    def wait(self, stage: str, local_ranks: Iterable[int], target: int, deadline: float,
+    def wait(self, stage: Flag, local_ranks: Iterable[int], target: int, deadline: float,
              check: Callable[[], None], timed_out: Callable[[int], BaseException], *,
              blocked: Callable[[int], None] | None = None, unblocked: Callable[[], None] | None = None) -> None:
         """Block until every local rank in ``local_ranks`` has published ``stage`` up to ``target``.

@@ -48,7 +48,7 @@ from fireflyer.hfreduce.config import (
     route_address,
 )
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.exchange import Exchange, for_communicator
+from fireflyer.hfreduce.exchange import Exchange
 from fireflyer.hfreduce.failures import Failures
 from fireflyer.hfreduce.fast_door import FastDoor
 from fireflyer.hfreduce.flight import FlightRecorder
@@ -58,7 +58,6 @@ from fireflyer.hfreduce.reduce import USER_OPS, Op, Plan
 from fireflyer.hfreduce.shared import SharedBuffers
 from fireflyer.hfreduce.canonical import layout_problem
 from fireflyer.hfreduce.topology import Layout, binomial_links, tree_links
-from fireflyer.hfreduce.transport import Listener
 from fireflyer.hfreduce.trees import TreeStage
 from fireflyer.hfreduce.watch import Watch
 
@@ -142,7 +141,7 @@ class Communicator:
             self._failures.on_failure(self._trees.tell)
             self._trees.connect(store=self._store, host=route_address(self.config), secret=self._secret,
                                 deadline=deadline)
-        self.exchange = for_communicator(self)
+        self.exchange = self._make_exchange()
         self._failures.on_failure(lambda error, _text: self.exchange.fail(error))
         if self.num_nodes > 1:
             flight, failures = self.flight, self._failures
@@ -337,7 +336,7 @@ class Communicator:
     def abort(self) -> None:
         """Fail every collective in flight here and on every peer at once, then close (as NCCL's abort)."""
         if not self._jobs.closed and self.error is None:
-            self._fail(PeerFailure(f"{self.describe(self.rank)} aborted the process group"))
+            self.fail(PeerFailure(f"{self.describe(self.rank)} aborted the process group"))
         self.close()
 
     def __enter__(self) -> "Communicator":
@@ -371,12 +370,30 @@ class Communicator:
         """
         return self._failures.time_out(seq, desc, seconds)
 
-    # What the exchange, the process group and tests reach for.
-    def _fail(self, exc: BaseException) -> HFReduceError:
+    def fail(self, exc: BaseException) -> HFReduceError:
+        """Fail the group with ``exc`` (the first failure wins); returns the error every rank's calls raise."""
         return self._failures.fail(exc)
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise the group's failure, if it has failed."""
         self._failures.check()
+
+    @property
+    def node_stage(self) -> NodeStage | None:
+        """The node's shared-memory stage (None before the group forms, or after it closed)."""
+        return self._node_stage
+
+    def _make_exchange(self) -> Exchange:
+        """The exchange (send/recv, all-to-all, gather, scatter), from what the rendezvous learned. Its
+        checks and failures are this group's: a failed group fails the exchange and the other way round."""
+        job = hashlib.sha256(self._secret).hexdigest()[:12]
+        private = fdshare.SUPPORTED and self.config.private_arena
+        return Exchange(rank=self.rank, layout=self.layout, pids=self._pids, store=self._store, secret=self._secret,
+                        host=route_address(self.config) if self.num_nodes > 1 else "127.0.0.1",
+                        timeout=lambda: self.config.timeout, describe=self.describe, check=self.check,
+                        fail=self.fail, name=f"{NAME_PREFIX}{job}-x{self.node}-{os.getpid()}",
+                        private=private, setup_timeout=self.config.timeout, flight=self.flight,
+                        number=self._jobs.number)
 
     @property
     def last_number(self) -> int:
@@ -384,13 +401,15 @@ class Communicator:
         return self._jobs.seq - 1
 
     @property
-    def _core_comm(self) -> bytes | None:
-        """The node stage's handle for the compiled core; None where the Python reference runs."""
-        return self._node_stage.core_comm if self._node_stage is not None else None
+    def runs_core(self) -> bool:
+        """Whether the node stage runs in the compiled core (False where the Python reference runs)."""
+        return self._node_stage is not None and self._node_stage.core_comm is not None
 
     @property
-    def _listener(self) -> Listener | None:
-        return self._trees.listener if self._trees is not None else None
+    def refused_connections(self) -> int:
+        """Connections to this rank's tree listener refused so far (a wrong key, or not a peer at all)."""
+        listener = self._trees.listener if self._trees is not None else None
+        return listener.refused if listener is not None else 0
 
     # ------------------------------------------------------------------ the stages
     def _execute(self, job: Job) -> None:

@@ -21,7 +21,7 @@ collective. A frame that arrives before its receive is posted is kept aside unti
 
 Failures follow the engine's rules: every wait has a deadline (the group's timeout or
 the call's), a dead local peer is noticed by its pid and a remote one by its closed
-connection, the first failure fails the whole group (the communicator's ``_fail``,
+connection, the first failure fails the whole group (the communicator's ``fail``,
 which calls :meth:`Exchange.fail`), and a failed group fails every later call at once.
 
 The flight recorder sees every call: an all-to-all, gather or scatter takes the group's
@@ -32,7 +32,6 @@ flight notes there whom it was waiting on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -42,11 +41,9 @@ from typing import Callable
 
 import torch
 
-from fireflyer.hfreduce import fdshare
-from fireflyer.hfreduce.arena import NAME_PREFIX
 from fireflyer.hfreduce.channels import RingIn, RingOut, TcpIn, TcpOut
 from fireflyer.hfreduce import env as names
-from fireflyer.hfreduce.config import read_int, route_address
+from fireflyer.hfreduce.config import read_int
 from fireflyer.hfreduce.endpoints import Inbox, Outbox
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, error_to_text, fresh
 from fireflyer.hfreduce.flight import FlightRecorder, dtype_name, trace_of
@@ -532,18 +529,3 @@ class Exchange:
         if self._box is not None:
             self._box.close()
             self._box = None
-
-
-def for_communicator(comm) -> Exchange:
-    """The exchange of an engine :class:`~fireflyer.hfreduce.engine.Communicator`, from what its rendezvous learned.
-
-    Its checks and failures are the communicator's: a failed group fails the exchange
-    (``Communicator._fail`` calls :meth:`Exchange.fail`) and the other way round.
-    """
-    job = hashlib.sha256(comm._secret).hexdigest()[:12]
-    private = fdshare.SUPPORTED and comm.config.private_arena
-    return Exchange(rank=comm.rank, layout=comm.layout, pids=comm._pids, store=comm._store, secret=comm._secret,
-                    host=route_address(comm.config) if comm.num_nodes > 1 else "127.0.0.1",
-                    timeout=lambda: comm.config.timeout, describe=comm.describe, check=comm._check,
-                    fail=comm._fail, name=f"{NAME_PREFIX}{job}-x{comm.node}-{os.getpid()}", private=private,
-                    setup_timeout=comm.config.timeout, flight=comm.flight, number=comm._jobs.number)

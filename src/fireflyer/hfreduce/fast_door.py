@@ -21,10 +21,11 @@ from fireflyer.hfreduce.node_stage import (
     CORE_DONE,
     CORE_DTYPES,
     CORE_NEED_PYTHON,
-    JOB_SPEC,
     ONESHOT,
     SHARED_EXT,
     NodeStage,
+    Staged,
+    job_spec,
 )
 from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan, acc_dtype, check_op
 from fireflyer.errors import UserError
@@ -85,10 +86,11 @@ class FastDoor:
             self._flight.started(seq)
             node.arena.write_descriptor(node.local_rank, seq.to_bytes(8, "little") + packed, g % node.config.depth)
             ptr = tensor.data_ptr()
-            rc, stage, k, chunk, _ = node.core.node_run(node.core_comm, JOB_SPEC.pack(
-                ONESHOT, g, 1, max(1, numel), numel, dtype_code, int(op), acc_code, divisor, ptr, ptr,
-                int(deadline * 1e9), int(deadline * 1e9), seq, DESCRIPTOR_BYTES, SHARED_EXT.size, 0, 0, 0, 0,
-                int(node.tree)))
+            rc, stage, k, chunk, _ = node.core.node_run(node.core_comm, job_spec(
+                mode=ONESHOT, first_chunk=g, nchunks=1, elems=max(1, numel), numel=numel, dtype=dtype_code,
+                op=int(op), acc_dtype=acc_code, divisor=divisor, src=ptr, dst=ptr, deadline_ns=int(deadline * 1e9),
+                late_deadline_ns=int(deadline * 1e9), seq=seq, desc_bytes=DESCRIPTOR_BYTES,
+                ext_bytes=SHARED_EXT.size, resume=0, self_registered=0, peer_in=0, peer_out=0, tree=int(node.tree)))
             if rc == CORE_DONE:
                 self._flight.completed(seq)
                 return True
@@ -100,7 +102,7 @@ class FastDoor:
             if rc != CORE_NEED_PYTHON:
                 raise node.core_failure(job, rc, stage, k, chunk)
             jobs.running = job
-            node.pipeline(job, True, "chunk 0 staged in", None)  # a mismatch, or a registered peer
+            node.pipeline(job, True, Staged.CHUNK_0_IN, None)  # a mismatch, or a registered peer
             jobs.running = None
             self._flight.completed(seq)
             return True

@@ -25,7 +25,7 @@ import torch
 
 from fireflyer.hfreduce.arena import check_unless
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError
-from fireflyer.hfreduce.node_stage import CORE_DONE, CORE_NEED_PYTHON, JOB_SPEC, SHARED_EXT
+from fireflyer.hfreduce.node_stage import CORE_DONE, CORE_NEED_PYTHON, SHARED_EXT, job_spec
 from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan
 from fireflyer.hfreduce.transfers import COLLECTIVE, Kind as Digest, dest_bytes, digest, source_bytes
 
@@ -51,7 +51,7 @@ def plan(comm: "Communicator", output: torch.Tensor, input: torch.Tensor, out_ro
     given, so every rank's input has the same size in a well-formed call and one that does not fit
     skips the arena at once; uneven ones always try it (only the handoff tells who fits).
     """
-    node = comm._node_stage
+    node = comm.node_stage
     if comm.num_nodes != 1 or comm.local_size < 2 or node is None or node.core_comm is None or \
             comm.exchange is None or input.dtype not in DTYPES or output.dtype != input.dtype or \
             input.is_cuda or output.is_cuda or not input.is_contiguous() or not output.is_contiguous():
@@ -86,7 +86,7 @@ def _row(t: torch.Tensor) -> int:
 
 def _run(comm: "Communicator", job: "Job", input: torch.Tensor, output: torch.Tensor, table, in_rows: list[int],
          out_rows: list[int], number: int) -> None:
-    node = comm._node_stage
+    node = comm.node_stage
     timeout = job.plan.timeout or comm.config.timeout
     job.first_chunk, job.nchunks = node.chunk, 1
     node.chunk += 1
@@ -97,9 +97,11 @@ def _run(comm: "Communicator", job: "Job", input: torch.Tensor, output: torch.Te
     nbytes = input.numel() * input.element_size()
     deadline_ns = int(job.deadline * 1e9)
     code = DTYPES[input.dtype]
-    spec = JOB_SPEC.pack(MODE, job.first_chunk, 1, 1, nbytes, code, int(Op.SUM), code, 0, input.data_ptr(),
-                         output.data_ptr(), deadline_ns, deadline_ns, job.seq, DESCRIPTOR_BYTES, SHARED_EXT.size,
-                         0, 0, ctypes.addressof(table), 0, 0)
+    spec = job_spec(mode=MODE, first_chunk=job.first_chunk, nchunks=1, elems=1, numel=nbytes, dtype=code,
+                    op=int(Op.SUM), acc_dtype=code, divisor=0, src=input.data_ptr(), dst=output.data_ptr(),
+                    deadline_ns=deadline_ns, late_deadline_ns=deadline_ns, seq=job.seq, desc_bytes=DESCRIPTOR_BYTES,
+                    ext_bytes=SHARED_EXT.size, resume=0, self_registered=0, peer_in=ctypes.addressof(table),
+                    peer_out=0, tree=0)
     rc, stage, k, got, _ = node.core.node_run(node.core_comm, spec)
     if rc == CORE_DONE:
         return
@@ -142,7 +144,7 @@ def _through_exchange(comm: "Communicator", job: "Job", input: torch.Tensor, out
                  timeout=max(1e-3, job.deadline - time.monotonic()), record=job.seq)
     give_up = job.deadline + 2.0  # the exchange's own deadline ends the call first
     while not op.future.done():
-        if check_unless(comm._check, op.future.done):  # it finished first: a failure after is not this call's
+        if check_unless(comm.check, op.future.done):  # it finished first: a failure after is not this call's
             break
         if time.monotonic() > give_up:
             raise CollectiveTimeout(f"all_to_all_single timed out on {comm.describe(me)} in the exchange")

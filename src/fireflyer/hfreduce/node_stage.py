@@ -23,6 +23,7 @@ one call; the Python loop here is the reference, and runs what the core hands ba
 from __future__ import annotations
 
 import ctypes
+import enum
 import queue
 import struct
 import threading
@@ -32,7 +33,7 @@ from types import ModuleType
 
 import torch
 
-from fireflyer.hfreduce.arena import STAGES, Arena
+from fireflyer.hfreduce.arena import STAGES, Arena, Flag
 from fireflyer.hfreduce.config import HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, error_from_text, fresh
 from fireflyer.hfreduce.failures import Failures, mismatch
@@ -51,8 +52,34 @@ _OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree s
 SHARED_EXT = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
 _IN_PLACE = 1 << 62
 _COMM = struct.Struct("<14q")  # _core/node.h: hfr_comm
-JOB_SPEC = struct.Struct("<21q")  # _core/node.h: hfr_job
+JOB_FIELDS = ("mode", "first_chunk", "nchunks", "elems", "numel", "dtype", "op", "acc_dtype", "divisor", "src", "dst",
+              "deadline_ns", "late_deadline_ns", "seq", "desc_bytes", "ext_bytes", "resume", "self_registered",
+              "peer_in", "peer_out", "tree")
+"""_core/node.h's ``hfr_job``, field by field in its order (all int64; a test reads the header and compares)."""
+_JOB = struct.Struct(f"<{len(JOB_FIELDS)}q")
+
+
+def job_spec(*, mode: int, first_chunk: int, nchunks: int, elems: int, numel: int, dtype: int, op: int,
+             acc_dtype: int, divisor: int, src: int, dst: int, deadline_ns: int, late_deadline_ns: int, seq: int,
+             desc_bytes: int, ext_bytes: int, resume: int, self_registered: int, peer_in: int, peer_out: int,
+             tree: int) -> bytes:
+    """One ``hfr_job`` for the compiled core, every field by name (its parameters are :data:`JOB_FIELDS`, in
+    order; a plain function, so the small collectives' door pays no more than the pack)."""
+    return _JOB.pack(mode, first_chunk, nchunks, elems, numel, dtype, op, acc_dtype, divisor, src, dst, deadline_ns,
+                     late_deadline_ns, seq, desc_bytes, ext_bytes, resume, self_registered, peer_in, peer_out, tree)
+
+
 _PIPELINE, _NODE_STAGE, ONESHOT = 1, 2, 3
+
+
+class Staged(enum.Enum):
+    """How far the compiled core took a collective's node stage (:meth:`NodeStage.run_core`)."""
+
+    DONE = "done"
+    """all of it"""
+    CHUNK_0_IN = "chunk 0 staged in"
+    """chunk 0 staged in and every descriptor seen; the Python loop checks them and goes on (a descriptor
+    the core does not judge, or a registered buffer)"""
 CORE_DONE, CORE_NEED_PYTHON, _CORE_TIMEOUT, _CORE_ABORTED, _CORE_PEER_DEAD = 0, 1, 2, 3, 4
 CORE_DTYPES = frozenset(DTYPES)
 
@@ -154,38 +181,38 @@ class NodeStage:
         staged = self.run_core(job, oneshot) if self.core_comm is not None else None
         self.pipeline(job, oneshot, staged, staged_out)
 
-    def pipeline(self, job: Job, oneshot: bool, staged: str | None, staged_out: StageOut | None) -> None:
+    def pipeline(self, job: Job, oneshot: bool, staged: Staged | None, staged_out: StageOut | None) -> None:
         """The Python loop over the chunks, from the start or from where the core stopped (``staged``)."""
         depth, L, lr, arena = self.config.depth, self.local_size, self.local_rank, self.arena
         all_local, rails = range(L), range(self.rails)
-        for c in range(job.nchunks if staged != "done" else 0):
+        for c in range(job.nchunks if staged is not Staged.DONE else 0):
             g = job.first_chunk + c
-            if not (c == 0 and staged == "chunk 0 staged in"):
-                self._wait("red", all_local, g - depth + 1, job)
+            if not (c == 0 and staged is Staged.CHUNK_0_IN):
+                self._wait(Flag.RED, all_local, g - depth + 1, job)
                 if c == 0:
                     self.write_descriptor(job)
                 self._stage_in(job, c, whole=oneshot)
-                arena.publish("in", lr, g + 1)
-                self._wait("in", all_local, g + 1, job)
+                arena.publish(Flag.IN, lr, g + 1)
+                self._wait(Flag.IN, all_local, g + 1, job)
             if c == 0:
                 self._check_descriptors(job)
                 oneshot = oneshot and job.peer_in is None
-                if staged == "chunk 0 staged in" and not oneshot and \
-                        self.run_core(job, False, resume=True) == "done":
+                if staged is Staged.CHUNK_0_IN and not oneshot and \
+                        self.run_core(job, False, resume=True) is Staged.DONE:
                     break  # registered buffers: the core goes on with them from here
             if oneshot:
                 self._reduce_oneshot(job)
-                arena.publish("red", lr, g + 1)  # done reading this buffer's slots
-                arena.publish("done", lr, g + 1)  # and never wrote its out buffer
+                arena.publish(Flag.RED, lr, g + 1)  # done reading this buffer's slots
+                arena.publish(Flag.DONE, lr, g + 1)  # and never wrote its out buffer
             elif self.num_nodes == 1:
-                self._wait("done", all_local, g - depth + 1, job)
+                self._wait(Flag.DONE, all_local, g - depth + 1, job)
                 self._reduce(job, c, final=True)
-                arena.publish("red", lr, g + 1)  # on one node "red" also means "out" is ready
+                arena.publish(Flag.RED, lr, g + 1)  # on one node "red" also means "out" is ready
                 self._stage_out(job, c)
             else:
-                self._wait("out", rails, g - depth + 1, job, late=True)
+                self._wait(Flag.OUT, rails, g - depth + 1, job, late=True)
                 self._reduce(job, c, final=False)
-                arena.publish("red", lr, g + 1)
+                arena.publish(Flag.RED, lr, g + 1)
         if staged_out is None:
             return
         # The stage-out thread's own waits notice a failed group. Once it has staged this
@@ -220,7 +247,7 @@ class NodeStage:
         whose own errors should arrive before this rank gives up on its own account.
         """
         deadline = job.tree_deadline if late else job.deadline
-        if stage == "out":
+        if stage == Flag.OUT:
             # 'out' is published by a rail's tree threads, which wait on other nodes directly:
             # let them time out first, so the error names the rank really missing.
             deadline += _OUT_GRACE
@@ -273,13 +300,13 @@ class NodeStage:
     def wait_reduced(self, job: Job, chunk: TreeChunk) -> None:
         c0, c1 = self._chunk_range(job, chunk.index)
         owners = [k for k in range(self.local_size) if _overlaps(split(c1 - c0, self.local_size, k), chunk.half)]
-        self._wait("red", owners, chunk.number + 1, job, late=True)
+        self._wait(Flag.RED, owners, chunk.number + 1, job, late=True)
 
     def wait_out_free(self, job: Job, chunk: TreeChunk) -> None:
-        self._wait("done", range(self.local_size), chunk.number - self.config.depth + 1, job, late=True)
+        self._wait(Flag.DONE, range(self.local_size), chunk.number - self.config.depth + 1, job, late=True)
 
     def publish_out(self, chunk: TreeChunk) -> None:
-        self.arena.publish("out", self.local_rank, chunk.number + 1)
+        self.arena.publish(Flag.OUT, self.local_rank, chunk.number + 1)
 
     # ------------------------------------------------------------------ where a chunk lives
     def _chunk_range(self, job: Job, c: int) -> tuple[int, int]:
@@ -374,21 +401,21 @@ class NodeStage:
     def _stage_out(self, job: Job, c: int) -> None:
         g = job.first_chunk + c
         if self.num_nodes == 1:
-            self._wait("red", range(self.local_size), g + 1, job)
+            self._wait(Flag.RED, range(self.local_size), g + 1, job)
         else:
-            self._wait("out", range(self.rails), g + 1, job, late=True)
+            self._wait(Flag.OUT, range(self.rails), g + 1, job, late=True)
         c0, c1 = self._chunk_range(job, c)
         out = self.shape.out_offset(self._buf(job, c))
         dtype = job.plan.desc.dtype
         if job.peer_out is not None and job.peer_out[self.local_rank] is not None:
-            self.arena.publish("done", self.local_rank, g + 1)  # every slice's owner wrote it here already
+            self.arena.publish(Flag.DONE, self.local_rank, g + 1)  # every slice's owner wrote it here already
             return
         for off, dst in job.plan.sinks:
             lo, hi = max(c0, off), min(c1, off + dst.numel())
             if lo < hi:
                 self._copy(dst[lo - off : hi - off], self._view(out, dtype, lo - c0, hi - c0))
         self._cuda_sync()
-        self.arena.publish("done", self.local_rank, g + 1)
+        self.arena.publish(Flag.DONE, self.local_rank, g + 1)
 
     def _reduce(self, job: Job, c: int, *, final: bool) -> None:
         """Reduce this local rank's slice of chunk ``c`` across the node's slots."""
@@ -455,10 +482,10 @@ class NodeStage:
                           shape.red_bytes, shape.flags_offset, shape.pid_offset, shape.desc_offset, shape.abort_offset,
                           self.rails, self.config.spin, self.config.yields)
 
-    def run_core(self, job: Job, oneshot: bool, *, resume: bool = False) -> str | None:
+    def run_core(self, job: Job, oneshot: bool, *, resume: bool = False) -> Staged | None:
         """Run the node stage of ``job`` in the compiled core, when its plan is one the core takes.
 
-        Returns None (not taken: the Python loop runs it all), ``"done"``, or ``"chunk 0 staged in"``
+        Returns None (not taken: the Python loop runs it all), :attr:`Staged.DONE`, or :attr:`Staged.CHUNK_0_IN`
         (a descriptor the core does not judge, or a registered buffer: the Python loop checks the
         descriptors, then hands the rest back with ``resume``, the registered buffers mapped)."""
         plan, desc = job.plan, job.plan.desc
@@ -479,11 +506,13 @@ class NodeStage:
         late = job.tree_deadline + (_OUT_GRACE if self.num_nodes > 1 else 0.0)
         peer_in = _addresses(job.peer_in) if resume else None
         peer_out = _addresses(job.peer_out) if resume and self.num_nodes == 1 else None
-        spec = JOB_SPEC.pack(mode, job.first_chunk, job.nchunks, job.elems, desc.numel, DTYPES[desc.dtype],
-                             int(desc.op), DTYPES[acc], divisor, own.data_ptr(), dst, int(job.deadline * 1e9),
-                             int(late * 1e9), job.seq, DESCRIPTOR_BYTES, SHARED_EXT.size, int(resume),
-                             int(job.shared is not None), ctypes.addressof(peer_in) if peer_in is not None else 0,
-                             ctypes.addressof(peer_out) if peer_out is not None else 0, int(self.tree))
+        spec = job_spec(mode=mode, first_chunk=job.first_chunk, nchunks=job.nchunks, elems=job.elems,
+                        numel=desc.numel, dtype=DTYPES[desc.dtype], op=int(desc.op), acc_dtype=DTYPES[acc],
+                        divisor=divisor, src=own.data_ptr(), dst=dst, deadline_ns=int(job.deadline * 1e9),
+                        late_deadline_ns=int(late * 1e9), seq=job.seq, desc_bytes=DESCRIPTOR_BYTES,
+                        ext_bytes=SHARED_EXT.size, resume=int(resume), self_registered=int(job.shared is not None),
+                        peer_in=ctypes.addressof(peer_in) if peer_in is not None else 0,
+                        peer_out=ctypes.addressof(peer_out) if peer_out is not None else 0, tree=int(self.tree))
         if not resume:
             self.write_descriptor(job)
         if self.num_nodes > 1:  # the trees' threads name what this one waits for in their own timeouts
@@ -493,9 +522,9 @@ class NodeStage:
         if self.num_nodes > 1:
             self._failures.done_waiting()
         if rc == CORE_DONE:
-            return "done"
+            return Staged.DONE
         if rc == CORE_NEED_PYTHON:
-            return "chunk 0 staged in"
+            return Staged.CHUNK_0_IN
         raise self.core_failure(job, rc, stage, k, chunk)
 
     def core_failure(self, job: Job, rc: int, stage: int, k: int, chunk: int) -> HFReduceError:

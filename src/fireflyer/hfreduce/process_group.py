@@ -349,6 +349,12 @@ def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
                                 group_name=str(getattr(dist_opts, "group_id", "") or ""), global_ranks=ranks)
 
 
+def engine_of(group: object) -> Communicator | None:
+    """The hfreduce engine behind a torch process group (haiscale's one way in); None where the group is
+    not hfreduce's (gloo, NCCL, a torchft wrapper) or is None."""
+    return group.comm if isinstance(group, HFReduceProcessGroup) else None
+
+
 def asynchronous(opts: object) -> bool:
     """Whether torch asked for the collective to go on in the background (``async_op=True``). torch's
     options default to it, and so does a direct call without options."""

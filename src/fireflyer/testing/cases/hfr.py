@@ -311,8 +311,7 @@ def capture_refusals(ctx, seconds: float):
     logging.getLogger("fireflyer.hfreduce").addHandler(h)
     time.sleep(seconds)
     logging.getLogger("fireflyer.hfreduce").removeHandler(h)
-    listener = ctx.comm._listener
-    return (listener.refused if listener else 0), records
+    return ctx.comm.refused_connections, records
 
 
 def arena_files(ctx):
