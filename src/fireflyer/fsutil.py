@@ -6,7 +6,10 @@ import errno
 import json
 import os
 import stat
+import threading
+from pathlib import Path
 from typing import IO, Any, Callable
+
 from fireflyer.errors import CannotWrite, NotPermitted, UserError
 
 
@@ -94,9 +97,14 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """``data`` as indented JSON, written atomically."""
-    atomic_write(os.fspath(path), lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n"))
+def write_json(path: str | os.PathLike, data: Any, *, indent: int = 1, sort_keys: bool = False) -> Path:
+    """``data`` as indented JSON at ``path``, atomically (:func:`atomic_write` through a hidden temporary
+    file beside it): a reader sees the old file or the new one, never half of one. The project's one JSON
+    writer; ``data`` is serialised before any file is made, so a value JSON cannot hold leaves nothing."""
+    path = Path(path)
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys).encode() + b"\n"
+    atomic_write(str(path), lambda f: f.write(text), tmp_name=f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    return path
 
 
 def private_dir(path: str | os.PathLike) -> None:

@@ -186,6 +186,9 @@ def test_a_users_default_quota_holds_when_another_user_needs_the_nodes(tmp_path)
         def kill(self, handle):
             pass
 
+        def find(self, task_id, attempt_dir):
+            return None
+
     h = Home(tmp_path)
     cfg = PlatformConfig(nodes=2)  # the default quota: half the nodes, 1
     store = Store(h.db)

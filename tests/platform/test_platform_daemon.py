@@ -8,7 +8,7 @@ import pytest
 
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.daemon import Daemon
-from fireflyer.platform.layout import Home, write_json_atomic
+from fireflyer.platform.layout import Home, write_json
 from fireflyer.platform.store import StopCode, Store
 from fireflyer.testing.users import NOBODY
 
@@ -37,6 +37,9 @@ class StandIn:
     def kill(self, handle):
         self.killed.append(handle)
 
+    def find(self, task_id, attempt_dir):
+        return next((h for h, t in self.launched.items() if t == task_id), None)
+
 
 @pytest.fixture
 def daemon(tmp_path):
@@ -56,9 +59,24 @@ def test_a_cycle_launches_and_a_status_finishes(daemon):
     assert sorted(cycle.started) == [a, b] and set(daemon.executor.launched.values()) == {a, b}
     spec = daemon.home.attempt(a).spec
     assert spec.exists() and '"master_port"' in spec.read_text()
-    write_json_atomic(daemon.home.attempt(a).status, {"stop_code": int(StopCode.STOP), "detail": "all ranks exited 0"})
+    write_json(daemon.home.attempt(a).status, {"stop_code": int(StopCode.STOP), "detail": "all ranks exited 0"}, sort_keys=True)
     daemon.tick()
     assert daemon.store.task(a).state == "finished" and daemon.store.task(b).state == "running"
+
+
+def test_an_attempt_whose_handle_was_lost_is_found_again_or_finished(daemon):
+    """The daemon stopped between launching an attempt and recording its handle: the executor finds it by its
+    attempt directory and the daemon watches it on; one it cannot find ends as unschedulable."""
+    a = daemon.store.submit(user="u", nodes=1, command=["true"])
+    b = daemon.store.submit(user="u", nodes=1, command=["true"])
+    daemon.tick()
+    for task in (a, b):
+        daemon.store.set_handle(task, None)
+    del daemon.executor.launched[f"h{b}"]  # b's launch never reached the executor
+    daemon.tick()
+    assert daemon.store.task(a).state == "running" and daemon.store.task(a).handle == f"h{a}"
+    assert daemon.store.task(b).state == "finished" and daemon.store.task(b).stop_code == StopCode.UNSCHEDULABLE
+    assert "before the attempt was launched" in daemon.store.task(b).detail
 
 
 def test_one_task_whose_check_fails_does_not_stop_the_cycle(daemon):
@@ -88,8 +106,8 @@ def test_a_failed_health_check_drains_the_node(daemon):
     a = daemon.store.submit(user="u", nodes=1, command=["true"])
     daemon.tick()
     node = daemon.store.task(a).assigned[0]
-    write_json_atomic(daemon.home.attempt(a).status, {"stop_code": int(StopCode.HOOK_RESTART),
-                                                      "detail": "ECC", "failed_nodes": [node]})
+    write_json(daemon.home.attempt(a).status, {"stop_code": int(StopCode.HOOK_RESTART),
+                                                      "detail": "ECC", "failed_nodes": [node]}, sort_keys=True)
     cycle = daemon.tick()
     assert {n.name: n.drained for n in daemon.store.nodes()}[node]
     restarted = daemon.store.latest(a)
@@ -104,7 +122,7 @@ def test_a_health_check_failure_reported_by_the_tasks_own_account_drains_nothing
     daemon.tick()
     node = daemon.store.task(a).assigned[0]
     adir = daemon.home.attempt(a)
-    write_json_atomic(adir.status, {"stop_code": int(StopCode.HOOK_RESTART), "detail": "ECC", "failed_nodes": [node]})
+    write_json(adir.status, {"stop_code": int(StopCode.HOOK_RESTART), "detail": "ECC", "failed_nodes": [node]}, sort_keys=True)
     for path in (adir.root, adir.status):
         os.chown(path, NOBODY, NOBODY)
     daemon.tick()

@@ -24,7 +24,7 @@ from fireflyer.platform import store as store_module
 from fireflyer.platform.api import PlatformApi, Unavailable
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.daemon import Daemon, Health, lock, read_heartbeat, serve, why_unhealthy, write_heartbeat
-from fireflyer.platform.layout import Home, write_json_atomic
+from fireflyer.platform.layout import Home, write_json
 from fireflyer.platform.store import StopCode, Store, StoreUnavailable
 
 
@@ -88,6 +88,9 @@ class StandIn:
         self.killed.append(handle)
         self.dead.add(handle)
 
+    def find(self, task_id, attempt_dir):
+        return None
+
 
 @pytest.fixture
 def daemon(tmp_path, disk):
@@ -135,8 +138,8 @@ def test_a_cycle_that_cannot_commit_launches_nothing_and_the_next_one_does(daemo
 def test_an_end_the_store_could_not_take_is_recorded_once_it_can(daemon, disk):
     task = daemon.store.submit(user="alice", nodes=1, command=["true"])
     daemon.tick()
-    write_json_atomic(daemon.home.attempt(task).status, {"stop_code": int(StopCode.STOP),
-                                                           "detail": "all ranks exited 0"})
+    write_json(daemon.home.attempt(task).status, {"stop_code": int(StopCode.STOP),
+                                                           "detail": "all ranks exited 0"}, sort_keys=True)
     queued = daemon.store.submit(user="alice", nodes=1, command=["true"])
     disk.full = True
     with pytest.raises(StoreUnavailable):

@@ -23,7 +23,7 @@ import pytest
 
 from fireflyer.platform.daemon import daemon_pid
 from fireflyer.platform.executor import Launch, Timeouts
-from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir, read_json, write_json_atomic
+from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir, read_json, write_json
 from fireflyer.platform.slurm import (
     SlurmError,
     SlurmExecutor,
@@ -82,7 +82,7 @@ def run_attempt(tmp_path: Path):
                         timeouts=timeouts or Timeouts(suspend_ack=5, suspend_grace=20, unschedulable=60))
         adir = AttemptDir(tmp_path / f"task{task_id}")
         adir.create()
-        write_json_atomic(adir.spec, launch.to_json())
+        write_json(adir.spec, launch.to_json(), sort_keys=True)
         handle = (executor or ex).launch(launch, str(adir.root))
         jobs.append(handle)
         return adir, handle, launch

@@ -18,7 +18,7 @@ import pytest
 
 from fireflyer.platform import slurm, starters
 from fireflyer.platform.executor import Launch, Timeouts
-from fireflyer.platform.layout import AttemptDir, write_json_atomic
+from fireflyer.platform.layout import AttemptDir, write_json
 from fireflyer.platform.policy import Node
 from fireflyer.platform.slurm import SlurmError, SlurmExecutor
 
@@ -93,7 +93,7 @@ def make_launch(tmp_path: Path, **kw) -> tuple[Launch, AttemptDir]:
     launch = Launch(**fields)
     adir = AttemptDir(tmp_path / "tasks" / str(launch.task_id))
     adir.create()
-    write_json_atomic(adir.spec, launch.to_json())
+    write_json(adir.spec, launch.to_json(), sort_keys=True)
     return launch, adir
 
 

@@ -97,7 +97,7 @@ def clean_json(x: Any) -> Any:
 
 def write_json(path: str, doc: dict[str, Any], indent: int = 1) -> None:
     """``doc`` as indented JSON at ``path``, atomically, NaN written as null."""
-    atomic_write(path, lambda f: f.write(json.dumps(clean_json(doc), indent=indent).encode() + b"\n"))
+    fsutil.write_json(path, clean_json(doc), indent=indent)
 
 
 def write_rank_json(path: str, doc: dict[str, Any]) -> None:

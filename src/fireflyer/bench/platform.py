@@ -177,10 +177,13 @@ class _NoopExecutor:
     def kill(self, handle: str) -> None:
         pass
 
+    def find(self, task_id: int, attempt_dir: str) -> str | None:
+        return None
+
 
 def _build_store(state: CycleState, root: Path) -> Path:
     """A platform home whose SQLite store holds ``state``; returns the home's root."""
-    from fireflyer.platform.layout import Home, write_json_atomic
+    from fireflyer.platform.layout import Home, write_json
     from fireflyer.platform.policy import Decisions, Start
     from fireflyer.platform.store import Store
 
@@ -199,7 +202,7 @@ def _build_store(state: CycleState, root: Path) -> Path:
             sid = ids[t.id]
             store.apply(Decisions(starts=[Start(sid, t.assigned)]), now=now - t.run_seconds)
             store.set_handle(sid, f"noop:{sid}")
-            write_json_atomic(home.attempt(sid).supervisor, {"pid": 0, "host": "bench"})
+            write_json(home.attempt(sid).supervisor, {"pid": 0, "host": "bench"}, sort_keys=True)
     finally:
         store.close()
     return root

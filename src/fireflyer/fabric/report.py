@@ -5,7 +5,6 @@ imported only when a chart is drawn, with the Agg backend.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,11 +22,6 @@ def _write(path: str | Path, write: Any) -> Path:
     path = Path(path)
     atomic_write(str(path), write, tmp_name=f".{path.name}.{os.getpid()}.tmp")
     return path
-
-
-def write_json(path: str | Path, data: Any) -> Path:
-    data = (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8")
-    return _write(path, lambda f: f.write(data))
 
 
 def _pyplot():

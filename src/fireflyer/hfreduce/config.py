@@ -42,9 +42,8 @@ class HFReduceConfig:
     oneshot_bytes: int = 256 << 10
     """On one node, collectives up to this size (and one chunk) run one-shot: every rank stages its whole
     input in and reduces all of it into its own result, with no second handoff. Every rank of a group must
-    use the same value (as with chunk_bytes). At most one chunk counts, whatever this says. On this machine
-    kind (2 cores), a 256 KiB fp32 all_reduce takes 0.27 ms one-shot against 0.32 ms pipelined at 1x4,
-    0.04 against 0.09 ms at 1x2, and about the same at 1x8."""
+    use the same value (as with chunk_bytes). At most one chunk counts, whatever this says. Why 256 KiB:
+    docs/hfreduce.md, "Why the defaults"."""
     core: bool = True
     """Run the node stage in the compiled core when it is built (``False``: the pure-Python reference)."""
     core_trees: bool = True
@@ -56,8 +55,8 @@ class HFReduceConfig:
     """sched_yield calls a waiting rank makes before it sleeps on the flag's futex (compiled core).
     A yield hands the core to a peer that shares it (ranks outnumber cores here) at once, where a
     futex sleep costs a wake-up per handoff; counted, not timed, because a yield with nobody else
-    to run returns at once: timed yielding (2 ms) made a 1 MiB allreduce 10x slower whenever gloo's
-    threads shared the processes."""
+    to run returns at once, so timed yielding spins far longer than asked whenever other threads
+    share the processes (docs/hfreduce.md, "Why the defaults")."""
     order: str = "fast"
     """How a reduction's terms meet. ``fast``: the order the layout gives (in a node, local ranks in
     turn; across nodes, the double binary tree), the same bits on every rank and in every rerun of
@@ -149,9 +148,8 @@ def default_chunk_bytes(num_nodes: int) -> int:
 
     On one node, small chunks keep each chunk's slots, partial and result in the CPU's
     caches between the stage-in, the reduce and the stage-out, so memory sees little more
-    than each input read once and each output written once (1x4, 64 MiB fp32 on this
-    machine kind: about 31 ms with 256 KiB chunks, 38 ms with 4 MiB). Across nodes the
-    tree stage pays per chunk, so chunks stay large (2x2: 91 ms with 4 MiB, 242 ms with 256 KiB).
+    than each input read once and each output written once. Across nodes the tree stage
+    pays per chunk, so chunks stay large. The measurements: docs/hfreduce.md, "Why the defaults".
     """
     return ONE_NODE_CHUNK if num_nodes == 1 else MANY_NODES_CHUNK
 

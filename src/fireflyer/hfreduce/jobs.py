@@ -135,7 +135,7 @@ class Jobs:
         False: it did not run (CUDA, closed or failed, or the engine is busy); ``submit`` it instead.
         The door for a caller that would only wait for the result (``dist.all_reduce`` without
         ``async_op``): no future, and no handoff to the engine thread and back, which costs two
-        wake-ups where ranks outnumber cores (1x4, 1 MiB: 0.98 ms through the thread, 0.67 ms here).
+        wake-ups where ranks outnumber cores (measured in docs/hfreduce.md, "Why the defaults").
         Any size: the collective's own deadline bounds the wait as it does on the engine thread.
         """
         if self.closed or self._failures.error is not None:

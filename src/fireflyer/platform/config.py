@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from fireflyer.platform.executor import Timeouts
-from fireflyer.platform.layout import Home, read_json, write_json_atomic
+from fireflyer.platform.layout import Home, read_json, write_json
 from fireflyer.platform.policy import Node, PolicyConfig
 from fireflyer.errors import UserError
 
@@ -115,4 +115,4 @@ def load(home: Home) -> PlatformConfig | None:
 
 
 def save(home: Home, cfg: PlatformConfig) -> None:
-    write_json_atomic(home.config, cfg.to_json())
+    write_json(home.config, cfg.to_json(), sort_keys=True)

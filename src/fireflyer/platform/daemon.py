@@ -142,8 +142,7 @@ class Daemon:
         adir = self.home.attempt(t.id)
         handle = t.handle
         if handle is None:  # launched, or not, just before a crash
-            find = getattr(self.executor, "find", None)
-            handle = find(t.id, str(adir.root)) if find else None
+            handle = self.executor.find(t.id, str(adir.root))
             if handle is None:
                 self._finish(t, StopCode.UNSCHEDULABLE, "the scheduler stopped before the attempt was launched")
                 cycle.finished.append((t.id, "lost before launch"))

@@ -103,3 +103,7 @@ class Executor(Protocol):
 
     def kill(self, handle: str) -> None:
         """End the attempt at once: its supervisor and every rank. Idempotent."""
+
+    def find(self, task_id: int, attempt_dir: str) -> str | None:
+        """The handle of an attempt that ``launch`` started but whose handle was never recorded (the daemon
+        stopped in between), found by its attempt directory; None when no such attempt runs or waits."""

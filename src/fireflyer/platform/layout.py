@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.errors import NotPermitted
-from fireflyer.fsutil import durable_replace, open_beneath, read_owned, write_json_atomic  # noqa: F401 - writers import it here
+from fireflyer.fsutil import durable_replace, open_beneath, read_owned, write_json  # noqa: F401 - writers import it here
 from fireflyer.platform import env
 
 
@@ -148,13 +148,13 @@ class AttemptDir:
         """
         if uid is None:
             self.create()
-            write_json_atomic(self.spec, spec)
+            write_json(self.spec, spec, sort_keys=True)
             return
         if os.path.lexists(self.root):
             durable_replace(str(self.root), str(self.root.with_name(f"{self.root.name}.stale.{time.time():.0f}")))
         os.mkdir(self.root, 0o700)
         self.create()
-        write_json_atomic(self.spec, spec)
+        write_json(self.spec, spec, sort_keys=True)
         os.close(os.open(self.logs / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         for folder, dirs, files in os.walk(self.root):
             for name, mode in [(d, 0o700) for d in dirs] + [(f, 0o600) for f in files]:

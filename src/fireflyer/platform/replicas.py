@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
-from fireflyer.platform.layout import AttemptDir, write_json_atomic
+from fireflyer.platform.layout import AttemptDir, write_json
 from fireflyer.platform.starters import Procs, replica_ranks
 from fireflyer.platform.store import StopCode
 from fireflyer.platform.supervisor import Supervisor, exit_text, read_spec, stop_processes
@@ -117,9 +117,9 @@ class ReplicaSupervisor(Supervisor):
 
     def _write(self) -> None:
         try:
-            write_json_atomic(self.record, {"lighthouse": self.address, "at": time.time(), "quorum": self.quorum,
-                                            "replicas": [r.to_json() for r in self.replicas],
-                                            "rejected": self.rejected})
+            write_json(self.record, {"lighthouse": self.address, "at": time.time(), "quorum": self.quorum,
+                                     "replicas": [r.to_json() for r in self.replicas],
+                                     "rejected": self.rejected}, sort_keys=True)
         except OSError as exc:  # a full disk: the next change writes it again
             print(f"fireflyer supervisor: cannot write {self.record}: {exc.strerror}", file=sys.stderr, flush=True)
 

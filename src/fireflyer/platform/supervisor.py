@@ -35,7 +35,7 @@ from fireflyer import lifetime
 from fireflyer.errors import FireflyerError
 from fireflyer.platform import env as names
 from fireflyer.platform.executor import Launch
-from fireflyer.platform.layout import AttemptDir, read_json, write_json_atomic
+from fireflyer.platform.layout import AttemptDir, read_json, write_json
 from fireflyer.platform.starters import Procs, Starter, local_ranks
 from fireflyer.platform.store import StopCode, stop_text
 
@@ -201,8 +201,8 @@ class Supervisor:
     def _run_attempt(self, started_at: float) -> tuple[StopCode, str, list[str]]:
         try:
             self.adir.create()
-            write_json_atomic(self.adir.supervisor, {"pid": os.getpid(), "host": socket.gethostname(),
-                                                     "started_at": started_at})
+            write_json(self.adir.supervisor, {"pid": os.getpid(), "host": socket.gethostname(),
+                                              "started_at": started_at}, sort_keys=True)
         except OSError as exc:  # a full disk: nothing ran, so nothing counts against the task
             return StopCode.UNSCHEDULABLE, f"could not record its start: {exc.strerror}", []
         prolog = self._prologs()
@@ -238,7 +238,7 @@ def record_status(adir: AttemptDir, status: dict) -> None:
     told = False
     while True:
         try:
-            write_json_atomic(adir.status, status)
+            write_json(adir.status, status, sort_keys=True)
             return
         except OSError as exc:
             if not told:

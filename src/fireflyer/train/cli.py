@@ -22,7 +22,7 @@ from fireflyer.errors import UserError
 from fireflyer.train import report
 from fireflyer.train.config import DEVICES, FIELD_NAMES, MODELS, ORDERS, TrainConfig, builtin_config
 from fireflyer.train.env import in_platform_task
-from fireflyer.train.files import write_json
+from fireflyer.fsutil import write_json
 from fireflyer.train.outdir import resolve
 
 EPILOG = """\

@@ -30,7 +30,7 @@ from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import TrainingData
 from fireflyer.train.fault_tolerant import (Failure, LeftBehind, Record, Replica, StepPlan, micro_blocks,
                                             node_index, restarts, tree_over_blocks)
-from fireflyer.train.files import write_json
+from fireflyer.fsutil import write_json
 from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
 from fireflyer.train.optim import build_optimizer, clip_exact
 from fireflyer.train.progress import StepStats, Throughput, make_progress

@@ -155,7 +155,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
     from fireflyer.errors import UserError
     from fireflyer.platform import client
     from fireflyer.platform import env as names
-    from fireflyer.train.files import write_json
+    from fireflyer.fsutil import write_json
 
     if os.environ.get(names.REPLICA):  # a fault-tolerant task: this rank is one of a replica's
         return run_replica(config, overrides, resume=resume, overwrite=overwrite)
@@ -244,7 +244,7 @@ def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite:
 
     from fireflyer.platform import client
     from fireflyer.platform import env as names
-    from fireflyer.train.files import write_json
+    from fireflyer.fsutil import write_json
 
     lifetime.graceful()
     me = this_rank()

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from fireflyer.errors import TimedOut, UserError
-from fireflyer.fsutil import durable_replace, make_dirs, write_json_atomic
+from fireflyer.fsutil import durable_replace, make_dirs, write_json
 from fireflyer.storage.records import from_numpy
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.env import data_cache_dir
@@ -234,7 +234,7 @@ def prepare(corpus: Corpus, cache: str | os.PathLike, *, context: int, val_fract
             description = _write(tmp, corpus, key, vocab, tokens.dtype, parts, context=context,
                                  val_fraction=val_fraction)
             description["build_s"] = time.perf_counter() - t0
-            write_json_atomic(tmp / DESCRIPTION, description)
+            write_json(tmp / DESCRIPTION, description, sort_keys=True)
             durable_replace(str(tmp), str(final))  # the whole dataset appears at once
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -37,7 +37,7 @@ from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
-from fireflyer.train.files import write_json
+from fireflyer.fsutil import write_json
 from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
 from fireflyer.train.optim import build_optimizer, clip_exact
 from fireflyer.train.parallel import (TIED, LaidOut, describe, load_optimizer, optimizer_state, plain_names,
