@@ -3,7 +3,7 @@
 The extension is plain C against the CPython API, compiled by the system compiler: no
 torch, numpy or pybind11 headers, so build isolation never pulls in a torch. It is
 optional: where no C compiler works, the install still succeeds and hfreduce falls back
-to its torch reference path (``fireflyer.hfreduce.kernels`` warns once).
+to its torch reference path (``fireflyer.hfreduce.engine.kernels`` warns once).
 
 Every ``src/fireflyer/hfreduce/_core/*.c`` is part of the one module. The AVX2 and
 AVX-512 kernels carry their own ``target`` attributes and are chosen at import by CPU

@@ -77,11 +77,11 @@ def _failures(rest: list[str]) -> int:
 
 def _hfreduce(rest: list[str]) -> int:
     if rest and rest[0] == "demo":
-        from fireflyer.hfreduce import demo
+        from fireflyer.hfreduce.commands import demo
 
         with owning():
             return demo.main(rest[1:])
-    from fireflyer.hfreduce import admin
+    from fireflyer.hfreduce.commands import admin
 
     def namespaces() -> list[str]:  # clean: the emulated nodes' stale namespaces (testing wing)
         from fireflyer.testing.netns import remove_stale_namespaces

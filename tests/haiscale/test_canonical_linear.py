@@ -10,7 +10,7 @@ from torch import nn
 
 from fireflyer.errors import UserError, UserTypeError
 from fireflyer.haiscale.canonical_linear import CanonicalLinear, canonicalize, check_blocks
-from fireflyer.hfreduce.canonical import canonical_sum
+from fireflyer.hfreduce.plans.canonical import canonical_sum
 from fireflyer.testing.cases import canonical_linear as cases
 from fireflyer.testing.cluster import ClusterPool
 

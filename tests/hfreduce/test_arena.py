@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fireflyer.hfreduce import arena as arena_mod
-from fireflyer.hfreduce import futex
-from fireflyer.hfreduce.arena import (
+from fireflyer.hfreduce.transport import arena as arena_mod
+from fireflyer.hfreduce.transport import futex
+from fireflyer.hfreduce.transport.arena import (
     MAGIC,
     NAME_PREFIX,
     STAGES,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum, split_point
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum, split_point
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 

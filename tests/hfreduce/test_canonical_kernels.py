@@ -8,11 +8,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fireflyer.hfreduce import kernels
-from fireflyer.hfreduce.canonical import canonical_sum, layout_problem, split_point
+from fireflyer.hfreduce.engine import kernels
+from fireflyer.hfreduce.plans.canonical import canonical_sum, layout_problem, split_point
 from fireflyer.hfreduce.config import HFReduceConfig
-from fireflyer.hfreduce.reduce import Op, acc_dtype
-from fireflyer.hfreduce.topology import binomial_links
+from fireflyer.hfreduce.plans.plan import Op, acc_dtype
+from fireflyer.hfreduce.plans.topology import binomial_links
 from fireflyer.errors import UserError
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -145,7 +145,7 @@ def test_the_binomial_trees_fold_nodes_in_the_canonical_tree(n, tree):
 
 
 def test_the_double_binary_tree_is_not_the_canonical_tree():
-    from fireflyer.hfreduce.topology import tree_links
+    from fireflyer.hfreduce.plans.topology import tree_links
     assert _expr(tree_links, 4, 0) != _canonical_expr(0, 4)
 
 

@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the rank-side module, for this process (the ranks inherit it)
 import hfreduce_chaos_ranks as C  # noqa: E402
 
-from fireflyer.hfreduce import trace_report  # noqa: E402
+from fireflyer.hfreduce.diagnosis import trace_report  # noqa: E402
 from fireflyer.testing.cluster import ClusterPool, LocalCluster  # noqa: E402
 from fireflyer.testing.waiting import wait_until  # noqa: E402
 

@@ -6,10 +6,10 @@ import inspect
 import re
 from pathlib import Path
 
-from fireflyer.hfreduce import node_stage
-from fireflyer.hfreduce.node_stage import JOB_FIELDS, job_spec
+from fireflyer.hfreduce.engine import node_stage
+from fireflyer.hfreduce.engine.node_stage import JOB_FIELDS, job_spec
 
-HEADER = Path(node_stage.__file__).with_name("_core") / "node.h"
+HEADER = Path(node_stage.__file__).parents[1] / "_core" / "node.h"
 
 
 def c_fields(struct: str) -> list[str]:

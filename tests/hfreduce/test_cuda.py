@@ -34,7 +34,7 @@ def test_cuda_collectives_match_reference(cluster, kind, dtype):
 
 
 def _core_built(ctx) -> bool:
-    from fireflyer.hfreduce import kernels
+    from fireflyer.hfreduce.engine import kernels
 
     return kernels.available()
 

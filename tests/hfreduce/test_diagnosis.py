@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from fireflyer.hfreduce import trace_report
+from fireflyer.hfreduce.diagnosis import trace_report
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure, error_from_text, fresh
-from fireflyer.hfreduce.failures import Failures
-from fireflyer.hfreduce.flight import FlightRecorder
-from fireflyer.hfreduce.watch import Watch
+from fireflyer.hfreduce.engine.failures import Failures
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder
+from fireflyer.hfreduce.engine.watch import Watch
 from fireflyer.testing.waiting import wait_until
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.hfreduce import Communicator, HFReduceConfig
-from fireflyer.hfreduce.engine import INLINE_BYTES
+from fireflyer.hfreduce.engine.communicator import INLINE_BYTES
 
 
 def _comm() -> Communicator:
@@ -69,7 +69,7 @@ def test_with_a_launcher_secret_the_store_never_holds_one(monkeypatch, caplog):
 def test_without_one_the_store_carries_it_and_a_warning_says_so(monkeypatch, caplog):
     import logging
 
-    from fireflyer.hfreduce import engine
+    from fireflyer.hfreduce.engine import communicator as engine
 
     monkeypatch.delenv("FIREFLYER_JOB_SECRET", raising=False)
     monkeypatch.setattr(engine, "_warned_store_secret", False)

@@ -1,4 +1,4 @@
-"""Exact sums of squares (``hfreduce.exact``): the correctly rounded total whatever the order, split,
+"""Exact sums of squares (``hfreduce.plans.exact``): the correctly rounded total whatever the order, split,
 dtype mix or number of ranks; inf and nan as torch's norm has them; refusals."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fireflyer.errors import UsageError, UserError, UserTypeError
-from fireflyer.hfreduce import exact
-from fireflyer.hfreduce.exact import BINS, SquareSum, exact_norm
+from fireflyer.hfreduce.plans import exact
+from fireflyer.hfreduce.plans.exact import BINS, SquareSum, exact_norm
 from fireflyer.testing.cluster import LocalCluster
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fireflyer.hfreduce.errors import HFReduceError, PeerFailure
-from fireflyer.hfreduce.exchange import _overlap, split_rows, direct_bytes
-from fireflyer.hfreduce.transfers import Kind, Op, Transfer, dest_bytes, describe_digest, digest, source_bytes
+from fireflyer.hfreduce.transport.exchange import _overlap, split_rows, direct_bytes
+from fireflyer.hfreduce.transport.transfers import Kind, Op, Transfer, dest_bytes, describe_digest, digest, source_bytes
 
 
 def test_a_digest_tells_calls_apart_and_reads_as_words():

@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from fireflyer import lifetime  # noqa: E402
 from fireflyer.hfreduce.errors import HFReduceError  # noqa: E402
-from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce  # noqa: E402
+from fireflyer.hfreduce.backend.fault_tolerance import ProcessGroupHFReduce  # noqa: E402
 from fireflyer.ports import free_port  # noqa: E402
 from fireflyer.testing.waiting import wait_until  # noqa: E402
 from fireflyer.lighthouse import lighthouse_binary  # noqa: E402
@@ -131,7 +131,7 @@ PEER = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce
+from fireflyer.hfreduce.backend.fault_tolerance import ProcessGroupHFReduce
 pg = ProcessGroupHFReduce(timeout=timedelta(seconds=30))
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
 pg.configure(f"127.0.0.1:{sys.argv[1]}/quorum-1", "replica-1", 1, 2, quorum_id=1)

@@ -11,8 +11,8 @@ from typing import Iterator
 
 import pytest
 
-from fireflyer.hfreduce import fdshare
-from fireflyer.hfreduce.arena import Arena, ArenaShape
+from fireflyer.hfreduce.transport import fdshare
+from fireflyer.hfreduce.transport.arena import Arena, ArenaShape
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.testing.users import NOBODY, refused_as
 

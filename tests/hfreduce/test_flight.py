@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.hfreduce import flight
-from fireflyer.hfreduce.flight import FlightRecorder
+from fireflyer.hfreduce.diagnosis import flight
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder
 
 F32 = ["float32"]
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fireflyer.hfreduce import futex
+from fireflyer.hfreduce.transport import futex
 
 GUARD = 5.0  # seconds; only a guard against hangs, never a performance claim
 

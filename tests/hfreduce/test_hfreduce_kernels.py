@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fireflyer.hfreduce import kernels
-from fireflyer.hfreduce.reduce import DTYPES, LOW_PRECISION, Op, acc_dtype
+from fireflyer.hfreduce.engine import kernels
+from fireflyer.hfreduce.plans.plan import DTYPES, LOW_PRECISION, Op, acc_dtype
 
 ISAS = kernels.supported_isas()
 needs_core = pytest.mark.skipif(not ISAS, reason="hfreduce's compiled core is not built here")

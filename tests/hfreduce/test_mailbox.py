@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from fireflyer.hfreduce import mailbox
+from fireflyer.hfreduce.transport import mailbox
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.mailbox import Mailboxes, MailboxShape, read_remote, ring_bytes_for
+from fireflyer.hfreduce.transport.mailbox import Mailboxes, MailboxShape, read_remote, ring_bytes_for
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fireflyer.hfreduce import collectives
-from fireflyer.hfreduce.reduce import (
+from fireflyer.hfreduce.plans import collectives
+from fireflyer.hfreduce.plans.plan import (
     DESCRIPTOR_BYTES,
     DTYPES,
     INTEGRAL,

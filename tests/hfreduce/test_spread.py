@@ -1,7 +1,7 @@
 """all_gather, broadcast and reduce_scatter on "hfreduce" across emulated nodes (the spread path), against gloo.
 
 On more than one node these collectives move only the bytes they need
-(:mod:`fireflyer.hfreduce.spread`). Every case runs through ``torch.distributed`` on an
+(:mod:`fireflyer.hfreduce.backend.spread`). Every case runs through ``torch.distributed`` on an
 hfreduce default group and on a gloo group of the same ranks: sizes 0, 1, a prime and
 about a MiB, dtypes fp32, fp64, bf16, fp16, int32 and int64, every reduce op, several
 roots, non-contiguous tensors, in-place and coalesced calls, on even nodes (2x2, 3x2, 4x2) and uneven

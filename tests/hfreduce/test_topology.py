@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fireflyer.hfreduce.topology import Layout, TreeLinks, split, tree_depth, tree_links, tree_root
+from fireflyer.hfreduce.plans.topology import Layout, TreeLinks, split, tree_depth, tree_links, tree_root
 
 SIZES = list(range(1, 65)) + [100, 127, 128, 129, 1000]
 

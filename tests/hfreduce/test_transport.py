@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.transport import DATA, FRAME, Link, Listener, connect
+from fireflyer.hfreduce.transport.links import DATA, FRAME, Link, Listener, connect
 
 SECRET = b"unit-test-secret-9f3c1e7d"
 HOST = "127.0.0.1"

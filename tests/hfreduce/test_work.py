@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, PeerFailure
-from fireflyer.hfreduce.work import HFReduceWork, seconds
+from fireflyer.hfreduce.backend.work import HFReduceWork, seconds
 
 
 class FakeComm:

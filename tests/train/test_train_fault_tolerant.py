@@ -37,7 +37,7 @@ pytest.importorskip("torchft", reason="torchft is an optional extra: pip install
 
 from fireflyer import cli, lifetime  # noqa: E402
 from fireflyer.checkpoint.manager import committed_steps  # noqa: E402
-from fireflyer.hfreduce.canonical import canonical_sum  # noqa: E402
+from fireflyer.hfreduce.plans.canonical import canonical_sum  # noqa: E402
 from fireflyer.testing.cli import fireflyer  # noqa: E402
 from fireflyer.train.fault_tolerant import (micro_blocks, node_ranks, own_blocks, tree_blocks,  # noqa: E402
                                             tree_over_blocks)

@@ -42,7 +42,7 @@ from fireflyer.bench.harness import (MiB, bench_command, document, format_size, 
                                      plot_loglog, slowest_per_op, write_results)
 from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size, plural
 from fireflyer.errors import JobFailed, TimedOut, UserError
-from fireflyer.hfreduce.canonical import layout_problem
+from fireflyer.hfreduce.plans.canonical import layout_problem
 from fireflyer.hfreduce.config import HFReduceConfig
 from fireflyer.train.model import ModelShape
 
@@ -82,7 +82,7 @@ def layout_name(layout: tuple[int, int]) -> str:
 
 def check_layout(layout: tuple[int, int]) -> None:
     """2 to ``MAX_WORLD`` ranks, laid out as the canonical order allows (hfreduce's own rule:
-    :func:`fireflyer.hfreduce.canonical.layout_problem`)."""
+    :func:`fireflyer.hfreduce.plans.canonical.layout_problem`)."""
     nodes, per = layout
     if nodes < 1 or per < 1 or not 2 <= nodes * per <= MAX_WORLD:
         raise UserError(f"layout {layout_name(layout)} needs 2..{MAX_WORLD} ranks in all, e.g. 1x4 or 2x2")

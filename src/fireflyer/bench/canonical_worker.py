@@ -40,7 +40,7 @@ from fireflyer.bench.allreduce_worker import measure_copy
 from fireflyer.bench.harness import run_worker, write_rank_json
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce import HFReduceConfig
-from fireflyer.hfreduce.canonical import canonical_sum
+from fireflyer.hfreduce.plans.canonical import canonical_sum
 from fireflyer.train.model import GPT, ModelShape, lm_loss, synthetic_batch
 
 ORDERS = ("fast", "canonical")

@@ -24,7 +24,7 @@ import fireflyer.hfreduce  # noqa: F401 - registers backend "hfreduce"
 from fireflyer.bench.harness import write_rank_json
 from fireflyer.train.model import GPT, ModelShape
 from fireflyer.haiscale.ddp import DistributedDataParallel
-from fireflyer.hfreduce.reduce import Op
+from fireflyer.hfreduce.plans.plan import Op
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from fireflyer.hfreduce import kernels
-from fireflyer.hfreduce.reduce import Op, Reducer
+from fireflyer.hfreduce.engine import kernels
+from fireflyer.hfreduce.plans.plan import Op, Reducer
 
 
 def _time(fn, reps: int) -> float:

@@ -7,8 +7,8 @@ step's gradient is
 
     (1/M) * (the sum of the M micro-batch gradients in the canonical tree over their indices)
 
-(``hfreduce.canonical``). With ``m`` a power of two, a rank's block is a subtree of that tree: the
-rank sums it locally with a :class:`~fireflyer.hfreduce.canonical.PairwiseAccumulator`
+(``hfreduce.plans.canonical``). With ``m`` a power of two, a rank's block is a subtree of that tree: the
+rank sums it locally with a :class:`~fireflyer.hfreduce.plans.canonical.PairwiseAccumulator`
 (``log2(m) + 1`` partial buffers), and an hfreduce group made with
 ``HFReduceConfig(order="canonical")`` sums the ranks' partials in the tree over ranks. The result
 is the tree over all ``M``, so 1 rank with 8 micro-batches, 2 ranks with 4 and 8 ranks with 1 give
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.errors import UserError, UserTypeError
-from fireflyer.hfreduce.canonical import PairwiseAccumulator
-from fireflyer.hfreduce.reduce import Op
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator
+from fireflyer.hfreduce.plans.plan import Op
 
 ORDERS = ("fast", "canonical")
 

@@ -11,7 +11,7 @@ output features ``N``, columns: the input features ``K``), whatever the layout:
 
 Every product has the same shapes in every layout (and its operands fresh contiguous copies,
 so its kernel sees the same memory too), and every sum over blocks is the canonical tree of
-:mod:`fireflyer.hfreduce.canonical`, partials kept in fp32 for half types. A TP rank owns
+:mod:`fireflyer.hfreduce.plans.canonical`, partials kept in fp32 for half types. A TP rank owns
 ``blocks / tp`` consecutive blocks: an aligned subtree. It sums them locally, and an hfreduce
 group made with ``HFReduceConfig(order="canonical")`` adds the ranks' partials in the tree over
 ranks, which is the tree over all blocks. So :class:`CanonicalLinear` in one process and
@@ -45,7 +45,7 @@ from torch import nn
 from fireflyer.errors import UserError, UserTypeError
 from fireflyer.haiscale.accumulate import check_order
 from fireflyer.hfreduce import engine_of
-from fireflyer.hfreduce.canonical import accumulation_dtype, split_point
+from fireflyer.hfreduce.plans.canonical import accumulation_dtype, split_point
 
 __all__ = ["CanonicalLinear", "ColumnParallelCanonicalLinear", "RowParallelCanonicalLinear", "TensorParallelLinear",
            "canonicalize", "check_blocks"]
@@ -110,7 +110,7 @@ def _chunk_major(t: torch.Tensor, count: int, chunks: int) -> torch.Tensor:
 def _tree(terms: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The canonical sum of ``terms`` (fresh tensors, added into in place), into ``out`` when given.
 
-    The left-balanced tree of :func:`~fireflyer.hfreduce.canonical.canonical_sum`, without its
+    The left-balanced tree of :func:`~fireflyer.hfreduce.plans.canonical.canonical_sum`, without its
     copies: the terms here are products nobody else holds.
     """
     if len(terms) == 1:

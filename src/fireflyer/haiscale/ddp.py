@@ -51,7 +51,7 @@ from fireflyer.haiscale import accumulate as micro
 from fireflyer.haiscale.buckets import plan_buckets
 from fireflyer.haiscale.expert import ep_size_of, is_expert_param
 from fireflyer.hfreduce import engine_of
-from fireflyer.hfreduce.reduce import Op
+from fireflyer.hfreduce.plans.plan import Op
 from fireflyer.errors import UsageError, UserError, UserTypeError
 
 

@@ -9,13 +9,13 @@ DDP gives each rank an aligned block of micro-batches and sums it locally, which
 rank to hold every gradient in full. FSDP keeps only a shard, so the assignment is
 **interleaved** instead: rank ``r``'s ``j``-th micro-batch is global micro-batch ``j*R + r``
 (:meth:`~fireflyer.haiscale.fsdp.ShardingInfo.micro_batch_indices`). With ``R`` a power of two,
-micro-batches ``j*R .. j*R+R-1`` are an aligned block, hence a subtree (``hfreduce.canonical``),
+micro-batches ``j*R .. j*R+R-1`` are an aligned block, hence a subtree (``hfreduce.plans.canonical``),
 so the tree over ``M`` is the tree over ``j`` of the trees over ``r``:
 
 * after micro-batch ``j``'s backward, each unit's reduce-scatter (a SUM, no division) on an
   hfreduce group made with ``HFReduceConfig(order="canonical")`` gives each rank its shard of
   the tree over ranks, kept in fp32 for half types;
-* a :class:`~fireflyer.hfreduce.canonical.PairwiseAccumulator` per unit folds these shards over
+* a :class:`~fireflyer.hfreduce.plans.canonical.PairwiseAccumulator` per unit folds these shards over
   ``j`` (``log2(m) + 1`` sharded buffers), and the last micro-batch's reduce-scatter output
   becomes ``total / M``, rounded once, which FSDP2 itself turns into the sharded ``.grad``s.
 
@@ -46,7 +46,7 @@ from fireflyer.errors import UsageError, UserError
 from fireflyer.haiscale import accumulate as micro
 from fireflyer.haiscale.fsdp_comm import CUSTOM_REDUCE_SCATTER, ReduceScatter, ReduceScatterBacklog
 from fireflyer.hfreduce import engine_of
-from fireflyer.hfreduce.canonical import PairwiseAccumulator, accumulation_dtype
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, accumulation_dtype
 
 
 class _Group(NamedTuple):

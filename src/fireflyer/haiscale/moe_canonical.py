@@ -19,7 +19,7 @@ meets its terms in a fixed order:
   order the rows came back in.
 * **Expert weight gradients** do not go through autograd's ``+=``: each block's backward
   deposits its ``dW`` in an :class:`ExpertGrads`, which keeps one
-  :class:`~fireflyer.hfreduce.canonical.PairwiseAccumulator` per source (the EP rank the tokens
+  :class:`~fireflyer.hfreduce.plans.canonical.PairwiseAccumulator` per source (the EP rank the tokens
   came from). Source ``k'`` at local step ``j`` is global micro-batch ``(d*ep + k')*m + j``, so
   each source's stream is an aligned block of ``m`` terms; the streams are summed in the tree over
   ``k'`` (the block of ``ep*m`` terms rank ``d`` of the expert group holds), then over ``d`` by an
@@ -46,8 +46,8 @@ from torch.autograd.function import once_differentiable
 
 from fireflyer.errors import UsageError, UserError, UserTypeError
 from fireflyer.hfreduce import engine_of
-from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
-from fireflyer.hfreduce.reduce import Op
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum
+from fireflyer.hfreduce.plans.plan import Op
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy in a new allocation: a kernel sees the same alignment wherever the rows came from."""

@@ -7,10 +7,10 @@ variables named in :mod:`~fireflyer.hfreduce.env`.
 """
 
 from fireflyer.hfreduce.config import HFReduceConfig, node_key
-from fireflyer.hfreduce.engine import Communicator
+from fireflyer.hfreduce.engine.communicator import Communicator
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.process_group import BACKEND, HFReduceProcessGroup, engine_of, register
-from fireflyer.hfreduce.reduce import Op
+from fireflyer.hfreduce.backend.process_group import BACKEND, HFReduceProcessGroup, engine_of, register
+from fireflyer.hfreduce.plans.plan import Op
 
 register()
 

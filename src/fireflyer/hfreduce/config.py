@@ -61,7 +61,7 @@ class HFReduceConfig:
     """How a reduction's terms meet. ``fast``: the order the layout gives (in a node, local ranks in
     turn; across nodes, the double binary tree), the same bits on every rank and in every rerun of
     the same layout. ``canonical``: the left-balanced pairwise tree over global ranks
-    (:mod:`fireflyer.hfreduce.canonical`), so the bits do not depend on the layout either: a
+    (:mod:`fireflyer.hfreduce.plans.canonical`), so the bits do not depend on the layout either: a
     floating-point SUM, AVG or PRODUCT gives what one process summing the ranks' tensors in that
     tree gives, on 1x8, 2x4, 4x2 or 8x1 alike. It needs every node to hold the same power-of-two
     number of consecutive ranks (one node may hold any number); other layouts are refused when

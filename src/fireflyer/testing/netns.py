@@ -24,7 +24,7 @@ import signal
 import subprocess
 from types import TracebackType
 
-from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.hfreduce.transport.procs import pid_alive
 from fireflyer.errors import UserError
 
 CMD_TIMEOUT_S = 10.0

@@ -2,7 +2,7 @@
 
 torchft (Meta) does the fault tolerance: a Lighthouse forms a quorum of live replica groups
 before every step, a ``Manager`` per rank reconfigures the cross-replica process group
-(:class:`~fireflyer.hfreduce.fault_tolerance.ProcessGroupHFReduce`) on every quorum change,
+(:class:`~fireflyer.hfreduce.backend.fault_tolerance.ProcessGroupHFReduce`) on every quorum change,
 heals a replica that is behind from a live one over the network, and commits a step only
 if every rank of the replica group computed it without error. Each emulated node is one
 replica group with its own torchrun agent, which restarts the node's ranks when they die.
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.errors import FireflyerError, UserError
-from fireflyer.hfreduce.canonical import split_point
+from fireflyer.hfreduce.plans.canonical import split_point
 from fireflyer.lighthouse import LIGHTHOUSE_ENV, LighthouseFailed
 
 _ID_BYTES = 64
@@ -228,7 +228,7 @@ class Replica:
                  timeout: float, quorum_timeout: float, lighthouse: str | None = None) -> None:
         from torchft import Manager
 
-        from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce
+        from fireflyer.hfreduce.backend.fault_tolerance import ProcessGroupHFReduce
 
         lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:

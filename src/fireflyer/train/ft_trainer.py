@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.errors import UserError
-from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import TrainingData

@@ -50,12 +50,12 @@ def clip_exact(params: Iterable[nn.Parameter], owned: Iterable[nn.Parameter], ma
                group: dist.ProcessGroup | None = None) -> float:
     """Scale the gradients of ``params`` so the model's norm is at most ``max_norm``; return the norm.
 
-    The norm is exact before its one rounding (:func:`fireflyer.hfreduce.exact.exact_norm`): each rank adds
+    The norm is exact before its one rounding (:func:`fireflyer.hfreduce.plans.exact.exact_norm`): each rank adds
     the squares of the gradients it ``owned`` (every element of the model counted once over ``group``, whose
     ranks all call this; an FSDP parameter's local shard), so the norm, and with it every clipped gradient, has
     the same bits on every layout.
     """
-    from fireflyer.hfreduce.exact import exact_norm
+    from fireflyer.hfreduce.plans.exact import exact_norm
 
     from torch.distributed.tensor import DTensor
 

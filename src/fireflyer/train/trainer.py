@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from fireflyer.haiscale import DistributedDataParallel, fsdp_accumulate, fully_shard, layout, sharding_info
 from fireflyer.hfreduce import HFReduceConfig
-from fireflyer.hfreduce.canonical import PairwiseAccumulator, canonical_sum
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData

@@ -2,7 +2,7 @@
  *
  * out[i] = finish(((ins[0][i] op ins[1][i]) op ins[2][i]) op ...) for i in [0, n): the
  * inputs are combined in list order, each read once, in one pass over memory. Codes are
- * the Python side's (fireflyer.hfreduce.reduce.DTYPES and Op), so descriptors pass through.
+ * the Python side's (fireflyer.hfreduce.plans.plan.DTYPES and Op), so descriptors pass through.
  *
  * Accumulation: fp32 for fp16/bf16/fp8 inputs, the dtype itself otherwise. out_dtype is the
  * input dtype (rounded once at the end, to nearest even, as torch's .to() does) or the
@@ -72,7 +72,7 @@ int hfr_reduce(void *out, int out_dtype, const void *const *ins, int nin, int in
                int64_t divisor);
 
 /* As hfr_reduce, but a float SUM, AVG or PRODUCT combines the inputs in the left-balanced pairwise
- * tree over their indices (fireflyer.hfreduce.canonical): the first p inputs, p the largest power of
+ * tree over their indices (fireflyer.hfreduce.plans.canonical): the first p inputs, p the largest power of
  * two below nin, then the rest, each side built the same way, added left + right; accumulation,
  * AVG's divide and the one rounding as hfr_reduce. Up to three inputs, and for MIN, MAX and the
  * integers, that is hfr_reduce's list order. Thread-safe; it allocates its partials (a few KiB); out may be one of

@@ -177,7 +177,7 @@ DEF_FINISH(f_e4m3, HFR_F8E4M3FN, s_e4m3, 1)
 DEF_FINISH(f_e5m2, HFR_F8E5M2, s_e5m2, 1)
 
 /* The pairwise tree over 4 or 8 inputs (a node's ranks, as usual) written out, so it stays in registers:
- * ((x0 + x1) + (x2 + x3)) and the two of those added, lane by lane, as hfreduce.canonical adds them. */
+ * ((x0 + x1) + (x2 + x3)) and the two of those added, lane by lane, as hfreduce.plans.canonical adds them. */
 #define ADD _mm256_add_ps
 #define DEF_TREE(NAME, W, S)                                                                              \
     static T2 int64_t NAME(void *out, const void *const *ins, int nin, int64_t n, int64_t divisor) {      \

@@ -1,7 +1,7 @@
 /* fireflyer.hfreduce._core: the Python face of the compiled core.
  *
  * reduce(out_ptr, out_dtype, in_ptrs, in_dtype, n, op, divisor=0) runs hfr_reduce on raw
- * addresses with the GIL released; fireflyer.hfreduce.kernels wraps it for tensors, as it does
+ * addresses with the GIL released; fireflyer.hfreduce.engine.kernels wraps it for tensors, as it does
  * round(out_ptr, out_dtype, acc_ptr, n, divisor), the finish of an fp32 partial (hfr_round).
  * isa(), best_isa() and set_isa(name) report and lower the instruction set. At import,
  * FIREFLYER_HFREDUCE_ISA=avx512|avx2|portable asks for a lower one; a request this CPU

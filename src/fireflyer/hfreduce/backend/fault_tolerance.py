@@ -5,7 +5,7 @@ every step, a ``Manager`` per replica group, live recovery from a healthy replic
 process group through four calls beyond the collectives: ``configure`` (a new store prefix,
 rank and world size for each quorum), ``abort`` (end what waits on a dead peer now),
 ``errored`` (an error that needs a new quorum) and ``shutdown``. This module gives it
-:class:`~fireflyer.hfreduce.process_group.HFReduceProcessGroup` behind that interface:
+:class:`~fireflyer.hfreduce.backend.process_group.HFReduceProcessGroup` behind that interface:
 
 - ``configure`` aborts the previous quorum's group and builds a new one on the quorum's
   store, so every quorum has its own communicator, arena and sockets;
@@ -26,14 +26,14 @@ from datetime import timedelta
 try:
     from torchft.process_group import ProcessGroupWrapper
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("fireflyer.hfreduce.fault_tolerance needs torchft: pip install 'fireflyer[ft]' "
+    raise ImportError("fireflyer.hfreduce.backend.fault_tolerance needs torchft: pip install 'fireflyer[ft]' "
                       f"(torchft==0.2.0); {exc}") from exc
 
 import torch.distributed as dist
 
 from fireflyer.hfreduce.config import HFReduceConfig
 from fireflyer.hfreduce.errors import HFReduceError
-from fireflyer.hfreduce.process_group import HFReduceProcessGroup
+from fireflyer.hfreduce.backend.process_group import HFReduceProcessGroup
 
 __all__ = ["ProcessGroupHFReduce"]
 

@@ -1,12 +1,12 @@
 """The ``"hfreduce"`` process group's point-to-point doors: send/recv, all_to_all, gather and scatter.
 
-Mixed into :class:`~fireflyer.hfreduce.process_group.HFReduceProcessGroup`. torch calls
+Mixed into :class:`~fireflyer.hfreduce.backend.process_group.HFReduceProcessGroup`. torch calls
 these methods as ``dist.send/recv/isend/irecv/batch_isend_irecv``,
 ``dist.all_to_all_single``, ``dist.all_to_all``, ``dist.gather`` and ``dist.scatter``
 (and ``torch.distributed.pipelining`` through ``batch_isend_irecv``). Each checks its
 arguments here, on the caller's thread, hands the transfers to the communicator's
-:class:`~fireflyer.hfreduce.exchange.Exchange`, and returns at once a
-:class:`~fireflyer.hfreduce.work.HFReduceWork` with the same guarantees as the
+:class:`~fireflyer.hfreduce.transport.exchange.Exchange`, and returns at once a
+:class:`~fireflyer.hfreduce.backend.work.HFReduceWork` with the same guarantees as the
 collectives': ``wait()`` raises the call's error, a ``wait(timeout)`` that expires fails
 the group, and a failed group fails every later call at once.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from fireflyer.hfreduce import node_all_to_all
+from fireflyer.hfreduce.engine import node_all_to_all
 from fireflyer.hfreduce.errors import HFReduceError
-from fireflyer.hfreduce.exchange import split_rows
-from fireflyer.hfreduce.work import HFReduceWork, seconds
+from fireflyer.hfreduce.transport.exchange import split_rows
+from fireflyer.hfreduce.backend.work import HFReduceWork, seconds
 from fireflyer.errors import UserError, UserTypeError
 
 

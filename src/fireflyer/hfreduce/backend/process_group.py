@@ -2,7 +2,7 @@
 
 After ``import fireflyer.hfreduce``, ``dist.init_process_group("hfreduce")`` under torchrun
 (or any launcher that sets the usual environment) gives a default group whose
-collectives run on the engine and return :class:`~fireflyer.hfreduce.work.HFReduceWork`,
+collectives run on the engine and return :class:`~fireflyer.hfreduce.backend.work.HFReduceWork`,
 so ``async_op=True`` overlaps them with compute. DDP, FSDP2 (``fully_shard`` on a
 DeviceMesh) and ``dist.new_group(backend="hfreduce")`` work on it.
 
@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from fireflyer.hfreduce import collectives, spread
-from fireflyer.hfreduce.engine import Communicator, HFReduceConfig
+from fireflyer.hfreduce.plans import collectives
+from fireflyer.hfreduce.backend import spread
+from fireflyer.hfreduce.engine.communicator import Communicator, HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
-from fireflyer.hfreduce.flight import trace_of
-from fireflyer.hfreduce.process_group_exchange import ExchangeCollectives
-from fireflyer.hfreduce.reduce import Kind, Op, Plan
-from fireflyer.hfreduce.work import DoneWork, HFReduceWork, seconds
+from fireflyer.hfreduce.diagnosis.flight import trace_of
+from fireflyer.hfreduce.backend.point_to_point import ExchangeCollectives
+from fireflyer.hfreduce.plans.plan import Kind, Op, Plan
+from fireflyer.hfreduce.backend.work import DoneWork, HFReduceWork, seconds
 from fireflyer.errors import UserError, UserTypeError
 
 BACKEND = "hfreduce"
@@ -86,7 +87,7 @@ def _unsupported(name: str) -> NotImplementedError:
 
 
 class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
-    """A process group whose collectives run on :class:`~fireflyer.hfreduce.engine.Communicator`."""
+    """A process group whose collectives run on :class:`~fireflyer.hfreduce.engine.communicator.Communicator`."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, config: HFReduceConfig | None = None,
                  *, group_name: str = "", global_ranks: list[int] | None = None) -> None:

@@ -1,10 +1,10 @@
 """Gather, broadcast and reduce-scatter across rails: each byte crosses between two nodes at most once.
 
 On one node the ``"hfreduce"`` group runs these collectives as reductions of one flat
-buffer through the node's shared memory (:mod:`~fireflyer.hfreduce.collectives`), which
+buffer through the node's shared memory (:mod:`~fireflyer.hfreduce.plans.collectives`), which
 is fast there. Across nodes that path would push a world-sized buffer through the trees,
 up to ``world_size`` times the bytes needed. Here they are point-to-point steps on the
-group's :class:`~fireflyer.hfreduce.exchange.Exchange` (shared-memory rings within a
+group's :class:`~fireflyer.hfreduce.transport.exchange.Exchange` (shared-memory rings within a
 node, TCP across), with ``N`` nodes of ``L_a`` ranks, ``W`` ranks in all, and ``s``
 bytes per rank's block:
 
@@ -49,16 +49,16 @@ from typing import Callable
 import torch
 
 from fireflyer.hfreduce import env as names
-from fireflyer.hfreduce import kernels
+from fireflyer.hfreduce.engine import kernels
 from fireflyer.hfreduce.config import read, read_int
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, fresh
-from fireflyer.hfreduce.flight import FlightRecorder
-from fireflyer.hfreduce.reduce import Kind
-from fireflyer.hfreduce.reduce import Op, Plan, acc_dtype
-from fireflyer.hfreduce.topology import Layout
-from fireflyer.hfreduce.transfers import COLLECTIVE, byte_view, digest, settle
-from fireflyer.hfreduce.transfers import Kind as Digest  # its frames' kinds: ALL_GATHER, BROADCAST, REDUCE_SCATTER + op
-from fireflyer.hfreduce.work import HFReduceWork, seconds
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder
+from fireflyer.hfreduce.plans.plan import Kind
+from fireflyer.hfreduce.plans.plan import Op, Plan, acc_dtype
+from fireflyer.hfreduce.plans.topology import Layout
+from fireflyer.hfreduce.transport.transfers import COLLECTIVE, byte_view, digest, settle
+from fireflyer.hfreduce.transport.transfers import Kind as Digest  # its frames' kinds: ALL_GATHER, BROADCAST, REDUCE_SCATTER + op
+from fireflyer.hfreduce.backend.work import HFReduceWork, seconds
 from fireflyer.errors import UserError
 
 CHUNK_ENV = names.SPREAD_CHUNK_BYTES
@@ -114,7 +114,7 @@ class Flow:
 
     Done (its :attr:`future` set to ``result``) when every call and every step after one is;
     failed at the first error, which fails the group. It stands in for the communicator in
-    :class:`~fireflyer.hfreduce.work.HFReduceWork` (``time_out``, ``alive``).
+    :class:`~fireflyer.hfreduce.backend.work.HFReduceWork` (``time_out``, ``alive``).
     """
 
     def __init__(self, ex, layout: Layout, name: str, timeout: float, result: list[torch.Tensor],
@@ -468,7 +468,7 @@ class _Watch:
 
 def start(comm, ex, plan: Plan, name: str, timeout: float | None) -> Flow:
     """The spread flow of one collective the engine would run as ``plan`` (already checked by
-    :mod:`~fireflyer.hfreduce.collectives`, whose flat views and write-backs it reuses)."""
+    :mod:`~fireflyer.hfreduce.plans.collectives`, whose flat views and write-backs it reuses)."""
     flow = Flow(ex, comm.layout, name, timeout or comm.config.timeout, [], comm.flight, comm.number(plan))
     kind = plan.desc.kind
     if kind == Kind.ALLGATHER:

@@ -24,7 +24,7 @@ from fireflyer.hfreduce.errors import HFReduceError, fresh
 from fireflyer.errors import UserTypeError
 
 if TYPE_CHECKING:
-    from fireflyer.hfreduce.engine import Communicator
+    from fireflyer.hfreduce.engine.communicator import Communicator
 
 _POLL = 1.0  # seconds between checks that the engine is alive while a caller waits without a deadline
 

@@ -15,7 +15,7 @@ from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) -> int:
     """Run ``fireflyer hfreduce clean|trace``; ``namespaces`` removes stale namespaces and names them."""
     if argv and argv[0] == "trace":
-        from fireflyer.hfreduce import trace_report
+        from fireflyer.hfreduce.diagnosis import trace_report
 
         return trace_report.main(argv[1:])
     p = ArgumentParser(prog="fireflyer hfreduce", description=doc_summary(__doc__))
@@ -24,7 +24,7 @@ def main(argv: list[str], *, namespaces: Callable[[], list[str]] | None = None) 
                         "emulated nodes; trace DIR: which rank a failed or hung job waited for, from its "
                         "flight recorder dumps")
     p.parse_args(argv)
-    from fireflyer.hfreduce.arena import sweep_stale
+    from fireflyer.hfreduce.transport.arena import sweep_stale
 
     removed = sweep_stale()
     names: list[str] = []

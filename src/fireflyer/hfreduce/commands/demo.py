@@ -2,7 +2,7 @@
 
 Starts one torchrun agent per emulated node (``--nnodes N --node-rank i`` on
 127.0.0.1, each with its own ``FIREFLYER_NODE_ID``), exactly as a multi-node job
-starts on a cluster. The job (:mod:`fireflyer.hfreduce.demo_job`) checks hfreduce
+starts on a cluster. The job (:mod:`fireflyer.hfreduce.commands.demo_job`) checks hfreduce
 against gloo, times both, and trains a tiny model with torch DDP over hfreduce.
 """
 
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     if not 1 <= args.mib <= 1024:
         raise UserError("--mib must be between 1 and 1024")
     run_local(LocalJob(
-        target=["-m", "fireflyer.hfreduce.demo_job", f"--mib={args.mib}"],
+        target=["-m", "fireflyer.hfreduce.commands.demo_job", f"--mib={args.mib}"],
         nodes=args.nodes, ranks_per_node=args.ranks_per_node, timeout=args.timeout,
         env={"OMP_NUM_THREADS": "1"},
     ))

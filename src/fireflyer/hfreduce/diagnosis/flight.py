@@ -216,7 +216,7 @@ class FlightRecorder:
 
     It also knows, even with recording off, which collectives are in flight on this rank
     (:meth:`in_flight`, :meth:`open_collectives`) and how many it has settled (:attr:`settled`):
-    what a timeout's diagnosis and the group's watch (:mod:`~fireflyer.hfreduce.watch`) read.
+    what a timeout's diagnosis and the group's watch (:mod:`~fireflyer.hfreduce.engine.watch`) read.
     """
 
     def __init__(self, *, rank: int, world_size: int, global_ranks: list[int], group_name: str,

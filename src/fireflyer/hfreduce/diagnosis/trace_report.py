@@ -1,6 +1,6 @@
 """``fireflyer hfreduce trace DIR``: which rank a failed or hung job waited for, from its flight recorder dumps.
 
-Reads the JSON dumps (``hfreduce_rank_R.json``) that :mod:`fireflyer.hfreduce.flight` writes,
+Reads the JSON dumps (``hfreduce_rank_R.json``) that :mod:`fireflyer.hfreduce.diagnosis.flight` writes,
 never the pickles beside them: a trace file is data, not code. Per process group it reports
 which ranks dumped and which did not (a rank without a dump is the prime suspect: dead, or hung
 outside hfreduce), the first collective that not every rank completed, each rank's state there
@@ -23,7 +23,7 @@ from typing import Any
 
 from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 from fireflyer.errors import UserError
-from fireflyer.hfreduce.flight import DIR_ENV, FORMAT, FORMAT_VERSION, JSON_PREFIX, JSON_SUFFIX
+from fireflyer.hfreduce.diagnosis.flight import DIR_ENV, FORMAT, FORMAT_VERSION, JSON_PREFIX, JSON_SUFFIX
 
 _DONE = ("completed", "aged out")  # states that let a rank move past a collective
 _MISMATCH_CAP = 10

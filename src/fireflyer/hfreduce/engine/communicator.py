@@ -4,17 +4,17 @@ Construction is the rendezvous: through the job's store every rank learns the gr
 layout (which ranks share a node), the group's key (derived from the launcher's secret,
 :func:`~fireflyer.hfreduce.config.launcher_secret`, and only without one carried by the
 store), and every peer's pid. Its settings are an :class:`HFReduceConfig` (by default
-from the environment); the compiled core comes from ``core.py``. Then come the parts,
+from the environment); the compiled core comes from ``engine/compiled.py``. Then come the parts,
 one module each:
 
-* ``arena.py``       the node's shared memory and the flags that hand chunks between local ranks;
-* ``failures.py``    failure propagation and diagnosis (whom each thread waits on);
-* ``jobs.py``        the job queue and the engine thread (collectives in submission order);
-* ``node_stage.py``  stage-in, reduce and stage-out through the arena, in Python or the compiled core;
-* ``trees.py``       the inter-node stage (rail ranks with several nodes);
-* ``fast_door.py``   small one-node allreduces as one call of the compiled core;
-* ``exchange.py``    send/recv, all_to_all, gather and scatter;
-* ``watch.py``       across nodes, news of a failure for every rank, and each rank's position for a timeout's diagnosis.
+* ``transport/arena.py``      the node's shared memory and the flags that hand chunks between local ranks;
+* ``engine/failures.py``      failure propagation and diagnosis (whom each thread waits on);
+* ``engine/jobs.py``          the job queue and the engine thread (collectives in submission order);
+* ``engine/node_stage.py``    stage-in, reduce and stage-out through the arena, in Python or the compiled core;
+* ``engine/trees.py``         the inter-node stage (rail ranks with several nodes);
+* ``engine/fast_door.py``     small one-node allreduces as one call of the compiled core;
+* ``transport/exchange.py``   send/recv, all_to_all, gather and scatter;
+* ``engine/watch.py``         across nodes, news of a failure for every rank, and each rank's position for a timeout's diagnosis.
 
 Local ranks talk through the arena, nodes over authenticated TCP links. Every wait has a
 deadline, a dead local peer is noticed by its pid, a dead remote one by its closed
@@ -36,9 +36,10 @@ from datetime import timedelta
 import torch
 
 from fireflyer.errors import UserError
-from fireflyer.hfreduce import collectives, fdshare
+from fireflyer.hfreduce.plans import collectives
+from fireflyer.hfreduce.transport import fdshare
 from fireflyer.hfreduce import env as names
-from fireflyer.hfreduce.arena import NAME_PREFIX, Arena, ArenaShape
+from fireflyer.hfreduce.transport.arena import NAME_PREFIX, Arena, ArenaShape
 from fireflyer.hfreduce.config import (
     SECRET_ENV,
     HFReduceConfig,
@@ -48,20 +49,20 @@ from fireflyer.hfreduce.config import (
     route_address,
 )
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.exchange import Exchange
-from fireflyer.hfreduce.failures import Failures
-from fireflyer.hfreduce.fast_door import FastDoor
-from fireflyer.hfreduce.flight import FlightRecorder
-from fireflyer.hfreduce.jobs import INLINE_BYTES, Job, Jobs
-from fireflyer.hfreduce.node_stage import NodeStage
-from fireflyer.hfreduce.reduce import USER_OPS, Op, Plan
-from fireflyer.hfreduce.shared import SharedBuffers
-from fireflyer.hfreduce.canonical import layout_problem
-from fireflyer.hfreduce.topology import Layout, binomial_links, tree_links
-from fireflyer.hfreduce.trees import TreeStage
-from fireflyer.hfreduce.watch import Watch
+from fireflyer.hfreduce.transport.exchange import Exchange
+from fireflyer.hfreduce.engine.failures import Failures
+from fireflyer.hfreduce.engine.fast_door import FastDoor
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder
+from fireflyer.hfreduce.engine.jobs import INLINE_BYTES, Job, Jobs
+from fireflyer.hfreduce.engine.node_stage import NodeStage
+from fireflyer.hfreduce.plans.plan import USER_OPS, Op, Plan
+from fireflyer.hfreduce.transport.registered import SharedBuffers
+from fireflyer.hfreduce.plans.canonical import layout_problem
+from fireflyer.hfreduce.plans.topology import Layout, binomial_links, tree_links
+from fireflyer.hfreduce.engine.trees import TreeStage
+from fireflyer.hfreduce.engine.watch import Watch
 
-from fireflyer.hfreduce.core import CORE as _core  # None without a built core: the Python reference runs
+from fireflyer.hfreduce.engine.compiled import CORE as _core  # None without a built core: the Python reference runs
 
 __all__ = ["INLINE_BYTES", "SECRET_ENV", "Communicator", "HFReduceConfig", "launcher_secret"]
 _log = logging.getLogger("fireflyer.hfreduce")
@@ -279,7 +280,7 @@ class Communicator:
         return self._jobs.run_now(plan)
 
     def number(self, plan: Plan) -> int:
-        """Give a collective that runs off the engine (``spread.py``) the group's next number, and enter it
+        """Give a collective that runs off the engine (``backend/spread.py``) the group's next number, and enter it
         in the flight recorder as the engine would enter ``plan``; returns the number."""
         return self._jobs.number_plan(plan)
 

@@ -8,7 +8,7 @@ into the job's store, where a rank that only saw a closed connection (a symptom)
 the root cause. Every wait calls :meth:`Failures.check`, which raises what the rank, its
 node or a dead local peer (noticed by its pid) has to say.
 
-Across nodes a group also has a watch (:mod:`~fireflyer.hfreduce.watch`, :meth:`Failures.attach`):
+Across nodes a group also has a watch (:mod:`~fireflyer.hfreduce.engine.watch`, :meth:`Failures.attach`):
 the first error is published through it, every rank with a collective in flight fails with
 it at once, and the others with their next call.
 
@@ -38,19 +38,19 @@ from fireflyer.hfreduce.errors import (
     error_to_text,
     fresh,
 )
-from fireflyer.hfreduce.flight import FlightRecorder
-from fireflyer.hfreduce.procs import pid_alive
-from fireflyer.hfreduce.reduce import Descriptor, Plan
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder
+from fireflyer.hfreduce.transport.procs import pid_alive
+from fireflyer.hfreduce.plans.plan import Descriptor, Plan
 
 if TYPE_CHECKING:
     import torch.distributed
 
-    from fireflyer.hfreduce.arena import Arena
-    from fireflyer.hfreduce.watch import Watch
+    from fireflyer.hfreduce.transport.arena import Arena
+    from fireflyer.hfreduce.engine.watch import Watch
 
 
 class Collective(Protocol):
-    """What a diagnosis reads of the collective in flight (a :class:`~fireflyer.hfreduce.jobs.Job`,
+    """What a diagnosis reads of the collective in flight (a :class:`~fireflyer.hfreduce.engine.jobs.Job`,
     which is built on :class:`Failures` and so is named here only by what it offers)."""
 
     @property

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 
 from fireflyer.hfreduce.errors import fresh
-from fireflyer.hfreduce.failures import Failures
-from fireflyer.hfreduce.flight import FlightRecorder, trace_of
-from fireflyer.hfreduce.jobs import Job, Jobs
-from fireflyer.hfreduce.node_stage import (
+from fireflyer.hfreduce.engine.failures import Failures
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder, trace_of
+from fireflyer.hfreduce.engine.jobs import Job, Jobs
+from fireflyer.hfreduce.engine.node_stage import (
     CORE_DONE,
     CORE_DTYPES,
     CORE_NEED_PYTHON,
@@ -27,7 +27,7 @@ from fireflyer.hfreduce.node_stage import (
     Staged,
     job_spec,
 )
-from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan, acc_dtype, check_op
+from fireflyer.hfreduce.plans.plan import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan, acc_dtype, check_op
 from fireflyer.errors import UserError
 
 

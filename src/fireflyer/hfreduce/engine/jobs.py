@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from fireflyer.hfreduce.errors import HFReduceError, fresh
-from fireflyer.hfreduce.failures import Failures
-from fireflyer.hfreduce.flight import FlightRecorder
-from fireflyer.hfreduce.reduce import Kind, Plan
+from fireflyer.hfreduce.engine.failures import Failures
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder
+from fireflyer.hfreduce.plans.plan import Kind, Plan
 from fireflyer.errors import UserError
 
 INLINE_BYTES = 64 << 10  # CPU collectives up to this size run in the caller's thread when the engine is idle

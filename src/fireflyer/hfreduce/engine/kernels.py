@@ -4,11 +4,11 @@
 contiguous CPU tensors in one pass over memory: each input is read once, out is written
 once, and the work runs in C with the GIL released (``fireflyer.hfreduce._core``, SIMD
 kernels chosen at import by CPU feature). :func:`reference_reduce` is the same arithmetic
-as torch ops, built on :class:`~fireflyer.hfreduce.reduce.Reducer` exactly as the engine
+as torch ops, built on :class:`~fireflyer.hfreduce.plans.plan.Reducer` exactly as the engine
 calls it; it is the fallback where the extension did not build, and the oracle of the
 differential tests.
 
-The arithmetic (``reduce.py``'s rules): inputs share one dtype; fp16, bf16 and fp8
+The arithmetic (``plans/plan.py``'s rules): inputs share one dtype; fp16, bf16 and fp8
 accumulate in fp32 and everything else in its own dtype. ``out`` is either the input
 dtype (the accumulation is rounded once at the end, to nearest even, as ``Tensor.to``
 rounds) or the accumulation dtype (a partial on its way to other nodes, not rounded).
@@ -45,9 +45,9 @@ import torch
 
 from fireflyer.hfreduce import env
 from fireflyer.hfreduce.config import read
-from fireflyer.hfreduce.core import CORE as _core
-from fireflyer.hfreduce.core import MISSING as _core_missing
-from fireflyer.hfreduce.reduce import DTYPES, LOW_PRECISION, Op, Reducer, acc_dtype, check_dtype, check_op
+from fireflyer.hfreduce.engine.compiled import CORE as _core
+from fireflyer.hfreduce.engine.compiled import MISSING as _core_missing
+from fireflyer.hfreduce.plans.plan import DTYPES, LOW_PRECISION, Op, Reducer, acc_dtype, check_dtype, check_op
 from fireflyer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def reduce(out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: in
     """``out = finish(inputs[0] op inputs[1] op ...)``, in list order, in one pass.
 
     ``tree``: a float SUM, AVG or PRODUCT combines the inputs in the left-balanced pairwise tree
-    over their indices (the canonical order, ``canonical.py``), in blocks that keep every partial
+    over their indices (the canonical order, ``plans/canonical.py``), in blocks that keep every partial
     in the CPU's first-level cache, so memory still sees each input read once.
 
     ``out`` may be one of the inputs (the same tensor) but must not overlap them otherwise.

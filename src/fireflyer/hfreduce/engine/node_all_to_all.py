@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fireflyer.hfreduce.arena import check_unless
+from fireflyer.hfreduce.transport.arena import check_unless
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError
-from fireflyer.hfreduce.node_stage import CORE_DONE, CORE_NEED_PYTHON, SHARED_EXT, job_spec
-from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan
-from fireflyer.hfreduce.transfers import COLLECTIVE, Kind as Digest, dest_bytes, digest, source_bytes
+from fireflyer.hfreduce.engine.node_stage import CORE_DONE, CORE_NEED_PYTHON, SHARED_EXT, job_spec
+from fireflyer.hfreduce.plans.plan import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan
+from fireflyer.hfreduce.transport.transfers import COLLECTIVE, Kind as Digest, dest_bytes, digest, source_bytes
 
 if TYPE_CHECKING:
-    from fireflyer.hfreduce.engine import Communicator
-    from fireflyer.hfreduce.jobs import Job
+    from fireflyer.hfreduce.engine.communicator import Communicator
+    from fireflyer.hfreduce.engine.jobs import Job
 
 MODE = 4  # HFR_MODE_ALL_TO_ALL
 _SPLIT_MISMATCH, _TOO_BIG = 6, 7

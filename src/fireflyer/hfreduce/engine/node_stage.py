@@ -5,14 +5,14 @@
 2. reduce     local rank k sums slice k of the chunk across all slots, in one pass;
 3. trees      with several nodes, rail r (local rank r of every node) allreduces
               slice r of the node's partial over a double binary tree of nodes
-              (``trees.py``; this stage hands it each chunk's half through :class:`TreeChunk`);
+              (``engine/trees.py``; this stage hands it each chunk's half through :class:`TreeChunk`);
 4. stage-out  every local rank copies the finished chunk back (H2D for CUDA).
 
 Local ranks hand chunks to each other through the arena's counters (:meth:`Arena.publish`,
 :meth:`Arena.wait`), every wait with the collective's deadline. Before its first chunk
 each rank writes a descriptor of the collective into the arena, and every rank checks
 that all its local peers called the same one. A rank whose input lives in a registered
-buffer (``shared.py``) stages nothing in: its peers read the buffer directly.
+buffer (``transport/registered.py``) stages nothing in: its peers read the buffer directly.
 
 On one node a small collective runs one-shot: every rank stages in all of its input and
 reduces all of it into its own result, with no second handoff. Where the plan is one it
@@ -33,16 +33,16 @@ from types import ModuleType
 
 import torch
 
-from fireflyer.hfreduce.arena import STAGES, Arena, Flag
+from fireflyer.hfreduce.transport.arena import STAGES, Arena, Flag
 from fireflyer.hfreduce.config import HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, error_from_text, fresh
-from fireflyer.hfreduce.failures import Failures, mismatch
-from fireflyer.hfreduce.jobs import Job
-from fireflyer.hfreduce.reduce import DESCRIPTOR_BYTES, DTYPES, Descriptor, Op, Plan, acc_dtype, chunk_elems
-from fireflyer.hfreduce.reducing import SliceReducer
-from fireflyer.hfreduce.shared import SharedBuffers
-from fireflyer.hfreduce.topology import split
-from fireflyer.hfreduce.trees import SELF_GRACE, TreeChunk
+from fireflyer.hfreduce.engine.failures import Failures, mismatch
+from fireflyer.hfreduce.engine.jobs import Job
+from fireflyer.hfreduce.plans.plan import DESCRIPTOR_BYTES, DTYPES, Descriptor, Op, Plan, acc_dtype, chunk_elems
+from fireflyer.hfreduce.engine.slice_reducer import SliceReducer
+from fireflyer.hfreduce.transport.registered import SharedBuffers
+from fireflyer.hfreduce.plans.topology import split
+from fireflyer.hfreduce.engine.trees import SELF_GRACE, TreeChunk
 
 REMOTE_WAIT_GRACE = 1.0
 """Seconds a local timeout waits for the peer's tree stage to name the remote rank it is stuck on."""

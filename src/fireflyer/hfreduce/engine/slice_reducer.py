@@ -2,19 +2,19 @@
 
 The node stage's reduce and the tree stage's combine and finish each go through one
 :class:`SliceReducer` per thread. On contiguous CPU tensors of one dtype it calls
-:func:`fireflyer.hfreduce.kernels.reduce` (one pass in C, the same bits as the reference;
-see ``kernels.py`` for the NaN and signed-zero rules). Everything else (a strided
+:func:`fireflyer.hfreduce.engine.kernels.reduce` (one pass in C, the same bits as the reference;
+see ``engine/kernels.py`` for the NaN and signed-zero rules). Everything else (a strided
 tensor, mixed dtypes, the rounding of a partial into a lower precision) and every case
 where the communicator runs without the core (``FIREFLYER_HFREDUCE_CORE=0``, or no core
-built) goes through :class:`~fireflyer.hfreduce.reduce.Reducer`, the torch reference.
+built) goes through :class:`~fireflyer.hfreduce.plans.plan.Reducer`, the torch reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fireflyer.hfreduce import kernels
-from fireflyer.hfreduce.reduce import Op, Reducer, acc_dtype
+from fireflyer.hfreduce.engine import kernels
+from fireflyer.hfreduce.plans.plan import Op, Reducer, acc_dtype
 
 
 class SliceReducer:
@@ -27,7 +27,7 @@ class SliceReducer:
     def reduce(self, out: torch.Tensor, inputs: list[torch.Tensor], op: Op, *, divisor: int = 0,
                tree: bool = False) -> None:
         """``out = finish(inputs[0] op inputs[1] op ...)``, in list order (``tree``: in the canonical
-        pairwise tree over the inputs' indices; see :func:`fireflyer.hfreduce.kernels.reduce`).
+        pairwise tree over the inputs' indices; see :func:`fireflyer.hfreduce.engine.kernels.reduce`).
 
         ``out`` in the accumulation dtype holds a partial (not rounded); in the inputs' dtype,
         the result, divided by ``divisor`` first when it is AVG's (``divisor > 0``).

@@ -11,7 +11,7 @@ half it carries (:class:`TreeChunk`: the range and views of the node's partial a
 result buffers), and three handoffs: wait for the node's partial of the half, wait for
 the result buffer to be free, and announce the finished chunk. Deadlines are the
 collective's tree deadline; liveness checks, failures and the note of whom a thread
-waits on go through the communicator's :class:`~fireflyer.hfreduce.failures.Failures`.
+waits on go through the communicator's :class:`~fireflyer.hfreduce.engine.failures.Failures`.
 
 Where the compiled core is built, each thread hands its whole part of a collective (every
 chunk of its tree and direction) to ``_core.tree_run`` instead: the same frames on the same
@@ -38,14 +38,14 @@ from typing import Protocol
 
 import torch
 
-from fireflyer.hfreduce.arena import check_unless, reached
+from fireflyer.hfreduce.transport.arena import check_unless, reached
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.failures import Failures, mismatch
-from fireflyer.hfreduce.jobs import Job
-from fireflyer.hfreduce.reduce import DTYPES, Descriptor, Op, acc_dtype
-from fireflyer.hfreduce.reducing import SliceReducer
-from fireflyer.hfreduce.topology import TreeLinks, tree_links
-from fireflyer.hfreduce.transport import Link, Listener, connect
+from fireflyer.hfreduce.engine.failures import Failures, mismatch
+from fireflyer.hfreduce.engine.jobs import Job
+from fireflyer.hfreduce.plans.plan import DTYPES, Descriptor, Op, acc_dtype
+from fireflyer.hfreduce.engine.slice_reducer import SliceReducer
+from fireflyer.hfreduce.plans.topology import TreeLinks, tree_links
+from fireflyer.hfreduce.transport.links import Link, Listener, connect
 
 _SLICE = 0.05  # seconds between checks while the root waits for its own reduce-up
 SELF_GRACE = 0.5  # seconds a wait on this rank's own threads outlasts their waits on other ranks

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 
 from fireflyer.hfreduce.errors import HFReduceError, PeerFailure, error_from_text
-from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.hfreduce.transport.procs import pid_alive
 
 TICK = 0.05  # seconds between looks at the local peers' pids (and at the store while stalled)
 STALL = 0.2  # seconds without a collective settling, while one is in flight, before the store is read every tick

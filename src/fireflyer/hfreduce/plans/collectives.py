@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fireflyer.hfreduce.reduce import Descriptor, Kind, Op, Plan, check_dtype, check_op
+from fireflyer.hfreduce.plans.plan import Descriptor, Kind, Op, Plan, check_dtype, check_op
 from fireflyer.errors import UserError, UserTypeError
 
 

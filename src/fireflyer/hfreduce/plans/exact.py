@@ -1,6 +1,6 @@
 """Exact sums of squares: a gradient norm with the same bits on every layout.
 
-The canonical order (:mod:`fireflyer.hfreduce.canonical`) fixes the order of a sum by the terms'
+The canonical order (:mod:`fireflyer.hfreduce.plans.canonical`) fixes the order of a sum by the terms'
 global indices. A gradient norm cannot use it when the parameters are sharded (FSDP, tensor or
 expert parallel): each rank holds different pieces, so the order of a float sum of squares moves
 with the layout. This module does not fix the order; it makes the order irrelevant. The sum is

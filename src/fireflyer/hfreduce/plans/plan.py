@@ -208,7 +208,7 @@ class Reducer:
         """out = inputs[0] (op) inputs[1] (op) ..., in this order, each input read once.
 
         ``tree``: a float SUM, AVG or PRODUCT of four or more inputs combines them in the
-        left-balanced pairwise tree over their indices instead (``canonical.py``; up to three
+        left-balanced pairwise tree over their indices instead (``plans/canonical.py``; up to three
         inputs the list order is that tree, and the other ops are associative)."""
         if tree and len(inputs) > 3 and op in _MIXED_OK and inputs[0].dtype.is_floating_point:
             out.copy_(_tree(op, [t if t.dtype == out.dtype else t.to(out.dtype) for t in inputs]))

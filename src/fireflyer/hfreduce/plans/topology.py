@@ -74,7 +74,7 @@ def binomial_links(n: int, node: int, tree: int) -> TreeLinks:
     Tree 0 is rooted at node 0: node ``v`` takes the children ``v + 2**k`` for every ``2**k``
     below ``v``'s lowest set bit (all of them at the root), nearest first, so folding them in
     that order into ``v``'s own partial adds aligned blocks of equal size: the reduce-up builds
-    the left-balanced pairwise tree over the nodes (``canonical.py``). Tree 1 is its mirror
+    the left-balanced pairwise tree over the nodes (``plans/canonical.py``). Tree 1 is its mirror
     (rooted at node ``n - 1``) where ``n`` is a power of two: the mirror pairs the same blocks,
     and a two-term sum is the same whichever side it is computed on, so both halves of a chunk
     get the same tree and the root's load is shared. Otherwise tree 1 is tree 0 again.

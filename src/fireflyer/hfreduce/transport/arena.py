@@ -35,9 +35,9 @@ from functools import cached_property
 
 import torch
 
-from fireflyer.hfreduce import futex
+from fireflyer.hfreduce.transport import futex
 from fireflyer.hfreduce.errors import HFReduceError
-from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.hfreduce.transport.procs import pid_alive
 from fireflyer.fsutil import unlink_quietly
 
 SHM_DIR = "/dev/shm"

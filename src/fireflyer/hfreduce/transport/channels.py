@@ -1,18 +1,18 @@
 """Channels: how transfers travel between two ranks, one channel per direction.
 
-- Within a node, a ring of the node's mailboxes (:mod:`~fireflyer.hfreduce.mailbox`). A
+- Within a node, a ring of the node's mailboxes (:mod:`~fireflyer.hfreduce.transport.mailbox`). A
   big payload goes as its address, and the receiver reads it straight from the sender's
   memory (one copy), where the kernel allows it.
 - Across nodes, an authenticated TCP connection
-  (:class:`~fireflyer.hfreduce.transport.Link`), opened by the sender on its first transfer
+  (:class:`~fireflyer.hfreduce.transport.links.Link`), opened by the sender on its first transfer
   to the receiver's listener.
 
-Every frame is a :data:`~fireflyer.hfreduce.transport.FRAME` header (kind, key space, key,
+Every frame is a :data:`~fireflyer.hfreduce.transport.links.FRAME` header (kind, key space, key,
 bytes, digest) and its payload. Each channel can be driven three ways: a part that never
 waits, on the caller's thread (``send_now``: an ``isend`` whose bytes fit returns done);
 fully, waiting as needed, on the channel's own thread (``send``, ``header``/``payload``;
-:mod:`~fireflyer.hfreduce.endpoints`); and in non-blocking steps (``step``) by a caller
-that drives several channels at once (:mod:`~fireflyer.hfreduce.progress`).
+:mod:`~fireflyer.hfreduce.transport.endpoints`); and in non-blocking steps (``step``) by a caller
+that drives several channels at once (:mod:`~fireflyer.hfreduce.transport.progress`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import Protocol
 import torch
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
-from fireflyer.hfreduce.mailbox import Ring, read_remote
-from fireflyer.hfreduce.transfers import Transfer
-from fireflyer.hfreduce.transport import DATA, FRAME, Link, Listener, connect
+from fireflyer.hfreduce.transport.mailbox import Ring, read_remote
+from fireflyer.hfreduce.transport.transfers import Transfer
+from fireflyer.hfreduce.transport.links import DATA, FRAME, Link, Listener, connect
 
 
 class Owner(Protocol):
-    """What the channels, the endpoints (:mod:`~fireflyer.hfreduce.endpoints`) and the progress loop
-    (:mod:`~fireflyer.hfreduce.progress`) ask of the :class:`~fireflyer.hfreduce.exchange.Exchange`
+    """What the channels, the endpoints (:mod:`~fireflyer.hfreduce.transport.endpoints`) and the progress loop
+    (:mod:`~fireflyer.hfreduce.transport.progress`) ask of the :class:`~fireflyer.hfreduce.transport.exchange.Exchange`
     that owns them; named here, so that none of them imports the exchange that imports them."""
 
     rank: int

@@ -6,7 +6,7 @@ receive is posted; a frame whose receive is not posted yet (another tag, or a ca
 that overtook it) is kept in memory until it is. So async calls never block their
 caller, and two ranks that both send first never deadlock: the receiving threads
 drain while the sending ones fill. A synchronous call may *claim* an idle end and
-drive it itself (:mod:`~fireflyer.hfreduce.progress`); whoever drives an end holds
+drive it itself (:mod:`~fireflyer.hfreduce.transport.progress`); whoever drives an end holds
 it, its thread between frames or a driving caller for its whole call.
 """
 
@@ -17,8 +17,8 @@ import threading
 from collections import deque
 import torch
 
-from fireflyer.hfreduce.channels import Owner
-from fireflyer.hfreduce.transfers import Transfer
+from fireflyer.hfreduce.transport.channels import Owner
+from fireflyer.hfreduce.transport.transfers import Transfer
 
 
 class Outbox:

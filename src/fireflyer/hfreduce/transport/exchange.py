@@ -1,18 +1,18 @@
 """Point-to-point for hfreduce: send/recv, all-to-all, gather and scatter, between the ranks that exchange.
 
-Every call is a set of transfers (:mod:`~fireflyer.hfreduce.transfers`), each a byte
+Every call is a set of transfers (:mod:`~fireflyer.hfreduce.transport.transfers`), each a byte
 range to or from one peer: ``isend`` is one, ``all_to_all`` one to and one from every
 peer, ``gather`` one from every peer to the root. They travel over channels
-(:mod:`~fireflyer.hfreduce.channels`, with this rank's ends of them in
-:mod:`~fireflyer.hfreduce.endpoints`), one per direction between two ranks: within a
-node a ring in the node's shared mailboxes (:mod:`~fireflyer.hfreduce.mailbox`), with
+(:mod:`~fireflyer.hfreduce.transport.channels`, with this rank's ends of them in
+:mod:`~fireflyer.hfreduce.transport.endpoints`), one per direction between two ranks: within a
+node a ring in the node's shared mailboxes (:mod:`~fireflyer.hfreduce.transport.mailbox`), with
 big payloads read straight from the sender's memory; across nodes a TCP connection
 straight to the peer; to itself a hand-over in memory.
 
 Async calls (``isend``, ``irecv``, ``async_op=True``) return at once: what fits goes
 out on the caller's thread, the rest on the channel's own thread, and receives are
 read by the channel's thread, so two ranks that both send first never deadlock. A
-synchronous collective drives its channels itself (:mod:`~fireflyer.hfreduce.progress`).
+synchronous collective drives its channels itself (:mod:`~fireflyer.hfreduce.transport.progress`).
 
 On a channel, frames keep the order this rank posted them in, and each carries a key:
 ``(P2P, tag)`` for user transfers, whose n-th send to a peer matches that peer's n-th
@@ -41,16 +41,16 @@ from typing import Callable
 
 import torch
 
-from fireflyer.hfreduce.channels import RingIn, RingOut, TcpIn, TcpOut
+from fireflyer.hfreduce.transport.channels import RingIn, RingOut, TcpIn, TcpOut
 from fireflyer.hfreduce import env as names
 from fireflyer.hfreduce.config import read_int
-from fireflyer.hfreduce.endpoints import Inbox, Outbox
+from fireflyer.hfreduce.transport.endpoints import Inbox, Outbox
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, error_to_text, fresh
-from fireflyer.hfreduce.flight import FlightRecorder, dtype_name, trace_of
-from fireflyer.hfreduce.mailbox import Mailboxes
-from fireflyer.hfreduce.progress import drive
-from fireflyer.hfreduce.topology import Layout
-from fireflyer.hfreduce.transfers import (
+from fireflyer.hfreduce.diagnosis.flight import FlightRecorder, dtype_name, trace_of
+from fireflyer.hfreduce.transport.mailbox import Mailboxes
+from fireflyer.hfreduce.transport.progress import drive
+from fireflyer.hfreduce.plans.topology import Layout
+from fireflyer.hfreduce.transport.transfers import (
     COLLECTIVE,
     P2P,
     Kind,
@@ -61,7 +61,7 @@ from fireflyer.hfreduce.transfers import (
     digest,
     source_bytes,
 )
-from fireflyer.hfreduce.transport import Listener
+from fireflyer.hfreduce.transport.links import Listener
 from fireflyer.errors import UserError
 
 DIRECT_ENV = names.DIRECT_BYTES
@@ -123,7 +123,7 @@ class Exchange:
     the layout, the peers' pids, the store, the group's secret, and three hooks: its
     group timeout, a ``check`` that raises if the group has failed or a local peer died,
     and ``fail``, which records a failure group-wide and returns the error to raise. With a
-    ``flight`` recorder and ``number`` (the engine's :meth:`~fireflyer.hfreduce.jobs.Jobs.number`)
+    ``flight`` recorder and ``number`` (the engine's :meth:`~fireflyer.hfreduce.engine.jobs.Jobs.number`)
     every call is recorded.
     """
 

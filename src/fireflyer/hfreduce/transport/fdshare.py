@@ -21,7 +21,7 @@ import threading
 import time
 
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
-from fireflyer.hfreduce.transport import recv_exact
+from fireflyer.hfreduce.transport.links import recv_exact
 
 log = logging.getLogger("fireflyer.hfreduce")
 

@@ -7,7 +7,7 @@ each side, no kernel in between, and the two copies overlap piece by piece.
 
 The node's rings live in one region of anonymous shared memory (``memfd``) that
 local rank 0 makes at start-up and hands to the other local ranks as a descriptor
-(:mod:`fireflyer.hfreduce.fdshare`), as for the arena; where memfd is missing, a
+(:mod:`fireflyer.hfreduce.transport.fdshare`), as for the arena; where memfd is missing, a
 ``/dev/shm`` file unlinked as soon as every local rank has mapped it. Pages are only
 touched by the pairs that talk, so an unused ring costs address space, not memory.
 
@@ -43,11 +43,12 @@ from typing import Callable
 import torch
 
 from fireflyer.hfreduce import env as names
-from fireflyer.hfreduce.arena import map_shared
+from fireflyer.hfreduce.transport.arena import map_shared
 from fireflyer.hfreduce.config import read_int
-from fireflyer.hfreduce import fdshare, futex
+from fireflyer.hfreduce.transport import fdshare
+from fireflyer.hfreduce.transport import futex
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError, PeerFailure
-from fireflyer.hfreduce.procs import pid_alive
+from fireflyer.hfreduce.transport.procs import pid_alive
 from fireflyer.fsutil import unlink_quietly
 from fireflyer.errors import UserError
 

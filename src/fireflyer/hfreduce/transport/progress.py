@@ -20,14 +20,14 @@ import time
 from typing import TYPE_CHECKING
 
 from fireflyer.hfreduce import env as names
-from fireflyer.hfreduce import futex
-from fireflyer.hfreduce.channels import DONE, Foreign, Owner
+from fireflyer.hfreduce.transport import futex
+from fireflyer.hfreduce.transport.channels import DONE, Foreign, Owner
 from fireflyer.hfreduce.config import read
 from fireflyer.hfreduce.errors import CollectiveTimeout
-from fireflyer.hfreduce.transfers import Op, Transfer
+from fireflyer.hfreduce.transport.transfers import Op, Transfer
 
 if TYPE_CHECKING:
-    from fireflyer.hfreduce.endpoints import Inbox, Outbox
+    from fireflyer.hfreduce.transport.endpoints import Inbox, Outbox
 
 # Microseconds of polling before a sleep (FIREFLYER_HFREDUCE_SPIN_US): a peer running on another core
 # delivers within them without a wake-up; on an oversubscribed machine they cost the peers' CPU.

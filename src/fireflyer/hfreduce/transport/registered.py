@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch
 
-from fireflyer.hfreduce import fdshare
+from fireflyer.hfreduce.transport import fdshare
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.errors import UserError
 

@@ -43,7 +43,7 @@ def _kind_name(kind: int) -> str:
     if kind in _KIND_NAMES:
         return _KIND_NAMES[kind]
     if Kind.REDUCE_SCATTER <= kind < Kind.REDUCE_SCATTER + 32:
-        from fireflyer.hfreduce.reduce import Op as ReduceOp  # the reduction's op travels in the kind
+        from fireflyer.hfreduce.plans.plan import Op as ReduceOp  # the reduction's op travels in the kind
 
         op = kind - Kind.REDUCE_SCATTER
         return f"reduce_scatter ({ReduceOp(op).name})" if op in ReduceOp._value2member_map_ else "reduce_scatter"

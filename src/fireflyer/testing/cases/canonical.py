@@ -1,5 +1,5 @@
 """Rank-side functions for the canonical-order tests: every rank checks its own result, bit for bit,
-against one process summing all ranks' inputs in the canonical tree (``hfreduce.canonical``)."""
+against one process summing all ranks' inputs in the canonical tree (``hfreduce.plans.canonical``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fireflyer.errors import FireflyerError
 from fireflyer.hfreduce import HFReduceConfig
-from fireflyer.hfreduce.canonical import canonical_sum
+from fireflyer.hfreduce.plans.canonical import canonical_sum
 
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from fireflyer.haiscale.fsdp import (FullyShardedDataParallel, apply_optimizer_in_backward, fsdp_accumulate, fully_shard,
                                      sharding_info)
 from fireflyer.hfreduce import HFReduceConfig
-from fireflyer.hfreduce.canonical import PairwiseAccumulator
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator
 from fireflyer.testing.cases.canonical import Refusals
 from fireflyer.train.model import GPT, Block, ModelShape, lm_loss, synthetic_batch
 

@@ -284,7 +284,7 @@ def intrude(ctx, target: int):
     key = f"test/hfreduce/{ctx.comm.incarnation}/addr/{target}"
     ctx.store.wait([key], datetime.timedelta(seconds=5))
     host, port = json.loads(ctx.store.get(key))
-    from fireflyer.hfreduce.transport import connect
+    from fireflyer.hfreduce.transport.links import connect
 
     try:
         connect(host, port, my_rank=ctx.rank, peer_rank=target, tag=0, secret=b"not the job secret", deadline=__import__("time").monotonic() + 3)

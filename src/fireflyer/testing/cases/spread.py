@@ -234,7 +234,7 @@ def deterministic(ctx, case: Case, reps: int) -> list[bytes]:
 
 def cross_bytes(ctx, kind: str, numel: int) -> dict:
     """Bytes this rank's spread collectives sent to other nodes during one call of ``kind``."""
-    from fireflyer.hfreduce import spread
+    from fireflyer.hfreduce.backend import spread
 
     init(ctx)
     me, world = ctx.rank, ctx.world_size

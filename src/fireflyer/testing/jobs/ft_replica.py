@@ -20,7 +20,7 @@ import torch
 import torch.distributed
 
 from fireflyer import lifetime
-from fireflyer.hfreduce.fault_tolerance import ProcessGroupHFReduce
+from fireflyer.hfreduce.backend.fault_tolerance import ProcessGroupHFReduce
 from fireflyer.ports import free_port
 
 p = argparse.ArgumentParser()
