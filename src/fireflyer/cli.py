@@ -100,7 +100,7 @@ def _lazy(module: str, *lead: str) -> Callable[[list[str]], int]:
     return run
 
 
-_PLATFORM = "fireflyer.platform.cli"
+_PLATFORM = "fireflyer.platform.commands.dispatch"
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a small GPT with haiscale DDP on emulated nodes: fireflyer train [CONFIG] [--help]", _train),

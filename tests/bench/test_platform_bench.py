@@ -11,7 +11,7 @@ import pytest
 
 from fireflyer.errors import UserError
 from fireflyer.bench import platform as bench
-from fireflyer.platform.policy import PolicyConfig, schedule
+from fireflyer.platform.state.policy import PolicyConfig, schedule
 
 
 def test_the_bench_runs_at_tiny_sizes_and_writes_json_and_png(tmp_path):

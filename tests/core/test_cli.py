@@ -57,12 +57,12 @@ def test_every_user_facing_error_derives_from_the_one_root():
     from fireflyer.hfreduce.errors import HFReduceError
     from fireflyer.launch import LaunchFailed
     from fireflyer.platform.accounts import AccountProblem
-    from fireflyer.platform.api import ApiError, Conflict, Forbidden, NotFound, Unavailable
-    from fireflyer.platform.daemon import AlreadyRunning
-    from fireflyer.platform.remote import Unauthorized
+    from fireflyer.platform.scheduler.api import ApiError, Conflict, Forbidden, NotFound, Unavailable
+    from fireflyer.platform.scheduler.daemon import AlreadyRunning
+    from fireflyer.platform.commands.remote import Unauthorized
     from fireflyer.platform.server.auth import UserProblem
-    from fireflyer.platform.slurm import SlurmError
-    from fireflyer.platform.store import StoreUnavailable, UnknownTask
+    from fireflyer.platform.executors.slurm import SlurmError
+    from fireflyer.platform.state.store import StoreUnavailable, UnknownTask
     from fireflyer.storage.errors import StorageError
     from fireflyer.validator.profiles import ProfileError
 

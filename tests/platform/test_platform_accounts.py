@@ -20,11 +20,11 @@ import pytest
 from fireflyer.fsutil import open_beneath, read_owned
 from fireflyer.platform import accounts
 from fireflyer.platform.accounts import Account, AccountProblem, run_as
-from fireflyer.platform.daemon import read_status
+from fireflyer.platform.scheduler.daemon import read_status
 from fireflyer.platform.layout import AttemptDir, open_runs_dir
-from fireflyer.platform.local import LocalExecutor, kill_ranks
+from fireflyer.platform.executors.local import LocalExecutor, kill_ranks
 from fireflyer.platform.server.auth import UserProblem, Users
-from fireflyer.platform.store import StopCode
+from fireflyer.platform.state.store import StopCode
 from fireflyer.testing.users import NOBODY
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to give files to another account)")
@@ -111,7 +111,7 @@ def test_a_users_table_from_before_accounts_gains_the_column(tmp_path):
 ])
 def test_the_cli_refuses_bad_mappings_in_one_line(tmp_path, argv, says):
     from fireflyer.platform.layout import Home
-    from fireflyer.platform.store import Store
+    from fireflyer.platform.state.store import Store
 
     Store(Home(tmp_path).db).close()
     done = subprocess.run([sys.executable, "-m", "fireflyer", "platform", *argv, "--home", str(tmp_path)],

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from fireflyer.platform import config as platform_config
-from fireflyer.platform.api import Conflict, Forbidden, NotFound, PlatformApi, ApiError, task_json
+from fireflyer.platform.scheduler.api import Conflict, Forbidden, NotFound, PlatformApi, ApiError, task_json
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
-from fireflyer.platform.policy import Decisions, PolicyConfig, Start
-from fireflyer.platform.store import StopCode, Store
+from fireflyer.platform.state.policy import Decisions, PolicyConfig, Start
+from fireflyer.platform.state.store import StopCode, Store
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def test_a_task_id_too_large_for_sqlite_is_a_clear_error(home):
 
 
 def test_a_users_default_quota_holds_when_another_user_needs_the_nodes(tmp_path):
-    from fireflyer.platform.daemon import Daemon
+    from fireflyer.platform.scheduler.daemon import Daemon
 
     class Executor:
         name = "stand-in"
@@ -211,7 +211,7 @@ def test_a_users_default_quota_holds_when_another_user_needs_the_nodes(tmp_path)
 
 
 def test_no_default_quota_leaves_a_running_task_alone(tmp_path):
-    from fireflyer.platform.policy import schedule
+    from fireflyer.platform.state.policy import schedule
 
     h = Home(tmp_path)
     cfg = PlatformConfig(nodes=2, policy=PolicyConfig(default_quota=None))

@@ -9,10 +9,10 @@ import pytest
 
 from fireflyer.errors import UserError
 from fireflyer.platform.layout import Home
-from fireflyer.platform.server import cli
+from fireflyer.platform.commands import serve as cli
 from fireflyer.platform.server.auth import (TOKEN_PREFIX, FailedLogins, UserProblem, Users, check_name,
                                             token_hash, well_formed)
-from fireflyer.platform.store import Store
+from fireflyer.platform.state.store import Store
 
 
 @pytest.fixture

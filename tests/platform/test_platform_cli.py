@@ -10,8 +10,8 @@ from fireflyer.cli import main
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
-from fireflyer.platform.policy import PolicyConfig
-from fireflyer.platform.store import Store
+from fireflyer.platform.state.policy import PolicyConfig
+from fireflyer.platform.state.store import Store
 
 
 @pytest.fixture

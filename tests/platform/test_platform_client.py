@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from fireflyer.platform import client
-from fireflyer.platform.executor import Launch, Timeouts
+from fireflyer.platform.executors.base import Launch, Timeouts
 from fireflyer.platform.layout import AttemptDir
-from fireflyer.platform.rank import rank_env
+from fireflyer.platform.attempt.rank import rank_env
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import os
 import pytest
 
 from fireflyer.platform.config import PlatformConfig
-from fireflyer.platform.daemon import Daemon
+from fireflyer.platform.scheduler.daemon import Daemon
 from fireflyer.platform.layout import Home, write_json
-from fireflyer.platform.store import StopCode, Store
+from fireflyer.platform.state.store import StopCode, Store
 from fireflyer.testing.users import NOBODY
 
 

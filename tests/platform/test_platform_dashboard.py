@@ -213,7 +213,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def _kill_leftover_tasks(home: Path) -> None:
     """Whatever the platform still runs once the daemon is stopped (normally nothing: every task was stopped)."""
     from fireflyer.platform.layout import Home
-    from fireflyer.platform.local import kill_active
+    from fireflyer.platform.executors.local import kill_active
 
     kill_active(Home(home))
 

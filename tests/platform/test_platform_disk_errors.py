@@ -19,13 +19,13 @@ import pytest
 
 from fireflyer.cli import main
 from fireflyer.platform import config as platform_config
-from fireflyer.platform import daemon as daemon_module
-from fireflyer.platform import store as store_module
-from fireflyer.platform.api import PlatformApi, Unavailable
+from fireflyer.platform.scheduler import daemon as daemon_module
+from fireflyer.platform.state import store as store_module
+from fireflyer.platform.scheduler.api import PlatformApi, Unavailable
 from fireflyer.platform.config import PlatformConfig
-from fireflyer.platform.daemon import Daemon, Health, lock, read_heartbeat, serve, why_unhealthy, write_heartbeat
+from fireflyer.platform.scheduler.daemon import Daemon, Health, lock, read_heartbeat, serve, why_unhealthy, write_heartbeat
 from fireflyer.platform.layout import Home, write_json
-from fireflyer.platform.store import StopCode, Store, StoreUnavailable
+from fireflyer.platform.state.store import StopCode, Store, StoreUnavailable
 
 
 def disk_full_error() -> sqlite3.OperationalError:

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from fireflyer.platform.policy import Node, Priority, Task, schedule
-from fireflyer.platform.store import Store
+from fireflyer.platform.state.policy import Node, Priority, Task, schedule
+from fireflyer.platform.state.store import Store
 from fireflyer.testing.live_platform import LivePlatform, run_cli
 from fireflyer.testing.server import Server
 from fireflyer.testing.waiting import wait_until

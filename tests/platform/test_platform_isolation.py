@@ -27,7 +27,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from fireflyer.platform.layout import Home  # noqa: E402
-from fireflyer.platform.local import kill_active  # noqa: E402
+from fireflyer.platform.executors.local import kill_active  # noqa: E402
 from fireflyer.testing.users import account_site, accounts_unavailable  # noqa: E402
 
 from test_platform_server import call, ok  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.daemon import daemon_pid
+from fireflyer.platform.scheduler.daemon import daemon_pid
 from fireflyer.platform.layout import Home
 from fireflyer.testing.live_platform import LivePlatform
 
@@ -165,7 +165,8 @@ def test_draining_a_node_mid_task_moves_the_task(make_platform, tmp_path):
 def test_killing_the_daemon_loses_and_duplicates_nothing(make_platform, tmp_path):
     p = make_platform("--nodes", "2")
     states = [tmp_path / f"k{i}" for i in range(3)]
-    tasks = [p.job(s, 40, "--step-s", "0.05") for s in states]
+    go = tmp_path / "go"  # the tasks end only once the daemon is back, however slow the host
+    tasks = [p.job(s, 40, "--step-s", "0.05", "--hold", str(go)) for s in states]
     p.wait("two tasks running", lambda: sum(p.describe(t)["state"] == "running" for t in tasks) == 2)
     home = Home(p.home)
     pid = daemon_pid(home)
@@ -173,6 +174,7 @@ def test_killing_the_daemon_loses_and_duplicates_nothing(make_platform, tmp_path
     p.wait("the lock to be free", lambda: daemon_pid(home) is None, timeout=10)
     time.sleep(1.0)  # tasks keep running with no scheduler
     p.cli("platform", "start")
+    go.touch()
     for t, s in zip(tasks, states):
         done = p.wait_state(t, "finished", timeout=90)
         assert [a["stop"] for a in done["attempts"]] == ["STOP"]

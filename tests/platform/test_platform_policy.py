@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fireflyer.platform.policy import (
+from fireflyer.platform.state.policy import (
     QUEUED,
     RUNNING,
     SUSPENDING,

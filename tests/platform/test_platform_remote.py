@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from fireflyer.platform.api import ApiError
-from fireflyer.platform.remote import RemoteApi
+from fireflyer.platform.scheduler.api import ApiError
+from fireflyer.platform.commands.remote import RemoteApi
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -80,7 +80,7 @@ def test_a_redirect_within_the_same_origin_is_followed_with_the_token():
 def test_both_apis_implement_every_method_of_the_protocol():
     import inspect
 
-    from fireflyer.platform.api import Api, PlatformApi
+    from fireflyer.platform.scheduler.api import Api, PlatformApi
 
     wanted = [n for n, v in vars(Api).items() if inspect.isfunction(v) and (not n.startswith("_") or n in (
         "__enter__", "__exit__"))]

@@ -1,4 +1,4 @@
-"""The platform's HTTP server, run for real: ``python -m fireflyer.platform.server serve`` on a free loopback port.
+"""The platform's HTTP server, run for real: ``fireflyer platform serve`` on a free loopback port.
 
 Most tests share one server over a home with three nodes and no daemon, so tasks stay
 queued and logs are files the test writes where an attempt's rank would. One test runs
@@ -33,9 +33,9 @@ pytest.importorskip("uvicorn")
 from fireflyer.platform import config as platform_config  # noqa: E402
 from fireflyer.platform.config import PlatformConfig  # noqa: E402
 from fireflyer.platform.layout import Home  # noqa: E402
-from fireflyer.platform.local import kill_active  # noqa: E402
+from fireflyer.platform.executors.local import kill_active  # noqa: E402
 from fireflyer.platform.server.auth import Users  # noqa: E402
-from fireflyer.platform.store import Store  # noqa: E402
+from fireflyer.platform.state.store import Store  # noqa: E402
 from fireflyer.testing.server import REQUEST_TIMEOUT_S, START_TIMEOUT_S, Server  # noqa: E402
 
 UNKNOWN = "ff_" + "A" * 43
@@ -185,7 +185,7 @@ def home_with_a_log(root: Path) -> tuple[Home, dict[str, str], int]:
 
 def grant(home: Home, user: str, group: str, priority: str, nodes: int) -> None:
     """What an admin does with 'fireflyer platform quota USER GROUP PRIORITY NODES'."""
-    from fireflyer.platform.policy import Priority
+    from fireflyer.platform.state.policy import Priority
 
     store = Store(home.db)
     try:
@@ -279,11 +279,11 @@ def test_revoking_and_rotating_take_effect_on_a_running_server(home, srv):
         first = users.add("dave")
     SEEN_TOKENS.add(first)
     assert ok(call(srv, "GET", "/api/me", token=first))["user"] == "dave"
-    done = subprocess.run([sys.executable, "-m", "fireflyer.platform.server", "user", "revoke", "dave", "--home",
+    done = subprocess.run([sys.executable, "-m", "fireflyer", "platform", "user", "revoke", "dave", "--home",
                            str(home.root)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert call(srv, "GET", "/api/me", token=first, source="127.0.40.1").status == 401
-    done = subprocess.run([sys.executable, "-m", "fireflyer.platform.server", "user", "token", "dave", "--home",
+    done = subprocess.run([sys.executable, "-m", "fireflyer", "platform", "user", "token", "dave", "--home",
                            str(home.root)], capture_output=True, text=True, timeout=60)
     second = done.stdout.strip()
     SEEN_TOKENS.add(second)
@@ -575,7 +575,7 @@ def test_the_stream_limit_holds_under_concurrent_requests(tmp_path):
 
 
 def test_tokens_in_a_query_string_never_reach_the_access_log():
-    from fireflyer.platform.server.cli import RedactTokens
+    from fireflyer.platform.commands.serve import RedactTokens
 
     secret = "ff_" + "a1B2" * 16
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
@@ -698,12 +698,12 @@ def test_wrong_methods_and_paths_under_api_are_the_apis_answers(srv, tok):
 
 # ---------------------------------------------------------------------- the command
 def test_serve_refuses_a_busy_port_and_a_missing_platform(tmp_path, srv):
-    busy = subprocess.run([sys.executable, "-m", "fireflyer.platform.server", "serve", "--home",
+    busy = subprocess.run([sys.executable, "-m", "fireflyer", "platform", "serve", "--home",
                            str(tmp_path / "none"), "--port", str(srv.port)], capture_output=True, text=True,
                           timeout=60)
     assert busy.returncode == 2 and "no platform in" in busy.stderr and len(busy.stderr.splitlines()) == 1
     home = make_home(tmp_path / "home")
-    busy = subprocess.run([sys.executable, "-m", "fireflyer.platform.server", "serve", "--home", str(home.root),
+    busy = subprocess.run([sys.executable, "-m", "fireflyer", "platform", "serve", "--home", str(home.root),
                            "--port", str(srv.port)], capture_output=True, text=True, timeout=60)
     assert busy.returncode == 2 and f"port {srv.port} on 127.0.0.1 is in use" in busy.stderr
     assert len(busy.stderr.splitlines()) == 1

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fireflyer.platform.policy import PolicyConfig, Priority
-from fireflyer.platform.simulate import (
+from fireflyer.platform.state.policy import PolicyConfig, Priority
+from fireflyer.platform.state.simulate import (
     DEFAULT_CLASSES,
     POLICIES,
     Job,

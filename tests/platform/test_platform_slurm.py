@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.daemon import daemon_pid
-from fireflyer.platform.executor import Launch, Timeouts
+from fireflyer.platform.scheduler.daemon import daemon_pid
+from fireflyer.platform.executors.base import Launch, Timeouts
 from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir, read_json, write_json
-from fireflyer.platform.slurm import (
+from fireflyer.platform.executors.slurm import (
     SlurmError,
     SlurmExecutor,
     drain,
@@ -32,7 +32,7 @@ from fireflyer.platform.slurm import (
     slurm_nodes,
     undrain,
 )
-from fireflyer.platform.store import StopCode, Store
+from fireflyer.platform.state.store import StopCode, Store
 from fireflyer.testing.users import account_site, accounts_unavailable
 
 pytestmark = pytest.mark.integration

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform import slurm, starters
-from fireflyer.platform.executor import Launch, Timeouts
+from fireflyer.platform.executors import slurm
+from fireflyer.platform.attempt import starters
+from fireflyer.platform.executors.base import Launch, Timeouts
 from fireflyer.platform.layout import AttemptDir, write_json
-from fireflyer.platform.policy import Node
-from fireflyer.platform.slurm import SlurmError, SlurmExecutor
+from fireflyer.platform.state.policy import Node
+from fireflyer.platform.executors.slurm import SlurmError, SlurmExecutor
 
 FAKE = textwrap.dedent("""\
     #!{python}
@@ -149,7 +150,7 @@ def test_launch_submits_the_supervisor_on_exactly_the_chosen_nodes(fake, tmp_pat
     assert script == adir.root / "slurm.sh" and os.access(script, os.X_OK)
     text = script.read_text()
     assert text.startswith("#!/bin/sh\n")
-    assert f"\n{sys.executable} -m fireflyer.platform.supervisor {adir.root} --slurm &\n" in text
+    assert f"\n{sys.executable} -m fireflyer.platform.attempt.supervisor {adir.root} --slurm &\n" in text
 
 
 def test_launch_without_options_leaves_them_to_slurm(fake, tmp_path):
@@ -169,7 +170,7 @@ def test_launch_quotes_paths_in_the_batch_script(fake, tmp_path):
                     ranks_per_node=1, master_port=1, cwd=str(tmp_path))
     SlurmExecutor(python="/opt/my python/bin/python").launch(launch, str(root))
     line = next(ln for ln in (root / "slurm.sh").read_text().splitlines() if "supervisor" in ln)
-    assert line.startswith("'/opt/my python/bin/python' -m fireflyer.platform.supervisor '")
+    assert line.startswith("'/opt/my python/bin/python' -m fireflyer.platform.attempt.supervisor '")
     assert shlex.split(line)[3] == str(root)
 
 
@@ -425,7 +426,7 @@ def test_srun_starts_every_rank_with_the_task_env(fake, tmp_path, monkeypatch):
     assert option(argv, "--ntasks-per-node") == "4" and option(argv, "--cpus-per-task") == "4"
     assert "--kill-on-bad-exit=1" in argv
     tail = argv[argv.index(sys.executable):]
-    assert tail == [sys.executable, "-m", "fireflyer.platform.rank", str(adir.root), "--", "python", "train.py"]
+    assert tail == [sys.executable, "-m", "fireflyer.platform.attempt.rank", str(adir.root), "--", "python", "train.py"]
     env = call["env"]
     assert env["MASTER_ADDR"] == "10.0.0.7" and env["MASTER_PORT"] == "29511"
     assert env["WORLD_SIZE"] == "8" and env["LOCAL_WORLD_SIZE"] == "4"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Start, Suspend, schedule
-from fireflyer.platform.store import FINISHED, StopCode, Store, UnknownTask
+from fireflyer.platform.state.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Start, Suspend, schedule
+from fireflyer.platform.state.store import FINISHED, StopCode, Store, UnknownTask
 from fireflyer.testing.users import NOBODY, refused_as
 
 

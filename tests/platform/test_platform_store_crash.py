@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.store import Store
+from fireflyer.platform.state.store import Store
 from fireflyer.testing import jobs
 
 pytestmark = pytest.mark.multiproc

@@ -6,8 +6,8 @@ All in one run, one JSON (``bench-platform.json``) and one PNG (``bench-platform
    1 to 32 nodes, quotas for some users) over 1,250 nodes in 2 zones, with the cluster
    in the state the policy itself would leave it: the tasks it would start on an empty
    cluster are running (for 0 to 8 hours, so turn-taking is live), then a tenth of them
-   finished and freed their nodes. Timed: the pure :func:`~fireflyer.platform.policy.schedule`
-   alone, and a full :meth:`~fireflyer.platform.daemon.Daemon.tick` over a real SQLite
+   finished and freed their nodes. Timed: the pure :func:`~fireflyer.platform.state.policy.schedule`
+   alone, and a full :meth:`~fireflyer.platform.scheduler.daemon.Daemon.tick` over a real SQLite
    store holding that state (watch the running attempts, read, decide, apply in one
    transaction, launch the starts through an executor that starts nothing), each from
    the same state (a fresh copy of the store per cycle). Baseline: HAI's 1 s tick.
@@ -18,7 +18,7 @@ All in one run, one JSON (``bench-platform.json``) and one PNG (``bench-platform
    attempt stopped (INTERRUPT), and after ``fireflyer resume`` the resumed attempt's rank
    running. Baseline: a cold submit→running of the same job. Also the preemption path:
    a HIGH task submitted while a NORMAL one holds the only node, until HIGH runs.
-3. **Utilisation over a synthetic day** (:mod:`fireflyer.platform.simulate`): the
+3. **Utilisation over a synthetic day** (:mod:`fireflyer.platform.state.simulate`): the
    platform's policy against FIFO without preemption (and FIFO with greedy backfill).
 """
 
@@ -37,8 +37,8 @@ from typing import Any
 from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.bench.harness import bench_command, document, loadavg, pyplot, save_figure, write_results
 from fireflyer.errors import JobFailed, UserError
-from fireflyer.platform import simulate as sim
-from fireflyer.platform.policy import Node, PolicyConfig, Priority, Task, schedule
+from fireflyer.platform.state import simulate as sim
+from fireflyer.platform.state.policy import Node, PolicyConfig, Priority, Task, schedule
 from fireflyer.testing.live_platform import MARKS_JOB, LivePlatform
 
 HAI_TICK_S = 1.0
@@ -184,8 +184,8 @@ class _NoopExecutor:
 def _build_store(state: CycleState, root: Path) -> Path:
     """A platform home whose SQLite store holds ``state``; returns the home's root."""
     from fireflyer.platform.layout import Home, write_json
-    from fireflyer.platform.policy import Decisions, Start
-    from fireflyer.platform.store import Store
+    from fireflyer.platform.state.policy import Decisions, Start
+    from fireflyer.platform.state.store import Store
 
     home = Home(root)
     store = Store(home.db)
@@ -210,9 +210,9 @@ def _build_store(state: CycleState, root: Path) -> Path:
 
 def measure_cycle(cfg: PlatformBenchConfig, work: Path) -> dict[str, Any]:
     from fireflyer.platform.config import PlatformConfig
-    from fireflyer.platform.daemon import Daemon
+    from fireflyer.platform.scheduler.daemon import Daemon
     from fireflyer.platform.layout import Home
-    from fireflyer.platform.store import Store
+    from fireflyer.platform.state.store import Store
 
     t0 = time.perf_counter()
     state = cycle_state(tasks=cfg.tasks, nodes=cfg.nodes, zones=cfg.zones, users=cfg.users, seed=cfg.seed)
@@ -293,7 +293,7 @@ class _BenchPlatform(LivePlatform):
 
 
 def _roundtrip_once(p: _BenchPlatform) -> dict[str, float]:
-    from fireflyer.platform.store import HELD, StopCode
+    from fireflyer.platform.state.store import HELD, StopCode
 
     t_submit = time.time()
     chain = p.submit_marks("loop")
@@ -319,7 +319,7 @@ def _roundtrip_once(p: _BenchPlatform) -> dict[str, float]:
 
 
 def _preempt_once(p: _BenchPlatform) -> dict[str, float]:
-    from fireflyer.platform.store import FINISHED, StopCode
+    from fireflyer.platform.state.store import FINISHED, StopCode
 
     low = p.submit_marks("loop", "NORMAL")
     p.wait_mark("ready", low, 0)

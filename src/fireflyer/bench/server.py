@@ -29,9 +29,9 @@ from fireflyer.bench.harness import write_json
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
-from fireflyer.platform.policy import Priority
+from fireflyer.platform.state.policy import Priority
 from fireflyer.platform.server.auth import Users
-from fireflyer.platform.store import StopCode, Store
+from fireflyer.platform.state.store import StopCode, Store
 
 START_TIMEOUT_S = 60.0
 
@@ -74,7 +74,7 @@ def _summary(times: list[float]) -> dict[str, float]:
 
 def measure(home: Home, token: str, tasks: int, runs: int, log: Path) -> dict[str, Any]:
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.server", "serve", "--home", str(home.root),
+        proc = subprocess.Popen([sys.executable, "-m", "fireflyer", "platform", "serve", "--home", str(home.root),
                                  "--port", "0"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -120,7 +120,7 @@ def breakdown(home: Home, tasks: int, runs: int) -> dict[str, Any]:
     """Where the time goes, in this process: the core's listing, then the encoding to JSON bytes."""
     from pydantic_core import to_json
 
-    from fireflyer.platform.api import PlatformApi
+    from fireflyer.platform.scheduler.api import PlatformApi
 
     core, encode = [], []
     with PlatformApi(home, user="bench", admin=True) as api:

@@ -7,9 +7,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from fireflyer.platform.executor import Timeouts
+from fireflyer.platform.executors.base import Timeouts
 from fireflyer.platform.layout import Home, read_json, write_json
-from fireflyer.platform.policy import Node, PolicyConfig
+from fireflyer.platform.state.policy import Node, PolicyConfig
 from fireflyer.errors import UserError
 
 EXECUTORS = ("local", "slurm")

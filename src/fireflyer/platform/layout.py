@@ -85,7 +85,7 @@ def open_runs_dir(path: Path) -> None:
 
 
 class AttemptDir:
-    """One attempt's files; see :mod:`fireflyer.platform.executor` for who writes what."""
+    """One attempt's files; see :mod:`fireflyer.platform.executors.base` for who writes what."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from fireflyer.errors import FireflyerError
 from fireflyer.platform.layout import Home
-from fireflyer.platform.local import kill_active
+from fireflyer.platform.executors.local import kill_active
 
 JOBS = Path(__file__).with_name("jobs")
 JOB = str(JOBS / "platform_job.py")
@@ -115,7 +115,7 @@ class LivePlatform:
     def store(self) -> Any:
         """The platform's store, read directly (no CLI call: what a tight wait polls)."""
         if self._store is None:
-            from fireflyer.platform.store import Store
+            from fireflyer.platform.state.store import Store
 
             self._store = Store(Home(self.home).db)
         return self._store
@@ -130,7 +130,7 @@ class LivePlatform:
 
     def finish(self, chain: int) -> None:
         """Stop a chain for good and wait until it has."""
-        from fireflyer.platform.store import FINISHED
+        from fireflyer.platform.state.store import FINISHED
 
         if self.store.latest(chain).state != FINISHED:
             self.cli("stop", str(chain))

@@ -19,14 +19,14 @@ REQUEST_TIMEOUT_S = 20.0
 
 
 class Server:
-    """``python -m fireflyer.platform.server serve --port 0``; its URL comes from its first lines of output."""
+    """``python -m fireflyer platform serve --port 0``; its URL comes from its first lines of output."""
 
     def __init__(self, home: "Path | Home", log: Path, *flags: str) -> None:
         if not isinstance(home, (str, os.PathLike)):
             home = home.root
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.server", "serve", "--home",
+            self.proc = subprocess.Popen([sys.executable, "-m", "fireflyer", "platform", "serve", "--home",
                                           str(home), "--port", "0", *flags], stdin=subprocess.DEVNULL,
                                          stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S

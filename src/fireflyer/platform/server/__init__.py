@@ -1,4 +1,4 @@
-"""The platform's HTTP server: an API over :mod:`fireflyer.platform.api` with per-user tokens, and a dashboard.
+"""The platform's HTTP server: an API over :mod:`fireflyer.platform.scheduler.api` with per-user tokens, and a dashboard.
 
 ``fireflyer platform serve`` runs it; ``fireflyer platform user add NAME`` makes tokens.
 :mod:`.auth` keeps users and tokens, :mod:`.app` is the FastAPI application, :mod:`.sse`

@@ -1,4 +1,4 @@
-"""The platform's HTTP API and dashboard: the FastAPI app over :class:`~fireflyer.platform.api.PlatformApi`,
+"""The platform's HTTP API and dashboard: the FastAPI app over :class:`~fireflyer.platform.scheduler.api.PlatformApi`,
 with its error handlers and middleware; the routes are :mod:`.routes`.
 
 Each request is authenticated by its bearer token (:mod:`.auth`), then opens a
@@ -32,11 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fireflyer.platform.api import ApiError
+from fireflyer.platform.scheduler.api import ApiError
 from fireflyer.platform.layout import Home
 from fireflyer.platform.server.auth import FailedLogins, Users
 from fireflyer.platform.server.routes import Served, router
-from fireflyer.platform.store import storage_problem
+from fireflyer.platform.state.store import storage_problem
 
 log = logging.getLogger("fireflyer.platform.server")
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
-from fireflyer.platform.api import MAX_TASK_ID
+from fireflyer.platform.scheduler.api import MAX_TASK_ID
 from fireflyer.errors import UserError
 
 MAX_ID = MAX_TASK_ID

@@ -2,7 +2,7 @@
 
 Every route but ``/api/health`` depends on :func:`caller`, which turns the request's bearer token into a
 :class:`~fireflyer.platform.server.auth.User`; the route then opens a
-:class:`~fireflyer.platform.api.PlatformApi` for that user, which sees and controls only their own tasks
+:class:`~fireflyer.platform.scheduler.api.PlatformApi` for that user, which sees and controls only their own tasks
 (an admin everything). What one app shares between requests (its home, the failed-login limiter, the open
 log streams) is its :class:`Served`, on ``app.state.served``.
 """
@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic_core import to_json
 
-from fireflyer.platform.api import MAX_LIMIT, PlatformApi
+from fireflyer.platform.scheduler.api import MAX_LIMIT, PlatformApi
 from fireflyer.platform.layout import Home
 from fireflyer.platform.server import models as m
 from fireflyer.platform.server.auth import FailedLogins, User, Users

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from fireflyer.platform.api import ApiError, PlatformApi
+from fireflyer.platform.scheduler.api import ApiError, PlatformApi
 
 log = logging.getLogger("fireflyer.platform.server")
 

@@ -1,12 +1,13 @@
 """A small platform task for the tests: counts steps, checkpoints on suspend, resumes.
 
-``python platform_job.py STATE_FILE STEPS [--step-s S] [--fail-attempts K] [--ignore-suspend] [--silent]``
+``python platform_job.py STATE_FILE STEPS [--step-s S] [--fail-attempts K] [--ignore-suspend] [--silent] [--hold FILE]``
 
 Each step appends to ``STATE_FILE.log`` and sleeps; the progress (next step) lives in
 ``STATE_FILE`` (written atomically). On a suspend command it saves and calls
 ``go_suspend``. ``--fail-attempts K`` makes the first K attempts of the chain exit 3
 (counted in the whole-life state); ``--ignore-suspend`` never polls; ``--silent``
-prints nothing. When done it writes ``STATE_FILE.done`` with the step count.
+prints nothing; ``--hold FILE`` waits before its last step until FILE exists (a test
+decides when the task may end, whatever the host's load). When done it writes ``STATE_FILE.done`` with the step count.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> int:
     p.add_argument("--fail-attempts", type=int, default=0)
     p.add_argument("--ignore-suspend", action="store_true")
     p.add_argument("--silent", action="store_true")
+    p.add_argument("--hold", help="wait before the last step until this file exists")
     args = p.parse_args()
     if client.rank() != 0:  # the other ranks just live as long as rank 0 needs them
         while not os.path.exists(args.state + ".done"):
@@ -42,6 +44,8 @@ def main() -> int:
         print(f"attempt {client.attempt()} of task {client.chain_id()} starts at step {step} on "
               f"{os.environ['FIREFLYER_NODE_ID']} (world {client.world_size()})", flush=True)
     while step < args.steps:
+        while args.hold and step == args.steps - 1 and not os.path.exists(args.hold):
+            time.sleep(0.05)
         if not args.ignore_suspend and client.receive_suspend_command():
             tmp = args.state + ".tmp"
             with open(tmp, "w") as f:

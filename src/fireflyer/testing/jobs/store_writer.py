@@ -3,8 +3,8 @@
 import random
 import sys
 
-from fireflyer.platform.policy import Node, schedule
-from fireflyer.platform.store import StopCode, Store
+from fireflyer.platform.state.policy import Node, schedule
+from fireflyer.platform.state.store import StopCode, Store
 
 path, first = sys.argv[1], int(sys.argv[2])
 store = Store(path)

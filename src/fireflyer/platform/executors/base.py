@@ -1,7 +1,7 @@
 """Where attempts run: one small interface, with a local and a Slurm implementation.
 
 The daemon decides *what* runs *where*; an executor only starts an attempt's
-supervisor (:mod:`fireflyer.platform.supervisor`) on the chosen nodes, says whether it
+supervisor (:mod:`fireflyer.platform.attempt.supervisor`) on the chosen nodes, says whether it
 is still alive, and kills it. Everything else goes through the attempt's directory
 (:class:`~fireflyer.platform.layout.AttemptDir`), which the supervisor, the ranks'
 client (:mod:`fireflyer.platform.client`) and the daemon all read and write:
@@ -69,7 +69,7 @@ class Launch:
     """The Unix account the attempt runs as (:meth:`Account.to_json
     <fireflyer.platform.accounts.Account.to_json>`); None: the daemon's own."""
     fault_tolerant: bool = False
-    """Each node a replica group of torchft (:mod:`fireflyer.platform.replicas`): a lost node is replaced."""
+    """Each node a replica group of torchft (:mod:`fireflyer.platform.attempt.replicas`): a lost node is replaced."""
 
     @property
     def world_size(self) -> int:

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 from fireflyer.errors import FireflyerError, UserError
 from fireflyer.fsutil import private_dir, private_file
-from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
+from fireflyer.platform.state.policy import QUEUED, RUNNING, SUSPENDING, Decisions, Node, Priority, Task
 
 FINISHED = "finished"
 HELD = "held"

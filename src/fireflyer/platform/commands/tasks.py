@@ -1,6 +1,6 @@
 """The task commands: ``fireflyer submit|queue|describe|logs|suspend|resume|stop|nodes|drain|undrain``.
 
-Each acts through an :class:`~fireflyer.platform.api.Api`: the platform's state directly
+Each acts through an :class:`~fireflyer.platform.scheduler.api.Api`: the platform's state directly
 (``--home``, or ``FIREFLYER_PLATFORM_HOME``, default ``~/.fireflyer/platform``; the daemon
 acts on what they record within a tick) or a platform server (``--server`` /
 ``FIREFLYER_SERVER``, with the token in ``FIREFLYER_TOKEN``). Task ids are chain ids: the
@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Iterator
 from fireflyer.cliutil import ArgumentParser, plural
 from fireflyer.errors import UserError
 from fireflyer.platform import env as names
-from fireflyer.platform.api import ENV_PASSED, MAX_TASK_ID, Api, ApiError, PlatformApi, Unavailable, open_home
-from fireflyer.platform.render import ago, emit, table, when
-from fireflyer.platform.store import FINISHED
+from fireflyer.platform.scheduler.api import ENV_PASSED, MAX_TASK_ID, Api, ApiError, PlatformApi, Unavailable, open_home
+from fireflyer.platform.commands.render import ago, emit, table, when
+from fireflyer.platform.state.store import FINISHED
 
 
 def home_arg(p: ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def connect(args: Any) -> Api:
     """The API a command acts through: the server's with ``--server``, else the home's."""
     with api_errors():
         if args.server:
-            from fireflyer.platform.remote import RemoteApi
+            from fireflyer.platform.commands.remote import RemoteApi
 
             return RemoteApi(args.server, os.environ.get(names.TOKEN))
         return PlatformApi(open_home(args.home))
@@ -120,7 +120,7 @@ def submit(argv: list[str]) -> int:
                        name=args.name, ranks_per_node=args.ranks_per_node, env=env, request_id=args.request_id,
                        cwd=os.getcwd(), user=args.user, **({"fault_tolerant": True} if args.fault_tolerant else {}))
         if local:
-            from fireflyer.platform.daemon import daemon_pid
+            from fireflyer.platform.scheduler.daemon import daemon_pid
 
             if daemon_pid(api.home) is None:
                 print(f"note: no daemon runs for {api.home.root}; the task waits until 'fireflyer platform start'",

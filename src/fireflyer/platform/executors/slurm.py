@@ -3,9 +3,9 @@
 The platform's daemon stays the scheduler; Slurm only runs what it is given. For an
 attempt, :meth:`SlurmExecutor.launch` writes ``slurm.sh`` into the attempt's directory and
 submits it with ``sbatch`` on exactly the chosen nodes (``--nodelist``, ``--exclusive``).
-The script runs the attempt's supervisor (``python -m fireflyer.platform.supervisor
+The script runs the attempt's supervisor (``python -m fireflyer.platform.attempt.supervisor
 ATTEMPT_DIR --slurm``), which starts the ranks with one ``srun``
-(:func:`fireflyer.platform.starters.srun_ranks`) and then runs the same watch as on the
+(:func:`fireflyer.platform.attempt.starters.srun_ranks`) and then runs the same watch as on the
 local executor: handshake, watchdog, ``status.json``.
 
 Slurm's own signals reach the same handshake:
@@ -41,9 +41,9 @@ from pathlib import Path
 from fireflyer.cliutil import plural
 from fireflyer.errors import FireflyerError, UserError
 from fireflyer.platform.accounts import Account
-from fireflyer.platform.executor import Launch
+from fireflyer.platform.executors.base import Launch
 from fireflyer.platform.layout import AttemptDir
-from fireflyer.platform.policy import Node
+from fireflyer.platform.state.policy import Node
 
 TIMEOUT_S = 30.0
 """How long any one Slurm command may take before it counts as failed."""
@@ -139,7 +139,7 @@ class SlurmExecutor:
         :func:`fireflyer.fsutil.atomic_write` does): whoever sees the flag sees its whole reason,
         never an empty file, and knows the supervisor has been sent the signal.
         """
-        supervisor = shlex.join([self.python, "-m", "fireflyer.platform.supervisor", str(adir.root), "--slurm"])
+        supervisor = shlex.join([self.python, "-m", "fireflyer.platform.attempt.supervisor", str(adir.root), "--slurm"])
         flag = shlex.quote(str(adir.flag("suspend")))
         tmp = shlex.quote(str(adir.control / ".suspend")) + ".$$"  # hidden: only the exact flag name counts
         about = (f"fireflyer task {launch.task_id} ({launch.name!r}, chain {launch.chain_id}, "

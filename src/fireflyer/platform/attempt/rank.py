@@ -1,4 +1,4 @@
-"""``python -m fireflyer.platform.rank ATTEMPT_DIR -- CMD...``: how one rank of a task starts.
+"""``python -m fireflyer.platform.attempt.rank ATTEMPT_DIR -- CMD...``: how one rank of a task starts.
 
 The supervisor (local executor) or ``srun`` (Slurm executor) starts this once per rank.
 It completes the torchrun-style environment (from Slurm's variables when ``RANK`` is not
@@ -46,7 +46,7 @@ def rank_env(env: dict[str, str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 3 or args[1] != "--":
-        print("usage: python -m fireflyer.platform.rank ATTEMPT_DIR -- CMD...", file=sys.stderr)
+        print("usage: python -m fireflyer.platform.attempt.rank ATTEMPT_DIR -- CMD...", file=sys.stderr)
         return 2
     adir, command = AttemptDir(args[0]), args[2:]
     env = rank_env(dict(os.environ))

@@ -29,8 +29,8 @@ from fireflyer.fsutil import open_owned
 from fireflyer.platform.accounts import DEFAULT_PATH, AccountProblem, run_as
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.layout import Home
-from fireflyer.platform.policy import QUEUED, RUNNING, SUSPENDING, Priority
-from fireflyer.platform.store import (ACTIVE, FINISHED, HELD, STATES, StopCode, Store, StoreUnavailable, TaskRow,
+from fireflyer.platform.state.policy import QUEUED, RUNNING, SUSPENDING, Priority
+from fireflyer.platform.state.store import (ACTIVE, FINISHED, HELD, STATES, StopCode, Store, StoreUnavailable, TaskRow,
                                       UnknownTask, stop_text)
 
 MAX_LIMIT = 10_000
@@ -86,7 +86,7 @@ def parse_priority(value: object) -> Priority:
 
 class Api(Protocol):
     """What users may do with the platform, locally (:class:`PlatformApi`) or over HTTP
-    (:class:`fireflyer.platform.remote.RemoteApi`): the same methods, the same JSON-able data.
+    (:class:`fireflyer.platform.commands.remote.RemoteApi`): the same methods, the same JSON-able data.
 
     Every method raises :class:`ApiError` (its ``status`` an HTTP status) for a request that
     cannot be done, :class:`Unavailable` when the platform's state cannot be used now.
@@ -486,7 +486,7 @@ class PlatformApi(Api):
         except ValueError as exc:
             raise NotFound(str(exc)) from None
         if self._config().executor == "slurm":
-            from fireflyer.platform import slurm
+            from fireflyer.platform.executors import slurm
 
             try:
                 slurm.drain(node, reason) if drained else slurm.undrain(node)

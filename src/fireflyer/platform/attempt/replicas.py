@@ -1,4 +1,4 @@
-"""``python -m fireflyer.platform.replicas ATTEMPT_DIR``: a fault-tolerant attempt's manager: every node a torchft replica group, a lost node replaced.
+"""``python -m fireflyer.platform.attempt.replicas ATTEMPT_DIR``: a fault-tolerant attempt's manager: every node a torchft replica group, a lost node replaced.
 
 A task submitted with ``--fault-tolerant`` runs each of its nodes as a replica of the job
 (``fireflyer train --fault-tolerant``'s design, :mod:`fireflyer.train.fault_tolerant`): the
@@ -6,7 +6,7 @@ supervisor starts torchft's Lighthouse for the attempt, then each node's ranks a
 torch.distributed world of their own, which find the others through the Lighthouse. When a
 replica's ranks die (its node died) or its node is drained, only that replica ends: the others
 go on in a smaller quorum, and the attempt is not failed. The daemon then grants a healthy free
-node (:class:`~fireflyer.platform.policy.Decisions` ``grants``); the supervisor runs the node's
+node (:class:`~fireflyer.platform.state.policy.Decisions` ``grants``); the supervisor runs the node's
 health check (the platform's ``prolog``) and starts the replica there, which loads the newest
 checkpoint, joins the quorum and heals from a live replica.
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fireflyer.platform import env as names
-from fireflyer.platform.executor import Launch
+from fireflyer.platform.executors.base import Launch
 from fireflyer.platform.layout import AttemptDir, write_json
-from fireflyer.platform.starters import Procs, replica_ranks
-from fireflyer.platform.store import StopCode
-from fireflyer.platform.supervisor import Supervisor, exit_text, read_spec, stop_processes
+from fireflyer.platform.attempt.starters import Procs, replica_ranks
+from fireflyer.platform.state.store import StopCode
+from fireflyer.platform.attempt.supervisor import Supervisor, exit_text, read_spec, stop_processes
 from fireflyer.lighthouse import start_lighthouse
 from fireflyer.ports import free_port
 
@@ -81,7 +81,7 @@ class Replica:
 
 
 class ReplicaSupervisor(Supervisor):
-    """The :class:`~fireflyer.platform.supervisor.Supervisor` of a fault-tolerant attempt (local executor)."""
+    """The :class:`~fireflyer.platform.attempt.supervisor.Supervisor` of a fault-tolerant attempt (local executor)."""
 
     def __init__(self, adir: AttemptDir, launch: Launch) -> None:
         super().__init__(adir, launch)
@@ -225,7 +225,7 @@ class ReplicaSupervisor(Supervisor):
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m fireflyer.platform.replicas ATTEMPT_DIR", file=sys.stderr)
+        print("usage: python -m fireflyer.platform.attempt.replicas ATTEMPT_DIR", file=sys.stderr)
         return 2
     adir = AttemptDir(Path(args[0]))
     spec = read_spec(adir)

@@ -8,7 +8,7 @@ One cycle:
    nodes whose health check failed are drained. A supervisor that vanished without a
    status is a lost attempt: its ranks are killed and the chain restarts. Requests the
    store holds (a user's stop, a suspend) are passed on as control files.
-2. **Decide** with the pure policy (:func:`fireflyer.platform.policy.schedule`).
+2. **Decide** with the pure policy (:func:`fireflyer.platform.state.policy.schedule`).
 3. **Act**: record the decisions in one transaction, then launch the started attempts.
 
 All state is in SQLite, so the daemon can be killed with -9 at any moment: running
@@ -36,11 +36,11 @@ from fireflyer.errors import FireflyerError, UserError
 from fireflyer.fsutil import open_owned, private_dir
 from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
-from fireflyer.platform.executor import Executor, Launch
+from fireflyer.platform.executors.base import Executor, Launch
 from fireflyer.platform.accounts import AccountProblem, run_as
 from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir
-from fireflyer.platform.policy import RUNNING, SUSPENDING, schedule
-from fireflyer.platform.store import STORAGE_ERRNOS, ReplicaRow, Store, StoreUnavailable, StopCode, TaskRow
+from fireflyer.platform.state.policy import RUNNING, SUSPENDING, schedule
+from fireflyer.platform.state.store import STORAGE_ERRNOS, ReplicaRow, Store, StoreUnavailable, StopCode, TaskRow
 from fireflyer.ports import free_port
 
 log = logging.getLogger("fireflyer.platform")
@@ -53,10 +53,10 @@ the next state change, status file or log line may not fit."""
 
 def make_executor(cfg: PlatformConfig) -> Executor:
     if cfg.executor == "slurm":
-        from fireflyer.platform.slurm import SlurmExecutor
+        from fireflyer.platform.executors.slurm import SlurmExecutor
 
         return SlurmExecutor(partition=cfg.partition)
-    from fireflyer.platform.local import LocalExecutor
+    from fireflyer.platform.executors.local import LocalExecutor
 
     return LocalExecutor()
 
@@ -89,7 +89,7 @@ class Daemon:
         """Slurm is the source of truth for node health: a node it marks DOWN or DRAIN is not used."""
         if self.cfg.executor != "slurm" or now - self._node_sync_at < NODE_SYNC_S:
             return
-        from fireflyer.platform.slurm import slurm_nodes
+        from fireflyer.platform.executors.slurm import slurm_nodes
 
         self._node_sync_at = now
         changed = self.store.sync_nodes(slurm_nodes(self.cfg.partition), reason="down or drained in Slurm")
@@ -99,7 +99,7 @@ class Daemon:
     def _drain(self, node: str, reason: str) -> None:
         self.store.set_drained(node, True, reason=reason)
         if self.cfg.executor == "slurm":
-            from fireflyer.platform import slurm
+            from fireflyer.platform.executors import slurm
 
             try:
                 slurm.drain(node, reason)
@@ -617,7 +617,7 @@ def serve(home: Home, stop: threading.Event | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m fireflyer.platform.daemon HOME", file=sys.stderr)
+        print("usage: python -m fireflyer.platform.scheduler.daemon HOME", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     try:

@@ -1,13 +1,14 @@
 """The platform's commands, dispatched: ``fireflyer platform start|stop|status|quota|group|serve|user``
-(:mod:`~fireflyer.platform.daemon_cli`) and ``fireflyer submit|queue|describe|logs|suspend|resume|stop|
-nodes|drain|undrain`` (:mod:`~fireflyer.platform.task_cli`). Output: :mod:`~fireflyer.platform.render`."""
+(:mod:`~fireflyer.platform.commands.admin`) and ``fireflyer submit|queue|describe|logs|suspend|resume|stop|
+nodes|drain|undrain`` (:mod:`~fireflyer.platform.commands.tasks`). Output: :mod:`~fireflyer.platform.commands.render`."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from fireflyer.errors import UserError
-from fireflyer.platform import daemon_cli, task_cli
+from fireflyer.platform.commands import admin as daemon_cli
+from fireflyer.platform.commands import tasks as task_cli
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"platform": daemon_cli.main, **task_cli.COMMANDS}
 

@@ -3,7 +3,7 @@
 :func:`simulate` steps a cluster of whole nodes through time in fixed steps (one
 scheduling cycle per step, 60 s by default) and drives it with one of three policies:
 
-* ``hai``: the platform's own :func:`fireflyer.platform.policy.schedule`, with priorities,
+* ``hai``: the platform's own :func:`fireflyer.platform.state.policy.schedule`, with priorities,
   turn-taking and preemption through the suspend handshake. A preempted task holds its
   nodes for ``suspend_s`` while it stops, loses the work done since its last checkpoint
   (one every ``checkpoint_every_s`` of running, as the paper's checkpoint manager does),
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fireflyer.platform.policy import (
+from fireflyer.platform.state.policy import (
     QUEUED,
     RUNNING,
     SUSPENDING,

@@ -1,8 +1,8 @@
 """``fireflyer platform start|stop|status|quota|group``: the scheduler daemon, its nodes, quotas and groups.
 
 ``serve`` and ``user`` (the HTTP server and its users) are handed to
-:mod:`fireflyer.platform.server.cli`. Quotas and groups are set through the
-platform's API (:class:`~fireflyer.platform.api.PlatformApi`), which checks them.
+:mod:`fireflyer.platform.commands.serve`. Quotas and groups are set through the
+platform's API (:class:`~fireflyer.platform.scheduler.api.PlatformApi`), which checks them.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.platform import config as platform_config
-from fireflyer.platform.api import PlatformApi, open_home
+from fireflyer.platform.scheduler.api import PlatformApi, open_home
 from fireflyer.platform.config import PlatformConfig
-from fireflyer.platform.executor import Timeouts
+from fireflyer.platform.executors.base import Timeouts
 from fireflyer.platform.layout import Home
-from fireflyer.platform.render import ago, emit, table
-from fireflyer.platform.store import ACTIVE, Store, StoreUnavailable
-from fireflyer.platform.task_cli import api_errors, home_arg, json_arg
+from fireflyer.platform.commands.render import ago, emit, table
+from fireflyer.platform.state.store import ACTIVE, Store, StoreUnavailable
+from fireflyer.platform.commands.tasks import api_errors, home_arg, json_arg
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
@@ -33,7 +33,7 @@ STOP_TIMEOUT_S = 15.0
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] in ("serve", "user"):  # the HTTP server and its users
-        from fireflyer.platform.server.cli import main as server_main
+        from fireflyer.platform.commands.serve import main as server_main
 
         return server_main(argv)
     p = ArgumentParser(prog="fireflyer platform", description="Run the platform's scheduler daemon, its HTTP server "
@@ -156,7 +156,7 @@ def _configure(home: Home, args: Any) -> PlatformConfig:
 
 def _register_nodes(cfg: PlatformConfig, store: Store) -> int:
     if cfg.executor == "slurm":
-        from fireflyer.platform.slurm import slurm_nodes
+        from fireflyer.platform.executors.slurm import slurm_nodes
 
         nodes = slurm_nodes(cfg.partition)
         if not nodes:
@@ -173,7 +173,7 @@ def _register_nodes(cfg: PlatformConfig, store: Store) -> int:
 
 
 def _start(home: Home, args: Any) -> int:
-    from fireflyer.platform.daemon import daemon_pid
+    from fireflyer.platform.scheduler.daemon import daemon_pid
 
     pid = daemon_pid(home)
     if pid is not None:
@@ -187,12 +187,12 @@ def _start(home: Home, args: Any) -> int:
         store.close()
     platform_config.save(home, cfg)
     if args.foreground:
-        from fireflyer.platform import daemon
+        from fireflyer.platform.scheduler import daemon
 
         return daemon.main([str(home.root)])
     home.heartbeat.unlink(missing_ok=True)
     with open(home.log, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.daemon", str(home.root)],
+        proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.scheduler.daemon", str(home.root)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -212,7 +212,7 @@ def _start(home: Home, args: Any) -> int:
 
 
 def _stop_daemon(home: Home) -> int:
-    from fireflyer.platform.daemon import daemon_pid
+    from fireflyer.platform.scheduler.daemon import daemon_pid
 
     pid = daemon_pid(home)
     if pid is None:
@@ -232,7 +232,7 @@ def _stop_daemon(home: Home) -> int:
 
 def _status(home: Home, args: Any) -> int:
     """One line (or JSON) on the daemon and the tasks; exit 1 when the daemon is unhealthy or the state unreadable."""
-    from fireflyer.platform.daemon import daemon_pid, read_heartbeat, why_unhealthy
+    from fireflyer.platform.scheduler.daemon import daemon_pid, read_heartbeat, why_unhealthy
 
     pid = daemon_pid(home)
     cfg = platform_config.load(home)

@@ -1,6 +1,6 @@
 """The platform's API over HTTP: what the CLI uses with ``--server URL`` (token from ``FIREFLYER_TOKEN``).
 
-Same methods and the same data as :class:`fireflyer.platform.api.PlatformApi`, so every
+Same methods and the same data as :class:`fireflyer.platform.scheduler.api.PlatformApi`, so every
 command prints the same thing locally and remotely. Only the standard library: a CLI
 that talks to a server needs no web stack installed.
 """
@@ -15,7 +15,7 @@ import urllib.request
 from typing import Any, Iterator
 
 from fireflyer.platform import env as names
-from fireflyer.platform.api import Api, ApiError, Conflict, Forbidden, NotFound, Unavailable
+from fireflyer.platform.scheduler.api import Api, ApiError, Conflict, Forbidden, NotFound, Unavailable
 
 TIMEOUT_S = 30.0
 _BY_STATUS = {403: Forbidden, 404: NotFound, 409: Conflict, 503: Unavailable}

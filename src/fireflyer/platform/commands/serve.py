@@ -1,6 +1,6 @@
 """``fireflyer platform serve`` and ``fireflyer platform user add|list|revoke|token``.
 
-``platform/daemon_cli.py`` hands over ``argv`` from the sub-action on (``["serve", "--port",
+``platform/commands/admin.py`` hands over ``argv`` from the sub-action on (``["serve", "--port",
 "0"]``, ``["user", "add", "alice"]``). The web stack is imported only by ``serve``.
 """
 
@@ -18,9 +18,9 @@ import sys
 from fireflyer.cliutil import ArgumentParser
 from fireflyer.errors import UserError
 from fireflyer.platform import env
-from fireflyer.platform.api import open_home
-from fireflyer.platform.render import day, table, to_json
-from fireflyer.platform.task_cli import home_arg as _home_arg
+from fireflyer.platform.scheduler.api import open_home
+from fireflyer.platform.commands.render import day, table, to_json
+from fireflyer.platform.commands.tasks import home_arg as _home_arg
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -148,7 +148,7 @@ def _serve(argv: list[str]) -> int:
     except ImportError as exc:
         raise UserError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
                         "pip install 'fireflyer[server]'") from None
-    from fireflyer.platform.daemon import daemon_pid
+    from fireflyer.platform.scheduler.daemon import daemon_pid
     from fireflyer.platform.server.auth import Users
 
     from fireflyer.platform import config as platform_config

@@ -16,7 +16,7 @@ from pathlib import Path
 from fireflyer.fsutil import open_beneath, read_owned
 from fireflyer.platform import env
 from fireflyer.platform.accounts import Account
-from fireflyer.platform.executor import Launch
+from fireflyer.platform.executors.base import Launch
 from fireflyer.platform.layout import AttemptDir, Home
 
 
@@ -61,8 +61,8 @@ def _is_supervisor(pid: int, adir: AttemptDir) -> bool:
     return _uid(pid) == owner and any(m in argv for m in SUPERVISORS) and str(adir.root).encode() in argv
 
 
-SUPERVISORS = (b"fireflyer.platform.supervisor", b"fireflyer.platform.replicas")
-"""The modules an attempt's supervisor runs as (a fault-tolerant attempt's is :mod:`fireflyer.platform.replicas`)."""
+SUPERVISORS = (b"fireflyer.platform.attempt.supervisor", b"fireflyer.platform.attempt.replicas")
+"""The modules an attempt's supervisor runs as (a fault-tolerant attempt's is :mod:`fireflyer.platform.attempt.replicas`)."""
 
 
 def kill_ranks(adir: AttemptDir) -> int:
@@ -100,7 +100,7 @@ class LocalExecutor:
             adir.create()
         log = open_beneath(adir.root, "logs/supervisor.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            module = "fireflyer.platform.replicas" if launch.fault_tolerant else "fireflyer.platform.supervisor"
+            module = "fireflyer.platform.attempt.replicas" if launch.fault_tolerant else "fireflyer.platform.attempt.supervisor"
             proc = subprocess.Popen([sys.executable, "-m", module, str(adir.root)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=adir.root, **how)
@@ -156,7 +156,7 @@ def kill_active(home: Home) -> int:
     """Kill every attempt the home's store still counts as active (after ``platform stop``: a full teardown)."""
     if not home.db.exists():
         return 0
-    from fireflyer.platform.store import ACTIVE, Store
+    from fireflyer.platform.state.store import ACTIVE, Store
 
     store = Store(home.db)
     try:

@@ -5,7 +5,7 @@
 * :func:`srun_ranks`: every rank with one ``srun`` inside the attempt's Slurm allocation
   (the supervisor's starter under ``--slurm``).
 
-Both start the rank shim (``python -m fireflyer.platform.rank``) with :func:`task_env`,
+Both start the rank shim (``python -m fireflyer.platform.attempt.rank``) with :func:`task_env`,
 the variables every rank of an attempt shares.
 """
 
@@ -20,7 +20,7 @@ from typing import Callable
 from fireflyer import lifetime
 from fireflyer.launch import rank_env, threads_per_rank
 from fireflyer.platform import env as names
-from fireflyer.platform.executor import Launch
+from fireflyer.platform.executors.base import Launch
 from fireflyer.platform.layout import AttemptDir
 
 Procs = list[tuple[str, subprocess.Popen]]
@@ -47,7 +47,7 @@ def task_env(launch: Launch, adir: AttemptDir) -> dict[str, str]:
 
 
 def _rank_command(launch: Launch, adir: AttemptDir) -> list[str]:
-    return [sys.executable, "-m", "fireflyer.platform.rank", str(adir.root), "--", *launch.command]
+    return [sys.executable, "-m", "fireflyer.platform.attempt.rank", str(adir.root), "--", *launch.command]
 
 
 def local_ranks(launch: Launch, adir: AttemptDir) -> Procs:
@@ -78,7 +78,7 @@ def srun_ranks(launch: Launch, adir: AttemptDir) -> Procs:
     supervisor stops every rank after a failure: peers of a dead rank would otherwise
     hang in their next collective until the watchdog.
     """
-    from fireflyer.platform.slurm import JOB_PREFIX, SlurmError, hostnames, node_addr
+    from fireflyer.platform.executors.slurm import JOB_PREFIX, SlurmError, hostnames, node_addr
 
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     first = hostnames(nodelist)[0] if nodelist else launch.nodes[0]

@@ -1,4 +1,4 @@
-"""``python -m fireflyer.platform.supervisor ATTEMPT_DIR [--slurm]``: one attempt's manager.
+"""``python -m fireflyer.platform.attempt.supervisor ATTEMPT_DIR [--slurm]``: one attempt's manager.
 
 HAI Platform runs a manager per task; this is ours. It starts the attempt's ranks, then
 watches them until the attempt ends, and writes how it ended to ``status.json``:
@@ -34,10 +34,10 @@ from typing import Sequence
 from fireflyer import lifetime
 from fireflyer.errors import FireflyerError
 from fireflyer.platform import env as names
-from fireflyer.platform.executor import Launch
+from fireflyer.platform.executors.base import Launch
 from fireflyer.platform.layout import AttemptDir, read_json, write_json
-from fireflyer.platform.starters import Procs, Starter, local_ranks
-from fireflyer.platform.store import StopCode, stop_text
+from fireflyer.platform.attempt.starters import Procs, Starter, local_ranks
+from fireflyer.platform.state.store import StopCode, stop_text
 
 COLLECT_S = 2.0
 """After a first rank failure, how long to wait for others (their exit codes tell more)."""
@@ -292,12 +292,12 @@ def read_spec(adir: AttemptDir) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0].startswith("-"):
-        print("usage: python -m fireflyer.platform.supervisor ATTEMPT_DIR [--slurm]", file=sys.stderr)
+        print("usage: python -m fireflyer.platform.attempt.supervisor ATTEMPT_DIR [--slurm]", file=sys.stderr)
         return 2
     adir = AttemptDir(Path(args[0]))
     starter: Starter = local_ranks
     if "--slurm" in args[1:]:
-        from fireflyer.platform.starters import srun_ranks
+        from fireflyer.platform.attempt.starters import srun_ranks
 
         starter = srun_ranks
     spec = read_spec(adir)
