@@ -1,15 +1,17 @@
 """HAI Platform: a time-sharing scheduler for whole-node tasks, on emulated nodes or a Slurm cluster.
 
-* The scheduler: :mod:`.policy` (the pure cycle: priorities, quotas, turn-taking, zones),
-  :mod:`.store` (the SQLite state), :mod:`.daemon` (one cycle a tick), :mod:`.config`
-  (``platform.json``), and :mod:`.simulate` (the policy over a synthetic day).
-* Running attempts: :mod:`.executor` (the Protocol), :mod:`.local` and :mod:`.slurm`
-  (the executors), :mod:`.supervisor` (one attempt's watch), :mod:`.starters` (how its
-  ranks start), :mod:`.rank` (the rank shim), :mod:`.layout` (where things live on disk),
-  :mod:`.accounts` (running tasks as their owners' Unix accounts).
-* What users call: :mod:`.api` (the ``Api`` Protocol and :class:`~.api.PlatformApi`),
-  :mod:`.remote` (the same over HTTP), :mod:`.server` (the HTTP server and dashboard), the
-  commands in :mod:`.task_cli` and :mod:`.daemon_cli` (dispatched by :mod:`.cli`, printed
-  by :mod:`.render`), and :mod:`.client` (what a task's own code calls: the suspend handshake).
-* :mod:`.env`: the environment variables the platform sets and reads.
+In rooms, each importing only the rooms below it (the ``platform-layers`` contract):
+
+* :mod:`.commands`: ``fireflyer platform ...`` and the task commands, over HTTP too, and how they print.
+* :mod:`.server`: the HTTP API (one router) and the dashboard.
+* :mod:`.scheduler`: the daemon (one cycle a tick) and the API users act through (:class:`~.scheduler.api.PlatformApi`).
+* :mod:`.attempt`: one attempt on its nodes: its supervisor, how its ranks start, the rank shim, the replicas
+  of a fault-tolerant task.
+* :mod:`.executors`: where attempts run: the ``Executor`` Protocol, local and Slurm.
+* :mod:`.state`: the SQLite store, the pure policy (priorities, quotas, turn-taking, zones), and the policy
+  over a synthetic day.
+
+Beside them: :mod:`.config` (``platform.json``), :mod:`.env` (the variables set and read), :mod:`.layout`
+(where things live on disk), :mod:`.accounts` (tasks as their owners' Unix accounts) and :mod:`.client` (what
+a task's own code calls: the suspend handshake).
 """

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Callable
 
 from fireflyer.errors import UserError
-from fireflyer.platform.commands import admin as daemon_cli
-from fireflyer.platform.commands import tasks as task_cli
+from fireflyer.platform.commands import admin, tasks
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"platform": daemon_cli.main, **task_cli.COMMANDS}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"platform": admin.main, **tasks.COMMANDS}
 
 
 def main(argv: list[str]) -> int:
