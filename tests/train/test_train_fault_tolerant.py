@@ -172,8 +172,12 @@ class Chaos:
         wants; 0: as before). On a busy host it lets a restarted node start before the survivors finish the run;
         on a quiet one it changes nothing."""
         for node in nodes:
-            for pid in self.ranks(node):
-                for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            for pid in node_ranks(node, self.mark):  # none once the node's ranks ended
+                try:
+                    tids = os.listdir(f"/proc/{pid}/task")
+                except OSError:  # a rank that just ended
+                    continue
+                for tid in tids:
                     try:
                         os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
                     except OSError:  # a thread that just ended
@@ -290,6 +294,33 @@ def test_a_node_killed_mid_run_leaves_the_bits_of_a_run_that_never_failed(straig
     assert any(h["replica"] == "node1" and h["step"] >= 50 and h["bytes"] > 0 for h in ft["heals"]), ft["heals"]
     assert ft["dropped_micro_batches"] == 0
     assert "node1 lost, 3 -> 2 replicas" in printed
+
+
+@pytest.mark.multiproc
+def test_a_node_that_comes_back_as_the_run_ends_finds_it_done(straight, tmp_path):
+    """node1 is killed, restarts and reads the checkpoint, and is held there (SIGSTOP) until the others end the
+    run. Let go, it meets a checkpoint on disk at the run's last step: the run is done, so it says so and exits 0
+    instead of restarting as a node left behind (a platform would count that exit as its node lost)."""
+    with Chaos(tmp_path / "late", [*RUN, "--order", "canonical"], "late") as chaos:
+        chaos.wait_committed(50)
+        seen = len(chaos.output("node1"))
+        chaos.send("node1", signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while not any("resumed at step" in line for line in chaos.output("node1")[seen:]):
+            assert chaos.proc.poll() is None and time.monotonic() < deadline, f"node1 did not come back; {chaos.why()}"
+            time.sleep(0.002)
+        held = chaos.send("node1", signal.SIGSTOP)
+        try:
+            while node_ranks("node0", chaos.mark) or node_ranks("node2", chaos.mark):
+                assert time.monotonic() < deadline + 240, f"the others did not end the run; {chaos.why()}"
+                time.sleep(0.05)
+        finally:
+            chaos.send("node1", signal.SIGCONT, held)
+        run, _ = chaos.finish()
+    same_bits(run, straight, chaos.why())
+    log = (tmp_path / "late" / "logs" / "node1.log").read_text(errors="replace")
+    assert "while this node joined; nothing left to do" in log and "left behind" not in log, log[-2000:]
+    assert log.count("failed (exitcode") == 1, log[-2000:]  # the kill's restart only
 
 
 @pytest.mark.multiproc

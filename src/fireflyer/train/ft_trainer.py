@@ -44,6 +44,10 @@ READY_ENV = "FIREFLYER_FT_READY"
 """A folder where each replica says it is built (``fireflyer train --fault-tolerant`` makes it fresh)."""
 
 
+class _RunFinished(Exception):
+    """The checkpoint on disk is the run's last step: the live replicas finished while this one was joining."""
+
+
 class FaultTolerantTrainer(Trainer):
     """A :class:`Trainer` whose steps survive the loss of replicas (``cfg.fault_tolerant``)."""
 
@@ -170,6 +174,7 @@ class FaultTolerantTrainer(Trainer):
         if self.resumed_from is not None:
             bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.out)}")
         rate = Throughput()
+        finished: _RunFinished | None = None
         try:
             while self.replica.current_step() < self.end_step:
                 t0 = time.perf_counter()
@@ -195,8 +200,16 @@ class FaultTolerantTrainer(Trainer):
                     bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
                 if cfg.save_every and step % cfg.save_every == 0 and step != self.end_step:
                     self._save(step)
+        except _RunFinished as done:  # the live replicas ended the run as this one came back: not a failure
+            finished = done
         finally:
             bar.close()
+        if finished is not None:
+            self.writer = ""  # a live replica wrote the run's record; this one says only that it is done
+            if rank == 0:
+                print(finished, flush=True)
+            dist.barrier()
+            return {}
         if not self.history.val or self.history.val[-1][0] != self.end_step:
             self._evaluate(self.end_step)
         self._save(self.end_step)
@@ -241,6 +254,9 @@ class FaultTolerantTrainer(Trainer):
         box = [saved.latest_step(self.cfg.out) if self.where.rank == 0 else None]
         if self.where.world_size > 1:
             dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and box[0] >= self.end_step:
+            raise _RunFinished(f"{self.where.node}: the run finished (step {box[0]} is committed) while this node "
+                               "joined; nothing left to do")
         if box[0] is not None and box[0] >= plan.step:
             raise LeftBehind(f"{self.where.node} was left behind: its quorum {plan.replicas} is at step "
                              f"{plan.step - 1}, the checkpoint on disk at step {box[0]}; restarting from it")
