@@ -83,7 +83,7 @@ def served(request: Request) -> Served:
 def caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(BEARER)) -> User:
     """The user whose token the request carries; 401 without a valid one, 429 after too many failures from its
     address."""
-    home, limiter = served(request).home, served(request).limiter
+    here = served(request)
     header = request.headers.get("authorization")
     user = None
     if header is None:
@@ -95,18 +95,18 @@ def caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(B
     if scheme.lower() != "bearer" or not token.strip():
         problem = "malformed Authorization header: expected 'Bearer <token>'"
     else:
-        with Users(home.db, create=False) as users:
+        with Users(here.home.db, create=False) as users:
             user = users.authenticate(token.strip())
         problem = ("unknown token" if user is None else
                    "revoked token: ask an admin for a new one ('fireflyer platform user token NAME')")
     if user is not None and user.active:
         return user
     address = request.client.host if request.client else "unknown"
-    wait = limiter.retry_after(address)
+    wait = here.limiter.retry_after(address)
     if wait is not None:
         raise HTTPException(429, f"too many failed logins from {address}; retry in {math.ceil(wait)} s",
                             headers={"Retry-After": str(max(1, math.ceil(wait)))})
-    limiter.fail(address)
+    here.limiter.fail(address)
     raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
 
 
