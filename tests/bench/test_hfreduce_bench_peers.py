@@ -183,19 +183,29 @@ def test_a_rank_that_fails_to_set_up_names_its_set(tmp_path) -> None:
     server.bind(control)
     server.listen(8)
 
+    import threading
+
+    rank0_connected = threading.Event()
+
     def setup(r: int):
         if r == 1:
+            # fail only once rank 0 has connected (on a busy host its thread may start late): rank 0
+            # is then either known to the set or still pending, and the clean-up below ends it either way
+            rank0_connected.wait(30)
             raise RuntimeError("no shm op")
+        rank0_connected.set()
         return {}, lambda: None, {}, {"dtypes": {}}
 
     threads = _rank_threads(control, peers.DEEPSPEED, 2, setup)
     st = peers.ProcessSet(peers.DEEPSPEED, 2, lambda r: str(tmp_path / f"{r}.log"))
+    pending: list = []
     try:
         with pytest.raises(peers.SetFailed) as err:
-            peers.accept(server, {peers.DEEPSPEED: st}, 30, [])
+            peers.accept(server, {peers.DEEPSPEED: st}, 30, pending)
         assert err.value.set_name == peers.DEEPSPEED and "rank 1" in str(err.value) and "no shm op" in str(err.value)
     finally:
         st.kill()  # closes the channels: rank 0 sees the parent go away
+        peers.close_pending(pending)
         server.close()
     for t in threads:
         t.join(10)

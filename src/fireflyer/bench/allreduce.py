@@ -254,12 +254,12 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, allreduce_peers.P
     server.listen(64)
     link = netns.ShapedLink(rate_mbit=cfg.link_mbit, nodes=lay.nodes) if lay.shaped else None
     sets: dict[str, allreduce_peers.ProcessSet] = {}
+    pending: list[Any] = []
     keep_logs = False
     try:
         if link is not None:
             link.open()
         allreduce_peers.start_sets(cfg, lay, tmp, control, link, peers, res, sets)
-        pending: list[Any] = []
         for _attempt in range(len(sets)):  # each failure drops one peer; the torch ranks' is fatal
             try:
                 allreduce_peers.accept(server, sets, max(180.0, cfg.timeout_s), pending)
@@ -275,6 +275,7 @@ def run_layout(cfg: BenchConfig, lay: Layout, peers: dict[str, allreduce_peers.P
     finally:
         for st in sets.values():
             st.kill()
+        allreduce_peers.close_pending(pending)
         server.close()
         if link is not None:
             link.close()

@@ -504,6 +504,14 @@ def accept(server: socket.socket, sets: dict[str, ProcessSet], timeout_s: float,
                             f"not started within {timeout_s:.0f} s: {', '.join(late)}")
 
 
+def close_pending(pending: list[Any]) -> None:
+    """Close the channels :func:`accept` took whose rank never said who it is (their ranks see
+    the parent go away and end)."""
+    for ch in pending:
+        ch.close()
+    pending.clear()
+
+
 # -- the control channel -------------------------------------------------------------------
 
 
