@@ -58,7 +58,7 @@ def test_every_user_facing_error_derives_from_the_one_root():
     from fireflyer.launch import LaunchFailed
     from fireflyer.platform.accounts import AccountProblem
     from fireflyer.platform.scheduler.api import ApiError, Conflict, Forbidden, NotFound, Unavailable
-    from fireflyer.platform.scheduler.daemon import AlreadyRunning
+    from fireflyer.platform.scheduler.pidlock import AlreadyRunning
     from fireflyer.platform.commands.remote import Unauthorized
     from fireflyer.platform.server.auth import UserProblem
     from fireflyer.platform.executors.slurm import SlurmError

@@ -20,7 +20,7 @@ import pytest
 from fireflyer.fsutil import open_beneath, read_owned
 from fireflyer.platform import accounts
 from fireflyer.platform.accounts import Account, AccountProblem, run_as
-from fireflyer.platform.scheduler.daemon import read_status
+from fireflyer.platform.scheduler.reports import read_status
 from fireflyer.platform.layout import AttemptDir, open_runs_dir
 from fireflyer.platform.executors.local import LocalExecutor, kill_ranks
 from fireflyer.platform.server.auth import UserProblem, Users

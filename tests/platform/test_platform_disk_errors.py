@@ -23,7 +23,10 @@ from fireflyer.platform.scheduler import daemon as daemon_module
 from fireflyer.platform.state import store as store_module
 from fireflyer.platform.scheduler.api import PlatformApi, Unavailable
 from fireflyer.platform.config import PlatformConfig
-from fireflyer.platform.scheduler.daemon import Daemon, Health, lock, read_heartbeat, serve, why_unhealthy, write_heartbeat
+from fireflyer.platform.scheduler.daemon import Daemon
+from fireflyer.platform.scheduler.health import Health, read_heartbeat, why_unhealthy, write_heartbeat
+from fireflyer.platform.scheduler.pidlock import lock
+from fireflyer.platform.scheduler.service import serve
 from fireflyer.platform.layout import Home, write_json
 from fireflyer.platform.state.store import StopCode, Store, StoreUnavailable
 

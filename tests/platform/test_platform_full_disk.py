@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.scheduler.daemon import read_heartbeat
+from fireflyer.platform.scheduler.health import read_heartbeat
 from fireflyer.platform.layout import Home
 from fireflyer.platform.server.auth import Users
 from fireflyer.testing.live_platform import LivePlatform

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.scheduler.daemon import daemon_pid
+from fireflyer.platform.scheduler.pidlock import daemon_pid
 from fireflyer.platform.layout import Home
 from fireflyer.testing.live_platform import LivePlatform
 

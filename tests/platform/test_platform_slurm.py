@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fireflyer.platform.scheduler.daemon import daemon_pid
+from fireflyer.platform.scheduler.pidlock import daemon_pid
 from fireflyer.platform.executors.base import Launch, Timeouts
 from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir, read_json, write_json
 from fireflyer.platform.executors.slurm import (

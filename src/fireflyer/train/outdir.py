@@ -90,12 +90,12 @@ RUN_FILES = ("ckpt", "state", "config.json", "run.json", "loss.png", "logs")
 
 def earlier_run(out: Path) -> list[str]:
     """What of an earlier run ``out`` holds, for a message (``ckpt/ (step 200)``, ``run.json``); empty if none."""
-    from fireflyer.train import state as saved
-
     found = []
     for name in RUN_FILES:
         path = out / name
         if name == "ckpt" and path.is_dir() and any(path.iterdir()):
+            from fireflyer.train import state as saved  # imports torch: only where there is a checkpoint to read
+
             step = saved.latest_step(out)
             found.append(f"ckpt/ (step {step})" if step is not None else "ckpt/ (no committed step)")
         elif name != "ckpt" and (path.is_file() or (path.is_dir() and any(path.iterdir()))):

@@ -173,7 +173,7 @@ def _register_nodes(cfg: PlatformConfig, store: Store) -> int:
 
 
 def _start(home: Home, args: Any) -> int:
-    from fireflyer.platform.scheduler.daemon import daemon_pid
+    from fireflyer.platform.scheduler.pidlock import daemon_pid
 
     pid = daemon_pid(home)
     if pid is not None:
@@ -187,12 +187,12 @@ def _start(home: Home, args: Any) -> int:
         store.close()
     platform_config.save(home, cfg)
     if args.foreground:
-        from fireflyer.platform.scheduler import daemon
+        from fireflyer.platform.scheduler import service
 
-        return daemon.main([str(home.root)])
+        return service.main([str(home.root)])
     home.heartbeat.unlink(missing_ok=True)
     with open(home.log, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.scheduler.daemon", str(home.root)],
+        proc = subprocess.Popen([sys.executable, "-m", "fireflyer.platform.scheduler.service", str(home.root)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -212,7 +212,7 @@ def _start(home: Home, args: Any) -> int:
 
 
 def _stop_daemon(home: Home) -> int:
-    from fireflyer.platform.scheduler.daemon import daemon_pid
+    from fireflyer.platform.scheduler.pidlock import daemon_pid
 
     pid = daemon_pid(home)
     if pid is None:
@@ -232,7 +232,8 @@ def _stop_daemon(home: Home) -> int:
 
 def _status(home: Home, args: Any) -> int:
     """One line (or JSON) on the daemon and the tasks; exit 1 when the daemon is unhealthy or the state unreadable."""
-    from fireflyer.platform.scheduler.daemon import daemon_pid, read_heartbeat, why_unhealthy
+    from fireflyer.platform.scheduler.health import read_heartbeat, why_unhealthy
+    from fireflyer.platform.scheduler.pidlock import daemon_pid
 
     pid = daemon_pid(home)
     cfg = platform_config.load(home)

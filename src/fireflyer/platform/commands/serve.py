@@ -148,7 +148,7 @@ def _serve(argv: list[str]) -> int:
     except ImportError as exc:
         raise UserError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
                         "pip install 'fireflyer[server]'") from None
-    from fireflyer.platform.scheduler.daemon import daemon_pid
+    from fireflyer.platform.scheduler.pidlock import daemon_pid
     from fireflyer.platform.server.auth import Users
 
     from fireflyer.platform import config as platform_config

@@ -120,7 +120,7 @@ def submit(argv: list[str]) -> int:
                        name=args.name, ranks_per_node=args.ranks_per_node, env=env, request_id=args.request_id,
                        cwd=os.getcwd(), user=args.user, **({"fault_tolerant": True} if args.fault_tolerant else {}))
         if local:
-            from fireflyer.platform.scheduler.daemon import daemon_pid
+            from fireflyer.platform.scheduler.pidlock import daemon_pid
 
             if daemon_pid(api.home) is None:
                 print(f"note: no daemon runs for {api.home.root}; the task waits until 'fireflyer platform start'",

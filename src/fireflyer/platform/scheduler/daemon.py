@@ -13,42 +13,35 @@ One cycle:
 
 All state is in SQLite, so the daemon can be killed with -9 at any moment: running
 attempts keep running (their supervisors are detached), and the next daemon adopts
-them. Only one daemon runs per home (an exclusive lock on ``daemon.pid``).
+them. Only one daemon runs per home (an exclusive lock on ``daemon.pid``, :mod:`.pidlock`).
+
+Beside it in this room: :mod:`.reports` reads what an attempt's supervisor leaves behind, :mod:`.health`
+says whether the cycles do their work (the heartbeat, the disks), and :mod:`.service` runs the cycles as
+the daemon's process.
 """
+
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import json
 import logging
 import os
-import secrets
-import signal
-import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from fireflyer.errors import FireflyerError, UserError
-from fireflyer.fsutil import open_owned, private_dir
-from fireflyer.platform import config as platform_config
 from fireflyer.platform.config import PlatformConfig
 from fireflyer.platform.executors.base import Executor, Launch
 from fireflyer.platform.accounts import AccountProblem, run_as
 from fireflyer.platform.layout import AttemptDir, Home, open_runs_dir
+from fireflyer.platform.scheduler.health import low_space, unwritable
+from fireflyer.platform.scheduler.reports import MAX_DETAIL, last_log_line, read_status, replica_records, timestamp
 from fireflyer.platform.state.policy import RUNNING, SUSPENDING, schedule
-from fireflyer.platform.state.store import STORAGE_ERRNOS, ReplicaRow, Store, StoreUnavailable, StopCode, TaskRow
+from fireflyer.platform.state.store import STORAGE_ERRNOS, ReplicaRow, Store, StopCode, StoreUnavailable, TaskRow
 from fireflyer.ports import free_port
 
 log = logging.getLogger("fireflyer.platform")
 NODE_SYNC_S = 10.0
 """How often the daemon re-reads node health from Slurm (slurm executor)."""
-MIN_FREE_BYTES = 1 << 20
-"""Below this much free space on the home's or the attempts' disk the daemon reports itself unhealthy:
-the next state change, status file or log line may not fit."""
 
 
 def make_executor(cfg: PlatformConfig) -> Executor:
@@ -167,7 +160,7 @@ class Daemon:
             status = read_status(adir)  # it may have ended between the two looks
         if status is None:
             self.executor.kill(handle)
-            last = _last_line(adir)
+            last = last_log_line(adir)
             self._finish(t, StopCode.FAILED, "its supervisor ended without a status (killed, or its host failed)"
                          + (f"; its log ends: {last}" if last else ""))
             cycle.finished.append((t.id, "lost"))
@@ -195,15 +188,15 @@ class Daemon:
             return
         rows = {(r.slot, r.start): r for r in self.store.replicas(t.id)}
         nodes = {n.name: n for n in self.store.nodes()}
-        for rep in _records(data.get("replicas")):
+        for rep in replica_records(data.get("replicas")):
             row = rows.get((rep["slot"], rep["start"]))
             if row is None or row.node != rep["node"]:
                 continue  # only the daemon starts replicas: a record it does not know is ignored
             state, detail = rep["state"], rep["detail"][:MAX_DETAIL]
             if state == "running" and row.state == "starting":
-                self.store.replica_state(t.id, row.slot, row.start, "running", at=_when(rep.get("started_at")))
+                self.store.replica_state(t.id, row.slot, row.start, "running", at=timestamp(rep.get("started_at")))
             elif state == "done" and row.state != "done":
-                self.store.replica_state(t.id, row.slot, row.start, "done", at=_when(rep.get("ended_at")))
+                self.store.replica_state(t.id, row.slot, row.start, "done", at=timestamp(rep.get("ended_at")))
             elif state == "lost" and row.state != "lost":
                 self.store.lose_replica(t.id, row.slot, row.start, detail or "lost")
                 log.warning("task %s: replica %s on %s lost: %s", t.id, row.slot, row.node, detail)
@@ -211,7 +204,7 @@ class Daemon:
             if state == "running" and node is not None and not node.usable:
                 why = self.store.node_reasons().get(row.node) or "drained"
                 adir.raise_flag(f"release.{row.slot}", f"its node {row.node} was drained ({why})")
-        for rej in _records(data.get("rejected")):
+        for rej in replica_records(data.get("rejected")):
             row = rows.get((rep_slot := rej["slot"], rej["start"]))
             if row is None or row.node != rej["node"] or row.state == "lost":
                 continue
@@ -346,287 +339,3 @@ class Daemon:
 def _note(cycle: Cycle, exc: BaseException, what: str) -> None:
     if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
         cycle.problems.append(f"{what}: {exc.strerror} ({exc.filename or 'a file'})")
-
-
-def unwritable(folder: Path) -> str | None:
-    """Why a task's supervisor could not write in ``folder`` (or its nearest existing parent) now: a full
-    or failing disk; None when a small file can be written and made durable there (or fails for another
-    reason). A disk full but for root's reserve counts as full: supervisors may not run as root."""
-    while not folder.is_dir() and folder != folder.parent:
-        folder = folder.parent
-    full = low_space(folder)
-    if full:
-        return full[0]
-    # The folder may be the task's own: a new file of a name it cannot guess, never through a link.
-    probe = folder / f".probe.{secrets.token_hex(8)}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, b"x")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            probe.unlink(missing_ok=True)
-    except OSError as exc:
-        return f"{exc.strerror} in {folder}" if exc.errno in STORAGE_ERRNOS else None
-    return None
-
-
-def low_space(*folders: Path) -> list[str]:
-    """A problem for each disk of ``folders`` with under :data:`MIN_FREE_BYTES` free (none where it cannot tell)."""
-    problems, disks = [], set()
-    for folder in folders:
-        try:
-            disk, st = os.stat(folder).st_dev, os.statvfs(folder)
-        except OSError:
-            continue
-        free = st.f_bavail * st.f_frsize
-        if free < MIN_FREE_BYTES and disk not in disks:
-            problems.append(f"the disk of {folder} is full ({free // 1024} KiB free)")
-        disks.add(disk)
-    return problems
-
-
-MAX_DETAIL = 2000
-_KNOWN_CODES = sum(int(c) for c in StopCode)
-
-
-def read_status(adir: AttemptDir) -> dict | None:
-    """How the attempt ended, from ``status.json``, checked as input from the task's account; None: not yet.
-
-    A status that is not there as a small JSON file of the folder's owner, or whose fields
-    are not what the supervisor writes, ends the attempt as failed and says so.
-    """
-    try:
-        raw = adir.read_json(adir.status, limit=1 << 20)
-    except (OSError, ValueError) as exc:
-        return _bad_status(f"its status.json is unreadable ({exc})")
-    if raw is None:
-        return None
-    try:
-        code = raw["stop_code"]
-        life = raw.get("whole_life_state")
-        detail = raw.get("detail", "")
-        nodes = raw.get("failed_nodes", [])
-        if not isinstance(code, int) or isinstance(code, bool) or not 0 < code <= _KNOWN_CODES or code & ~_KNOWN_CODES:
-            raise UserError(f"stop_code {code!r}")
-        if life is not None and (not isinstance(life, int) or isinstance(life, bool) or not -2**63 <= life < 2**63):
-            raise UserError(f"whole_life_state {life!r}")
-        if not isinstance(detail, str) or not isinstance(nodes, list) or \
-                not all(isinstance(n, str) and len(n) <= 256 for n in nodes[:1000]) or len(nodes) > 1000:
-            raise UserError("detail or failed_nodes")
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        return _bad_status(f"its status.json is not a supervisor's ({exc})")
-    return {"stop_code": code, "detail": detail[:MAX_DETAIL], "whole_life_state": life, "failed_nodes": tuple(nodes)}
-
-
-def _records(items: object) -> list[dict]:
-    """The well-formed entries of a list in ``replicas.json`` (written by the task's account: checked as input)."""
-    if not isinstance(items, list):
-        return []
-    kinds = {"slot": int, "start": int, "node": str, "state": str, "detail": str}
-    out = []
-    for item in items[:10_000]:
-        if isinstance(item, dict) and all(isinstance(item.get(k, "" if k == "state" else None), kind)
-                                          and not isinstance(item.get(k), bool) for k, kind in kinds.items()):
-            out.append(item)
-    return out
-
-
-def _when(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _bad_status(why: str) -> dict:
-    return {"stop_code": int(StopCode.FAILED), "detail": why[:MAX_DETAIL], "whole_life_state": None,
-            "failed_nodes": ()}
-
-
-def _last_line(adir: AttemptDir) -> str:
-    """The last line the attempt's supervisor logged (why it died without a status), if any."""
-    try:
-        fd = open_owned(adir.logs / "supervisor.log", adir.owner)
-    except OSError:
-        return ""
-    try:
-        size = os.fstat(fd).st_size
-        os.lseek(fd, max(0, size - 4096), os.SEEK_SET)
-        lines = os.read(fd, 4096).decode(errors="replace").strip().splitlines()
-    finally:
-        os.close(fd)
-    return lines[-1][:MAX_DETAIL] if lines else ""
-
-
-# ---------------------------------------------------------------------- the process
-class AlreadyRunning(FireflyerError, RuntimeError):
-    pass
-
-
-def lock(home: Home) -> int:
-    """Take the home's daemon lock (held until the process exits); raises if another daemon has it."""
-    private_dir(home.root)
-    fd = os.open(home.pidfile, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.read(fd, 32).decode().strip() or "?"
-        os.close(fd)
-        raise AlreadyRunning(f"a platform daemon already runs for {home.root} (pid {other})") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def daemon_pid(home: Home) -> int | None:
-    """The running daemon's pid, or None (the lock is free, or no pid file)."""
-    try:
-        fd = os.open(home.pidfile, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.read(fd, 32).decode().strip()
-            return int(text) if text.isdigit() else None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-HEARTBEAT_BYTES = 1024
-HEALTH_LOG_S = 60.0
-"""While the daemon stays unhealthy, it repeats the reason in its log this often (not every cycle)."""
-STALE_AFTER_S = 60.0
-"""A heartbeat older than this (or ten ticks, if longer) means the daemon's cycles have stalled."""
-
-
-@dataclass
-class Health:
-    """Whether the daemon's cycles do their work: what the heartbeat tells ``platform status``."""
-
-    problem: str | None = None
-    since: float | None = None
-    logged_at: float = 0.0
-
-    def update(self, problem: str | None, now: float, trace: str | None = None) -> None:
-        """Log a change of health in one line (a traceback only for an unexpected error, once)."""
-        if problem is None:
-            if self.problem is not None:
-                log.info("daemon healthy again after %.0f s", now - (self.since or now))
-            self.problem = self.since = None
-            return
-        new = self.problem is None or (trace is not None and problem != self.problem)
-        if new or now - self.logged_at >= HEALTH_LOG_S:
-            log.error("daemon unhealthy: %s%s", problem, f"\n{trace}" if trace and new else "")
-            self.logged_at = now
-        self.since = self.since or now
-        self.problem = problem
-
-    def to_json(self) -> dict:
-        return {"healthy": self.problem is None, "problem": self.problem, "since": self.since}
-
-
-def write_heartbeat(home: Home, beat: dict) -> None:
-    """The daemon's pulse and health, rewritten in place at a fixed size: overwriting blocks the file
-    already has needs no free space, so a daemon on a full disk can still say that it is."""
-    while True:
-        data = json.dumps(beat).encode()
-        if len(data) < HEARTBEAT_BYTES or not beat.get("problem"):
-            break
-        beat = {**beat, "problem": beat["problem"][: len(beat["problem"]) // 2] + "..."}
-    fd = os.open(home.heartbeat, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, data.ljust(HEARTBEAT_BYTES - 1) + b"\n", 0)
-    finally:
-        os.close(fd)
-
-
-def read_heartbeat(home: Home) -> dict | None:
-    """The last heartbeat, or None (no daemon has written one, or it cannot be read)."""
-    for _ in range(3):
-        try:
-            text = home.heartbeat.read_text()
-        except OSError:
-            return None
-        try:
-            beat = json.loads(text)
-            return beat if isinstance(beat, dict) else None
-        except ValueError:  # read while it was being rewritten
-            time.sleep(0.01)
-    return None
-
-
-def why_unhealthy(beat: dict | None, tick: float, now: float) -> str | None:
-    """Why a running daemon is unhealthy, from its heartbeat; None when it is well (or has not cycled yet)."""
-    if beat is None:
-        return None
-    if beat.get("healthy") is False:
-        since = beat.get("since")
-        return str(beat.get("problem") or "unknown") + (f" (for {now - since:.0f} s)" if since else "")
-    stale = max(STALE_AFTER_S, 10 * tick)
-    if now - beat.get("at", now) > stale:
-        return (f"no cycle for {now - beat['at']:.0f} s (a cycle is stuck, or the daemon cannot write its "
-                "heartbeat)")
-    return None
-
-
-def serve(home: Home, stop: threading.Event | None = None) -> None:
-    """Run cycles until SIGTERM/SIGINT (or ``stop`` is set)."""
-    cfg = platform_config.load(home)
-    if cfg is None:
-        raise UserError(f"no platform configured in {home.root}: run 'fireflyer platform start' first")
-    fd = lock(home)
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    daemon = Daemon(home, cfg)
-    log.info("daemon %s up: %s executor, %s nodes, tick %s s", os.getpid(), cfg.executor,
-             len(daemon.store.nodes()), cfg.tick)
-    health, beat_failed = Health(), False
-    try:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            trace = None
-            try:
-                cycle = daemon.tick()
-                problem = "; ".join(cycle.problems) or None
-                if cycle.started or cycle.finished or cycle.suspending:
-                    log.debug("cycle: %s", cycle)
-            except StoreUnavailable as exc:  # a full disk: nothing was recorded, the next cycle retries
-                problem = f"its cycles cannot be recorded: {exc}"
-            except Exception as exc:  # a bad cycle (a failing executor, a bug) must not end the daemon
-                problem, trace = f"a cycle failed: {type(exc).__name__}: {exc}", traceback.format_exc()
-            health.update(problem, time.time(), trace)
-            try:
-                write_heartbeat(home, {"pid": os.getpid(), "at": time.time(), **health.to_json()})
-                beat_failed = False
-            except OSError as exc:  # status then sees the heartbeat's age and says the daemon stalled
-                if not beat_failed:
-                    log.error("cannot write the heartbeat %s: %s", home.heartbeat, exc.strerror)
-                beat_failed = True
-            stop.wait(max(0.0, cfg.tick - (time.monotonic() - t0)))
-    finally:
-        log.info("daemon %s down", os.getpid())
-        daemon.store.close()
-        os.close(fd)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m fireflyer.platform.scheduler.daemon HOME", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
-    try:
-        serve(Home(args[0]))
-    except (AlreadyRunning, RuntimeError) as exc:
-        print(f"fireflyer platform: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
