@@ -23,8 +23,8 @@ pytestmark = pytest.mark.multiproc
 
 TINY = builtin_config("tiny")
 CFG = TrainConfig.from_toml(TINY)
-HALF = CFG.save_every
-assert 0 < HALF < CFG.steps
+HALF = CFG.checkpoint.save_every
+assert 0 < HALF < CFG.run.steps
 
 
 def train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
@@ -54,14 +54,14 @@ def runs(tmp_path_factory):
 def test_end_to_end_the_loss_falls_and_the_files_exist(runs):
     run, out = runs["a"], runs["a_dir"]
     loss = run["history"]["loss"]
-    assert run["finished"] and len(loss) == CFG.steps
+    assert run["finished"] and len(loss) == CFG.run.steps
     assert loss[0] > 3.9  # ln(63) = 4.14: an untrained character model
     assert sum(loss[-5:]) / 5 < loss[0] - 0.5
     val = run["history"]["val"]
-    assert val[0][0] == 0 and val[-1][0] == CFG.steps and val[-1][1] < val[0][1] - 0.5
+    assert val[0][0] == 0 and val[-1][0] == CFG.run.steps and val[-1][1] < val[0][1] - 0.5
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "config.json").exists() and (out / "ckpt" / f"step_{CFG.steps:010d}" / "COMMIT").exists()
-    assert run["world"]["world_size"] == CFG.nodes * CFG.ranks_per_node
+    assert (out / "config.json").exists() and (out / "ckpt" / f"step_{CFG.run.steps:010d}" / "COMMIT").exists()
+    assert run["world"]["world_size"] == CFG.parallelism.nodes * CFG.parallelism.ranks_per_node
     assert run["allreduce"]["bytes_per_rank"] > 0 and run["timing"]["tokens_per_s"] > 0
     assert run["sample"]["text"].startswith(run["sample"]["prompt"])
     summary = runs["a_out"]
@@ -71,7 +71,7 @@ def test_end_to_end_the_loss_falls_and_the_files_exist(runs):
 
 def test_progress_prints_plain_lines_when_not_a_terminal(runs):
     lines = [ln for ln in runs["a_out"].splitlines() if ln.startswith("step ") and "loss" in ln]
-    assert lines and f"{CFG.steps}/{CFG.steps}" in lines[-1] and "tok/s" in lines[-1] and "GB/s" in lines[-1]
+    assert lines and f"{CFG.run.steps}/{CFG.run.steps}" in lines[-1] and "tok/s" in lines[-1] and "GB/s" in lines[-1]
 
 
 def test_same_config_same_losses_bitwise(runs):
@@ -147,7 +147,7 @@ def data_runs(tmp_path_factory):
 
 def test_a_run_resumed_off_the_save_interval_and_across_an_epoch_equals_an_uninterrupted_one(data_runs):
     straight, resumed = data_runs["a"], data_runs["c"]
-    steps_per_epoch = straight["data"]["records"]["train"] // CFG.global_batch
+    steps_per_epoch = straight["data"]["records"]["train"] // CFG.data.global_batch
     assert DATA_STOP < steps_per_epoch < DATA_STEPS and DATA_STOP % DATA_SAVE
     assert resumed["resumed_from"] == DATA_STOP and resumed["finished"] and len(straight["history"]["loss"]) == DATA_STEPS
     assert resumed["history"]["loss"] == straight["history"]["loss"]
@@ -167,7 +167,7 @@ def test_the_records_are_built_by_the_first_run_and_reused_by_the_others(data_ru
 def test_run_json_and_the_summary_show_the_data_and_its_reader(data_runs):
     data = data_runs["c"]["data"]
     assert data["source"] == str(data_runs["text"].resolve()) and data["hash"] == data_runs["dataset"].name
-    assert data["records"]["train"] > 0 and data["shards"]["train"] >= 1 and data["window"] == CFG.context + 1
+    assert data["records"]["train"] > 0 and data["shards"]["train"] >= 1 and data["window"] == CFG.model.context + 1
     assert 0 < data["cache_hit_rate"] <= 1 and data["stall_s"] >= 0 and data["record_reads"] > 0
     summary = data_runs["outs"][2]
     assert "shard cache hit rate" in summary and "reader stall" in summary and data["hash"][:12] in summary
@@ -183,7 +183,7 @@ def test_a_damaged_record_stops_the_job_with_one_line_that_names_it(tmp_path):
     cfg = CFG.replace(data=str(text), data_cache=str(tmp_path / "cache"))
     prepared = prepare_data(cfg)
     sampler = ResumableSampler(prepared.records("train"), batch_size=CFG.batch_per_replica, rank=0,
-                               world_size=CFG.world_size, seed=CFG.seed)
+                               world_size=CFG.world_size, seed=CFG.run.seed)
     victim = sampler.batch(1)[0]  # rank 0 reads it at step 2
     with RecordReader(prepared.dir / "train") as r:
         shard, offset, _, _ = r.locate(victim)

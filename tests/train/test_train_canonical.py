@@ -80,20 +80,20 @@ def test_every_layout_trains_the_same_bits(runs):
 def test_run_json_records_the_order_and_the_global_batch(runs):
     for name in LAYOUTS:
         run = runs[name]
-        assert run["config"]["order"] == "canonical"
+        assert run["config"]["parallelism"]["order"] == "canonical"
         assert run["data"]["micro_batches_per_step"] == 4 and run["data"]["micro_batch_size"] == 4
         assert run["world"]["threads_per_rank"] == 1
 
 
 def test_a_run_stopped_as_dp_x_tp_and_resumed_as_fsdp_equals_the_uninterrupted_run(runs):
     moved = runs["moved"]
-    assert moved["resumed_from"] == 4 and moved["world"]["world_size"] == 4 and moved["config"]["fsdp"]
+    assert moved["resumed_from"] == 4 and moved["world"]["world_size"] == 4 and moved["config"]["parallelism"]["fsdp"]
     assert bits(moved) == bits(runs["1x1"])
 
 
 def test_a_run_stopped_as_pipelines_and_resumed_as_tensor_parallel_equals_the_uninterrupted_run(runs):
     unpiped = runs["unpiped"]
-    assert unpiped["resumed_from"] == 4 and unpiped["config"]["pp"] == 1 and unpiped["config"]["tp"] == 2
+    assert unpiped["resumed_from"] == 4 and unpiped["config"]["parallelism"]["pp"] == 1 and unpiped["config"]["parallelism"]["tp"] == 2
     assert bits(unpiped) == bits(runs["1x1"])
 
 

@@ -121,7 +121,7 @@ def test_processes_starting_at_once_build_once(tmp_path, text_file):
 
 
 def _data(text_file, cache="", **kw):
-    cfg = TrainConfig(data=str(text_file), data_cache=str(cache), context=16, global_batch=8, micro_batch_size=4, nodes=1,
+    cfg = TrainConfig.from_fields(data=str(text_file), data_cache=str(cache), context=16, global_batch=8, micro_batch_size=4, nodes=1,
                       ranks_per_node=2, seed=5)
     return TrainingData.open(cfg, device=CPU, **kw)
 
@@ -149,7 +149,7 @@ def test_micro_batches_depend_on_their_global_index_not_on_the_layout(text_file)
     def micro(ranks: int, step: int) -> list[torch.Tensor]:
         out = []
         for r in range(ranks):
-            cfg = TrainConfig(data=str(text_file), context=16, global_batch=16, micro_batch_size=4,
+            cfg = TrainConfig.from_fields(data=str(text_file), context=16, global_batch=16, micro_batch_size=4,
                               nodes=1, ranks_per_node=ranks, seed=5)
             data = TrainingData.open(cfg, device=CPU, rank=r, world_size=ranks)
             try:

@@ -18,6 +18,7 @@ the plain run, and no process of it or /dev/shm file of hfreduce's is left behin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -167,22 +169,36 @@ class Chaos:
         time.sleep(0.5)
         return pids
 
-    def yielding(self, nodes: list[str], niceness: int) -> None:
-        """Set the scheduling niceness of every thread of ``nodes``' ranks (19: they run only on cores nobody else
-        wants; 0: as before). On a busy host it lets a restarted node start before the survivors finish the run;
-        on a quiet one it changes nothing."""
-        for node in nodes:
-            for pid in node_ranks(node, self.mark):  # none once the node's ranks ended
-                try:
-                    tids = os.listdir(f"/proc/{pid}/task")
-                except OSError:  # a rank that just ended
-                    continue
-                for tid in tids:
-                    try:
-                        os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-                    except OSError:  # a thread that just ended
-                        pass
-        self.note(f"niceness {niceness} for {nodes}")
+    @contextlib.contextmanager
+    def throttled(self, nodes: list[str], stopped_s: float = 0.4, running_s: float = 0.1) -> Iterator[None]:
+        """While the block runs, hold ``nodes``' ranks to about a fifth of their speed: SIGSTOP for ``stopped_s``,
+        SIGCONT for ``running_s``, in turn. A restarted node then gets back before they finish the run, however
+        busy the host (the survivors of a kill can otherwise run the rest of a short run while it imports torch).
+        Each stop is well inside the Lighthouse's heartbeat and join timeouts (1.5 s and 1 s), so the quorums
+        do not change."""
+        done = threading.Event()
+
+        def hold() -> None:
+            while not done.is_set():
+                pids = [pid for node in nodes for pid in node_ranks(node, self.mark)]
+                for sig, wait in ((signal.SIGSTOP, stopped_s), (signal.SIGCONT, running_s)):
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, sig)
+                    time.sleep(wait)
+
+        holder = threading.Thread(target=hold, name="throttle", daemon=True)
+        self.note(f"throttling {nodes}")
+        holder.start()
+        try:
+            yield
+        finally:
+            done.set()
+            holder.join(timeout=10)
+            for pid in (pid for node in nodes for pid in node_ranks(node, self.mark)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            self.note(f"let {nodes} run")
 
     def output(self, node: str) -> list[str]:
         """What ``node``'s ranks printed so far (node0's reach the command's output, the others' their log)."""
@@ -244,19 +260,15 @@ def wait_committed(out: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 def ft_run(out: Path, kills: list[tuple[int, str]], *extra: str, rejoin: bool = False) -> tuple[dict, str]:
     """A fault-tolerant run with the ranks of node ``n`` SIGKILLed once step ``s`` is committed, for each (s, n).
-    ``rejoin``: the survivors yield their cores until the killed node heals back in (:meth:`Chaos.yielding`)."""
+    ``rejoin``: the survivors are held back until the killed node heals back in (:meth:`Chaos.throttled`)."""
     with Chaos(out, [*RUN, *extra], "ft_run") as chaos:
         for step, node in kills:
             chaos.wait_committed(step)
             seen = len(chaos.output(node))
             chaos.send(node, signal.SIGKILL)
             if rejoin:
-                survivors = [n for n in ("node0", "node1", "node2") if n != node]
-                chaos.yielding(survivors, 19)
-                try:
+                with chaos.throttled([n for n in ("node0", "node1", "node2") if n != node]):
                     chaos.wait_heal(node, seen)
-                finally:
-                    chaos.yielding(survivors, 0)
         return chaos.finish()
 
 
@@ -306,10 +318,12 @@ def test_a_node_that_comes_back_as_the_run_ends_finds_it_done(straight, tmp_path
         seen = len(chaos.output("node1"))
         chaos.send("node1", signal.SIGKILL)
         deadline = time.monotonic() + 240
-        while not any("resumed at step" in line for line in chaos.output("node1")[seen:]):
-            assert chaos.proc.poll() is None and time.monotonic() < deadline, f"node1 did not come back; {chaos.why()}"
-            time.sleep(0.002)
-        held = chaos.send("node1", signal.SIGSTOP)
+        with chaos.throttled(["node0", "node2"]):  # node1 restarts before they end the run, however busy the host
+            while not any("resumed at step" in line for line in chaos.output("node1")[seen:]):
+                assert chaos.proc.poll() is None and time.monotonic() < deadline, \
+                    f"node1 did not come back; {chaos.why()}"
+                time.sleep(0.002)
+            held = chaos.send("node1", signal.SIGSTOP)
         try:
             while node_ranks("node0", chaos.mark) or node_ranks("node2", chaos.mark):
                 assert time.monotonic() < deadline + 240, f"the others did not end the run; {chaos.why()}"

@@ -49,7 +49,7 @@ def test_tensor_parallel_and_fsdp_train_the_model_of_one_process(runs, name):
 def test_the_runs_say_how_the_layout_divides_the_batch(runs):
     assert "2 micro-batches per TP group x 2 TP groups" in runs["tp"]["stdout"]
     assert "1 micro-batch per rank x 4 ranks" in runs["fsdp"]["stdout"]
-    assert runs["tp"]["layout"]["tp"] == 2 and runs["fsdp"]["config"]["fsdp"]
+    assert runs["tp"]["layout"]["tp"] == 2 and runs["fsdp"]["config"]["parallelism"]["fsdp"]
     assert runs["moved"]["resumed_from"] == 3 and runs["fsdp"]["sample"]["text"]
 
 

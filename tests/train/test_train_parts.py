@@ -116,14 +116,14 @@ def test_generation_is_seeded():
 
 
 def test_warmup_then_cosine_to_min_lr():
-    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-2, min_lr=1e-3)
+    cfg = TrainConfig.from_fields(steps=100, warmup_steps=10, lr=1e-2, min_lr=1e-3)
     assert lr_at(0, cfg) == pytest.approx(1e-3)
     assert lr_at(9, cfg) == pytest.approx(1e-2)
     assert lr_at(55, cfg) == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(100, cfg) == pytest.approx(1e-3)
     m = torch.nn.Linear(2, 2)
     opt, sched = build_optimizer(m, cfg)
-    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.weight_decay, 0.0]
+    assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optimizer.weight_decay, 0.0]
     seen = []
     for _ in range(12):
         seen.append(opt.param_groups[0]["lr"])
@@ -159,7 +159,7 @@ def _run_json(cfg: TrainConfig) -> dict:
     """A finished run's ``run.json``, as rank 0 writes it, for ``cfg``'s world."""
     return {
         "config": cfg.to_dict(), "finished": True, "step": 3, "resumed_from": None,
-        "world": {"nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "world_size": cfg.world_size,
+        "world": {"nodes": cfg.parallelism.nodes, "ranks_per_node": cfg.parallelism.ranks_per_node, "world_size": cfg.world_size,
                   "device": "cpu", "threads_per_rank": 1},
         "model": {"parameters": 400_000, "vocab_size": 63},
         "data": {"corpus_chars": 1000, "train_tokens": 900, "val_tokens": 100, "tokens_per_step": 4096,
@@ -193,7 +193,7 @@ def test_resume_skips_a_step_folder_that_holds_an_older_step(tmp_path):
 
 
 def test_report_plot_and_summary(tmp_path):
-    run = _run_json(TrainConfig(steps=3, warmup_steps=1))
+    run = _run_json(TrainConfig.from_fields(steps=3, warmup_steps=1))
     png = report.plot_losses(run, tmp_path / "loss.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     text = report.summary(run, wall_s=5.0, out=tmp_path, png=png)
@@ -207,7 +207,7 @@ def test_report_plot_and_summary(tmp_path):
 
 def test_summary_counts_in_the_singular_and_names_the_experts_right(tmp_path):
     """One node, one layer, one thread: no "1 nodes"; an MoE run's experts line says what expert_hidden is."""
-    run = _run_json(TrainConfig(steps=3, warmup_steps=1, nodes=1, ranks_per_node=2, layers=1))
+    run = _run_json(TrainConfig.from_fields(steps=3, warmup_steps=1, nodes=1, ranks_per_node=2, layers=1))
     run["layout"] = {"pp": 1, "dp": 1, "ep": 2, "tp": 1}
     run["model"].update(kind="moe", experts=8, expert_hidden=128, shared_experts=2, top_k=2, experts_per_rank=4,
                         parameters_per_rank=[300_000, 300_000])

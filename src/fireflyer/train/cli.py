@@ -20,7 +20,8 @@ from functools import lru_cache
 from fireflyer.cliutil import ArgumentParser, plural
 from fireflyer.errors import UserError
 from fireflyer.train import report
-from fireflyer.train.config import DEVICES, FIELD_NAMES, MODELS, ORDERS, TrainConfig, builtin_config
+from fireflyer.train.config import (DEVICES, FIELD_NAMES, FIELDS, FLAG_OF, MODELS, ORDERS, SECTIONS, TrainConfig,
+                                    builtin_config)
 from fireflyer.train.env import in_platform_task
 from fireflyer.fsutil import write_json
 from fireflyer.train.outdir import resolve
@@ -55,7 +56,7 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
                                    "pipeline or expert parallel over hfreduce.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", metavar="CONFIG",
-                   help=f"TOML file of config fields (default: the shipped {builtin_config('demo').name})")
+                   help=f"TOML file of config sections (default: the shipped {builtin_config('demo').name})")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="a shipped config instead of CONFIG: demo (the default), moe (a small DeepSeekMoE with "
                         "expert parallel), tiny (seconds, for tests)")
@@ -65,17 +66,19 @@ def build_parser(prog: str = "fireflyer train") -> ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="delete the earlier run in the out directory (its checkpoints, results and logs) and "
                         "start afresh; without it, an out directory that holds a run is refused")
-    fields = p.add_argument_group("config fields (override CONFIG)")
     docs = _field_docs()
-    for f in dataclasses.fields(TrainConfig):
+    groups = {name: p.add_argument_group(f"[{name}] fields (override CONFIG's)", kind.__doc__.split(": ", 1)[-1])
+              for name, kind in SECTIONS.items()}
+    for name, (section, attr) in FIELDS.items():
+        f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == attr)
         kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" |")[0]]
+        flag, where = f"--{name.replace('_', '-')}", groups[section]
+        help_text = docs.get(name, "") + ("" if attr == name else f" (in a config: [{section}] {attr})")
         if kind is bool:  # a switch: --fault-tolerant
-            fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_const", const=True,
-                                default=None, help=docs.get(f.name, ""))
+            where.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=help_text)
             continue
-        fields.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
-                            metavar=kind.__name__.upper(), help=docs.get(f.name, ""),
-                            choices={"device": DEVICES, "model": MODELS, "order": ORDERS}.get(f.name))
+        where.add_argument(flag, dest=name, type=kind, default=None, metavar=kind.__name__.upper(), help=help_text,
+                           choices={"device": DEVICES, "model": MODELS, "order": ORDERS}.get(name))
     return p
 
 
@@ -96,7 +99,7 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     # `fireflyer demo` run again replaces its own earlier run; any other run in the way is refused
     cfg, resume_from = resolve(args.config, overrides, resume=args.resume, overwrite=args.overwrite,
                                replace_same=prog == "fireflyer demo")
-    if cfg.device == "cuda":
+    if cfg.run.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
@@ -111,14 +114,14 @@ def main(argv: list[str], prog: str = "fireflyer train") -> int:
     target = ["-m", "fireflyer.train.job", "--config", str(config_path)]
     if resume_from is not None:
         target += ["--resume", str(resume_from)]
-    print(f"fireflyer train: {plural(cfg.nodes, 'node')} x {plural(cfg.ranks_per_node, 'rank')}, steps "
+    print(f"fireflyer train: {plural(cfg.parallelism.nodes, 'node')} x {plural(cfg.parallelism.ranks_per_node, 'rank')}, steps "
           f"{_step_range(cfg, resume_from)}, out {out}/ (logs in {out / 'logs'}/)", flush=True)
     print(f"fireflyer train: {cfg.describe_batch()}", flush=True)
     print(f"fireflyer train: {data.summary()}", flush=True)
     t0 = time.monotonic()
-    job = LocalJob(target=target, nodes=cfg.nodes, ranks_per_node=cfg.ranks_per_node,
-                   timeout=cfg.timeout, grace=cfg.stop_grace, log_dir=str(out / "logs"))
-    if cfg.fault_tolerant:
+    job = LocalJob(target=target, nodes=cfg.parallelism.nodes, ranks_per_node=cfg.parallelism.ranks_per_node,
+                   timeout=cfg.run.timeout, grace=cfg.run.stop_grace, log_dir=str(out / "logs"))
+    if cfg.run.fault_tolerant:
         _run_replicas(job, cfg)
     else:
         run_local(job)
@@ -145,7 +148,7 @@ def _run_replicas(job, cfg: TrainConfig) -> None:
     ready = tempfile.mkdtemp(prefix="fireflyer-ft-ready-")
     lighthouse, address = start_lighthouse(logs / "lighthouse.log")
     try:
-        run_local(dataclasses.replace(job, replicas=True, max_restarts=cfg.max_restarts,
+        run_local(dataclasses.replace(job, replicas=True, max_restarts=cfg.run.max_restarts,
                                       env={"RUST_LOG": "warn", **job.env, LIGHTHOUSE_ENV: address, READY_ENV: ready}))
     finally:
         lighthouse.kill()
@@ -155,18 +158,17 @@ def _run_replicas(job, cfg: TrainConfig) -> None:
 
 def _step_range(cfg: TrainConfig, resume_from: int | None) -> str:
     first = 1 if resume_from is None else resume_from + 1
-    last = cfg.stop_at or cfg.steps
-    return f"{first}-{last} of {cfg.steps}"
+    last = cfg.run.stop_at or cfg.run.steps
+    return f"{first}-{last} of {cfg.run.steps}"
 
 
 @lru_cache(maxsize=1)
 def _field_docs() -> dict[str, str]:
-    """Each TrainConfig field's docstring (the string literal after it), for --help."""
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Each config field's docstring (the string literal after it), by its flag name, for --help."""
     docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = nxt.value.value  # type: ignore[union-attr]
+    for section, kind in SECTIONS.items():
+        body = ast.parse(inspect.getsource(kind)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[FLAG_OF[(section, node.target.id)]] = nxt.value.value  # type: ignore[union-attr]
     return docs
-

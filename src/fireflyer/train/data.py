@@ -173,7 +173,7 @@ class TrainingData:
     @classmethod
     def open(cls, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device) -> TrainingData:
         """Find (or build) the records ``cfg`` names and open them for ``rank``."""
-        return cls(prepare_data(cfg), batch=cfg.batch_per_replica, rank=rank, world_size=world_size, seed=cfg.seed,
+        return cls(prepare_data(cfg), batch=cfg.batch_per_replica, rank=rank, world_size=world_size, seed=cfg.run.seed,
                    device=device, micro_batches=cfg.micro_batches)
 
     def train(self, *, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -57,8 +57,8 @@ class FaultTolerantMoETrainer(FaultTolerantTrainer):
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)).div_(n)
                 offset += p.numel()
         total = flat[width:].double()
-        if self.cfg.grad_clip:
-            net.clip(self.cfg.grad_clip)
+        if self.cfg.optimizer.grad_clip:
+            net.clip(self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -78,12 +78,12 @@ class FaultTolerantMoETrainer(FaultTolerantTrainer):
         assert net is not None
         R, M = self.where.world_size, self.cfg.global_micro_batches
         total = torch.zeros(1, dtype=torch.float64)
-        for i in range(self.cfg.eval_batches):
+        for i in range(self.cfg.data.eval_batches):
             for g in range(self.where.rank, M, R):  # the same count on every rank: the all-to-alls pair up
                 loss = net.eval_loss(*self.data.micro_batch("val", g, at=i))
                 total += loss.double()
         if R > 1:
             dist.all_reduce(total)
-        self.history.val.append([step, total.item() / (self.cfg.eval_batches * M)])
+        self.history.val.append([step, total.item() / (self.cfg.data.eval_batches * M)])
         self.timing["eval_s"] += time.perf_counter() - t0
         return self.history.val[-1][1]

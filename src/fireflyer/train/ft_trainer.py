@@ -49,7 +49,7 @@ class _RunFinished(Exception):
 
 
 class FaultTolerantTrainer(Trainer):
-    """A :class:`Trainer` whose steps survive the loss of replicas (``cfg.fault_tolerant``)."""
+    """A :class:`Trainer` whose steps survive the loss of replicas (``cfg.run.fault_tolerant``)."""
 
     def __init__(self, cfg: TrainConfig, where: Placement, *, resume: int | None = None,
                  fail_at: int | None = None) -> None:
@@ -58,9 +58,9 @@ class FaultTolerantTrainer(Trainer):
         super().__init__(cfg, where, resume=resume, fail_at=fail_at)
         self.params = list(self.model.parameters())
         self.width = sum(p.numel() for p in self.params) + 1  # the gradient, then the loss
-        self.replica = Replica(replica_id=where.node, configured=cfg.nodes, micro_batches=cfg.micro_batches,
-                               canonical=cfg.order == "canonical", state=self._live_state, load=self._load_live,
-                               timeout=min(COLLECTIVE_TIMEOUT, cfg.timeout), quorum_timeout=min(QUORUM_TIMEOUT, cfg.timeout))
+        self.replica = Replica(replica_id=where.node, configured=cfg.parallelism.nodes, micro_batches=cfg.micro_batches,
+                               canonical=cfg.parallelism.order == "canonical", state=self._live_state, load=self._load_live,
+                               timeout=min(COLLECTIVE_TIMEOUT, cfg.run.timeout), quorum_timeout=min(QUORUM_TIMEOUT, cfg.run.timeout))
         self.replica.set_step(self.start_step)
         if self._saved_record:  # the checkpoint's record; a heal from a live replica brings a newer one
             self.replica.record = Record(**{k: v for k, v in self._saved_record.items()
@@ -82,8 +82,8 @@ class FaultTolerantTrainer(Trainer):
         if self.where.rank == 0:
             folder = Path(ready)
             (folder / self.where.node).touch()
-            deadline = time.monotonic() + min(QUORUM_TIMEOUT, self.cfg.timeout)
-            while len(list(folder.iterdir())) < self.cfg.nodes and time.monotonic() < deadline:
+            deadline = time.monotonic() + min(QUORUM_TIMEOUT, self.cfg.run.timeout)
+            while len(list(folder.iterdir())) < self.cfg.parallelism.nodes and time.monotonic() < deadline:
                 time.sleep(0.02)
         dist.barrier()
 
@@ -113,29 +113,29 @@ class FaultTolerantTrainer(Trainer):
             dist.all_reduce(flag)
             if int(flag.item()) == self.where.world_size:
                 return got
-            box = [saved.latest_step(self.cfg.out) if self.where.rank == 0 else None]
+            box = [saved.latest_step(self.cfg.run.out) if self.where.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 break
             step = box[0]
-        raise UserError(f"the restarted {self.where.node} could not load a checkpoint from {saved.ckpt_dir(self.cfg.out)}")
+        raise UserError(f"the restarted {self.where.node} could not load a checkpoint from {saved.ckpt_dir(self.cfg.run.out)}")
 
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
         w, cfg = self.where, self.cfg
-        rank = node_index(w.node) * cfg.ranks_per_node + w.rank  # this rank's place in the configured layout
+        rank = node_index(w.node) * cfg.parallelism.ranks_per_node + w.rank  # this rank's place in the configured layout
         self.data = TrainingData.open(cfg, rank=rank, world_size=cfg.world_size, device=w.device)
         self.tokenizer = self.data.tokenizer
         self._notes: list[str] = []
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.context, layers=cfg.layers,
-                           d_model=cfg.d_model, heads=cfg.heads)
-        torch.manual_seed(cfg.seed)  # the same initial weights on every replica (torchft also syncs them at start)
+        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.model.context, layers=cfg.model.layers,
+                           d_model=cfg.model.d_model, heads=cfg.model.heads)
+        torch.manual_seed(cfg.run.seed)  # the same initial weights on every replica (torchft also syncs them at start)
         self.model = GPT(shape).to(self.where.device)
-        if cfg.order == "canonical" and cfg.linear_blocks > 1:  # the plain run's linears: its bits
-            split_linears(self.model, blocks=cfg.linear_blocks)
+        if cfg.parallelism.order == "canonical" and cfg.parallelism.linear_blocks > 1:  # the plain run's linears: its bits
+            split_linears(self.model, blocks=cfg.parallelism.linear_blocks)
         self.ddp = None
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
 
@@ -170,9 +170,9 @@ class FaultTolerantTrainer(Trainer):
             return {}
         if self.start_step == 0:
             self._evaluate(0)
-        bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)
+        bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.run.steps)
         if self.resumed_from is not None:
-            bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.out)}")
+            bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.run.out)}")
         rate = Throughput()
         finished: _RunFinished | None = None
         try:
@@ -196,9 +196,9 @@ class FaultTolerantTrainer(Trainer):
                 seconds = time.perf_counter() - t0
                 self.timing["train_s"] += seconds
                 bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), 0.0, None))
-                if cfg.eval_interval and step % cfg.eval_interval == 0 and step != self.end_step:
+                if cfg.data.eval_interval and step % cfg.data.eval_interval == 0 and step != self.end_step:
                     bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
-                if cfg.save_every and step % cfg.save_every == 0 and step != self.end_step:
+                if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step != self.end_step:
                     self._save(step)
         except _RunFinished as done:  # the live replicas ended the run as this one came back: not a failure
             finished = done
@@ -218,7 +218,7 @@ class FaultTolerantTrainer(Trainer):
         laid = self._layout_summary()  # the MoE path's (a collective over the node's ranks); {} for the dense model
         record = self._record(reader, laid) if rank == 0 and self.writer == self.where.node else {}
         if record:
-            write_json(Path(cfg.out) / "run.json", record)
+            write_json(Path(cfg.run.out) / "run.json", record)
         dist.barrier()
         return record
 
@@ -240,7 +240,7 @@ class FaultTolerantTrainer(Trainer):
             else:
                 self._open.update(replicas_after=len(plan.replicas), lost=lost)
             bar.note(f"step {plan.step}: {', '.join(lost)} lost; going on with {len(plan.replicas)} of "
-                     f"{self.cfg.nodes} replicas")
+                     f"{self.cfg.parallelism.nodes} replicas")
         joined = [r for r in plan.replicas if before is not None and r not in before]
         if joined:
             bar.note(f"step {plan.step}: {', '.join(joined)} joined; {len(plan.replicas)} replicas")
@@ -251,7 +251,7 @@ class FaultTolerantTrainer(Trainer):
         the live replicas went on without this one (its node stopped past the timeout, then resumed) and may have
         finished. Going on would redo their steps alone and write checkpoints they already wrote; the node's
         ranks restart instead, from that checkpoint (rank 0 reads it for the node, so its ranks agree)."""
-        box = [saved.latest_step(self.cfg.out) if self.where.rank == 0 else None]
+        box = [saved.latest_step(self.cfg.run.out) if self.where.rank == 0 else None]
         if self.where.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         if box[0] is not None and box[0] >= self.end_step:
@@ -306,10 +306,10 @@ class FaultTolerantTrainer(Trainer):
             for p in self.params:
                 p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        if self.cfg.grad_clip and self.cfg.order == "canonical":  # the plain run's exact norm: its bits
-            clip_exact(self.params, self.params, self.cfg.grad_clip)
-        elif self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if self.cfg.optimizer.grad_clip and self.cfg.parallelism.order == "canonical":  # the plain run's exact norm: its bits
+            clip_exact(self.params, self.params, self.cfg.optimizer.grad_clip)
+        elif self.cfg.optimizer.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -324,9 +324,9 @@ class FaultTolerantTrainer(Trainer):
         t0 = time.perf_counter()
         M, R = self.cfg.global_micro_batches, self.where.world_size
         blocks, shares = micro_blocks(M, R)
-        slots = torch.full((self.cfg.eval_batches, len(blocks)), -0.0)
+        slots = torch.full((self.cfg.data.eval_batches, len(blocks)), -0.0)
         self.model.eval()
-        for i in range(self.cfg.eval_batches):
+        for i in range(self.cfg.data.eval_batches):
             for b in shares[self.where.rank]:
                 start, size = blocks[b]
                 acc = PairwiseAccumulator()
@@ -337,7 +337,7 @@ class FaultTolerantTrainer(Trainer):
         if R > 1:
             dist.all_reduce(slots)
         sums = [tree_over_blocks(M, blocks, list(row.unbind())) for row in slots]
-        mean = canonical_sum(sums) / (self.cfg.eval_batches * M)
+        mean = canonical_sum(sums) / (self.cfg.data.eval_batches * M)
         self.history.val.append([step, mean.item()])
         self.timing["eval_s"] += time.perf_counter() - t0
         return self.history.val[-1][1]
@@ -351,7 +351,7 @@ class FaultTolerantTrainer(Trainer):
         record = super()._record(reader, laid)
         record["world"]["world_size"] = self.cfg.world_size  # every replica's ranks, not this node's
         r = self.replica.record
-        record["fault_tolerance"] = {"replicas": self.cfg.nodes, "order": self.cfg.order, **asdict(r),
+        record["fault_tolerance"] = {"replicas": self.cfg.parallelism.nodes, "order": self.cfg.parallelism.order, **asdict(r),
                                      "restarts_of_this_node": restarts()}
         return record
 

@@ -36,8 +36,8 @@ def place(cfg: TrainConfig) -> Placement:
     """This rank's place in the job, from torchrun's environment; sets its device and torch threads."""
     me = this_rank()
     rank, world, local_rank = me.rank, me.world_size, me.local_rank
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.order == "canonical" and use_cuda:  # before CUDA starts: cuBLAS's fixed-order workspace
+    use_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if cfg.parallelism.order == "canonical" and use_cuda:  # before CUDA starts: cuBLAS's fixed-order workspace
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     if use_cuda:
@@ -49,7 +49,7 @@ def place(cfg: TrainConfig) -> Placement:
         device = torch.device("cpu")
     # The launcher sets OMP_NUM_THREADS so the node's ranks share its cores without oversubscribing.
     # In the canonical order one thread per rank: a kernel's bits may depend on how many threads split it.
-    threads = 1 if cfg.order == "canonical" else \
+    threads = 1 if cfg.parallelism.order == "canonical" else \
         int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(me.local_world_size))
     torch.set_num_threads(threads)
     return Placement(rank=rank, world_size=world, local_rank=local_rank,
@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig.from_json(args.config)
     where = place(cfg)
     try:
-        dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.timeout)))
+        dist.init_process_group("hfreduce", timeout=timedelta(seconds=min(COLLECTIVE_TIMEOUT, cfg.run.timeout)))
         try:
-            if cfg.fault_tolerant:
+            if cfg.run.fault_tolerant:
                 train(lambda: _fault_tolerant(cfg, where, args.resume))
             else:
                 train(lambda: Trainer(cfg, where, resume=args.resume, fail_at=injected_failure(where.rank)))
@@ -129,13 +129,13 @@ def _fault_tolerant(cfg: TrainConfig, where, resume: int | None) -> Trainer:
     from fireflyer.train.ft_experts import FaultTolerantMoETrainer
     from fireflyer.train.ft_trainer import FaultTolerantTrainer
 
-    fail_at = injected_failure(node_index(where.node) * cfg.ranks_per_node + where.rank)
+    fail_at = injected_failure(node_index(where.node) * cfg.parallelism.ranks_per_node + where.rank)
     if restarts() > 0:
         fail_at = None  # an injected failure happens once
-        box = [saved.latest_step(cfg.out) if where.rank == 0 else None]
+        box = [saved.latest_step(cfg.run.out) if where.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # the node's ranks start from one step
         resume = box[0] if box[0] is not None else resume
-    kind = FaultTolerantMoETrainer if cfg.model == "moe" else FaultTolerantTrainer
+    kind = FaultTolerantMoETrainer if cfg.model.kind == "moe" else FaultTolerantTrainer
     return kind(cfg, where, resume=resume, fail_at=fail_at)
 
 
@@ -168,7 +168,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
         if rank == 0:
             try:
                 cfg, resume_from = resolve_attempt(config, overrides, resume=resume, overwrite=overwrite)
-                if cfg.fault_tolerant:
+                if cfg.run.fault_tolerant:
                     raise UserError("fault_tolerant under the platform needs a task submitted with 'fireflyer submit "
                                     "--fault-tolerant' (the platform then runs and replaces each node's replica)")
                 write_json(cfg.out_dir / "config.json", cfg.to_dict())
@@ -184,7 +184,7 @@ def run_managed(config: str | None, overrides: dict, *, resume: bool, overwrite:
         if rank == 0:
             first = 1 if resume_from is None else resume_from + 1
             print(f"fireflyer train: platform task {client.chain_id()} attempt {client.attempt()}: "
-                  f"{plural(cfg.nodes, 'node')} x {plural(cfg.ranks_per_node, 'rank')}, steps {first}-{cfg.stop_at or cfg.steps}, "
+                  f"{plural(cfg.parallelism.nodes, 'node')} x {plural(cfg.parallelism.ranks_per_node, 'rank')}, steps {first}-{cfg.run.stop_at or cfg.run.steps}, "
                   f"out {cfg.out_dir}/", flush=True)
             print(f"fireflyer train: {cfg.describe_batch()}", flush=True)
         t0 = time.monotonic()
@@ -219,7 +219,7 @@ def resolve_attempt(config: str | None, overrides: dict, *, resume: bool, overwr
     from fireflyer.train.outdir import resolve
 
     out = overrides.get("out") or read_toml(config or builtin_config("demo")).get("out") or \
-        TrainConfig.from_toml(builtin_config("demo")).out
+        TrainConfig.from_toml(builtin_config("demo")).run.out
     go_on = resume or (client.attempt() > 0 and saved.latest_step(out) is not None)
     return resolve(config, overrides, resume=go_on, overwrite=overwrite or client.attempt() > 0)
 
@@ -284,8 +284,8 @@ def run_replica(config: str | None, overrides: dict, *, resume: bool, overwrite:
             again = f", started again (start {os.environ.get(names.RESTART_COUNT)})" \
                 if os.environ.get(names.RESTART_COUNT, "0") != "0" else ""
             print(f"fireflyer train: platform task {client.chain_id()} attempt {client.attempt()}: replica {where.node} "
-                  f"of {cfg.nodes} on {os.environ.get(names.PLATFORM_NODE, '?')}{again}, "
-                  f"{plural(cfg.ranks_per_node, 'rank')}, steps {first}-{cfg.stop_at or cfg.steps}, out {cfg.out_dir}/",
+                  f"of {cfg.parallelism.nodes} on {os.environ.get(names.PLATFORM_NODE, '?')}{again}, "
+                  f"{plural(cfg.parallelism.ranks_per_node, 'rank')}, steps {first}-{cfg.run.stop_at or cfg.run.steps}, out {cfg.out_dir}/",
                   flush=True)
         t0 = time.monotonic()
         trainer = train(lambda: _fault_tolerant(cfg, where, resume_from))

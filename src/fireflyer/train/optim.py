@@ -13,12 +13,12 @@ from fireflyer.train.config import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based) of a run of ``cfg.steps`` steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    """Learning rate for optimizer step ``step`` (0-based) of a run of ``cfg.run.steps`` steps."""
+    if step < cfg.optimizer.warmup_steps:
+        return cfg.optimizer.lr * (step + 1) / cfg.optimizer.warmup_steps
+    decay_steps = max(1, cfg.run.steps - cfg.optimizer.warmup_steps)
+    progress = min(1.0, (step - cfg.optimizer.warmup_steps) / decay_steps)
+    return cfg.optimizer.min_lr + 0.5 * (cfg.optimizer.lr - cfg.optimizer.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
@@ -40,8 +40,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Ada
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), foreach=True,
+        [{"params": decay, "weight_decay": cfg.optimizer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.optimizer.lr, betas=(0.9, 0.95), foreach=True,
     )
     return opt, WarmupCosine(opt, cfg)
 

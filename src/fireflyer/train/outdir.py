@@ -40,7 +40,7 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool, over
         return cfg, None
     from fireflyer.train import state as saved  # imports torch
 
-    out = overrides.get("out") or (base or {}).get("out") or TrainConfig.from_toml(builtin_config("demo")).out
+    out = overrides.get("out") or (base or {}).get("out") or TrainConfig.from_toml(builtin_config("demo")).run.out
     if saved.latest_step(out) is None:
         raise UserError(f"--resume: no saved state in {saved.ckpt_dir(out)}/; run without --resume first")
     state = saved.load_state(out)  # the newest intact one (a damaged newest one falls back, with a warning)
@@ -50,7 +50,7 @@ def resolve(config: str | None, overrides: dict[str, Any], *, resume: bool, over
         base = {k: v for k, v in upgrade_saved(state["config"]).items() if k != "stop_at"}
     cfg = TrainConfig.from_dict({**base, "out": str(out), **overrides}, source=config or where)
     changed = check_resumable(state["config"], cfg, state=where)
-    if step >= (cfg.stop_at or cfg.steps):
+    if step >= (cfg.run.stop_at or cfg.run.steps):
         raise UserError(f"{where} is already at step {step}; raise --steps (or --stop-at) to train further")
     if changed:
         print(f"note: resuming with changed {', '.join(changed)}")

@@ -26,8 +26,8 @@ whatever the layout, and rank 0 can rebuild the whole model from it to write the
 from __future__ import annotations
 
 import contextlib
-import math
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fireflyer.errors import UserError
 from fireflyer.haiscale import DistributedDataParallel
@@ -52,21 +51,28 @@ from fireflyer.train.model import GPT, ModelShape, split_linears
 from fireflyer.train.optim import clip_exact
 from fireflyer.train.moe_model import MoEBlock, MoEGPT, MoEShape
 
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP shard). DTensors exist only once their module is loaded, so a run
+    without FSDP never pays for importing it (about half a second of every rank's start)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
 TIED = "tok.weight"
 """The global name of the token embedding, which the last stage's output projection copies."""
 
 
 def build_full(cfg: TrainConfig, vocab_size: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
     """The whole model of ``cfg`` (its experts sharded over ``ep_group``), the same on every rank for a seed."""
-    if cfg.model == "moe":
-        shape = MoEShape(vocab_size=vocab_size, context=cfg.context, layers=cfg.layers, d_model=cfg.d_model,
-                         heads=cfg.heads, n_routed=cfg.experts, n_shared=cfg.shared_experts,
-                         expert_hidden=cfg.expert_hidden, top_k=cfg.top_k,
-                         bias_update_speed=cfg.bias_update_speed)
-        return MoEGPT(shape, ep_group=ep_group, seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
-    return GPT(ModelShape(vocab_size=vocab_size, context=cfg.context, layers=cfg.layers, d_model=cfg.d_model,
-                          heads=cfg.heads))
+    if cfg.model.kind == "moe":
+        shape = MoEShape(vocab_size=vocab_size, context=cfg.model.context, layers=cfg.model.layers, d_model=cfg.model.d_model,
+                         heads=cfg.model.heads, n_routed=cfg.model.experts, n_shared=cfg.model.shared_experts,
+                         expert_hidden=cfg.model.expert_hidden, top_k=cfg.model.top_k,
+                         bias_update_speed=cfg.model.bias_update_speed)
+        return MoEGPT(shape, ep_group=ep_group, seed=cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    return GPT(ModelShape(vocab_size=vocab_size, context=cfg.model.context, layers=cfg.model.layers, d_model=cfg.model.d_model,
+                          heads=cfg.model.heads))
 
 
 class Stage(nn.Module):
@@ -120,13 +126,15 @@ class Named:
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor of which ``local`` (the value, or an optimizer state) is this rank's share
         (a collective over the TP group where the parameter is split, over the shards where FSDP holds it)."""
-        if isinstance(local, DTensor):
+        if is_dtensor(local):
             return local.full_tensor()
         return local if self.split is None else self.split.gather(self.leaf, local)
 
     def share(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's share of a whole tensor shaped like the parameter (no communication)."""
-        if isinstance(self.param, DTensor):
+        if is_dtensor(self.param):
+            from torch.distributed.tensor import distribute_tensor
+
             return distribute_tensor(full.to(self.param.device), self.param.device_mesh, self.param.placements,
                                      src_data_rank=None)
         return full if self.split is None else self.split.shard(self.leaf, full)
@@ -157,7 +165,7 @@ def describe(laid: Layout) -> dict[str, Any]:
 
 def replica_of(laid: Layout, cfg: TrainConfig) -> int:
     """The data replica a rank reads for: its pipeline's index, ``dp * ep + ep_rank`` (rank r when pp = 1)."""
-    return laid.coords["dp"] * cfg.ep + laid.coords["ep"]
+    return laid.coords["dp"] * cfg.parallelism.ep + laid.coords["ep"]
 
 
 class LaidOut:
@@ -171,33 +179,33 @@ class LaidOut:
         self.cfg = cfg
         self.layout = laid
         self.stage = laid.coords["pp"]
-        self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.ep > 1 else None).to(device)
-        if cfg.tp > 1:  # Megatron over the TP group; in the canonical order in the run's blocks, not the layout's
-            split_linears(self.full, blocks=cfg.linear_blocks, tp_group=self.layout.tp_group, order=cfg.order)
-        elif cfg.order == "canonical" and cfg.linear_blocks > 1:  # the blocks one process computes, on one rank
-            split_linears(self.full, blocks=cfg.linear_blocks)
-        sizes = split_sizes(cfg.layers, cfg.pp)
+        self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.parallelism.ep > 1 else None).to(device)
+        if cfg.parallelism.tp > 1:  # Megatron over the TP group; in the canonical order in the run's blocks, not the layout's
+            split_linears(self.full, blocks=cfg.parallelism.linear_blocks, tp_group=self.layout.tp_group, order=cfg.parallelism.order)
+        elif cfg.parallelism.order == "canonical" and cfg.parallelism.linear_blocks > 1:  # the blocks one process computes, on one rank
+            split_linears(self.full, blocks=cfg.parallelism.linear_blocks)
+        sizes = split_sizes(cfg.model.layers, cfg.parallelism.pp)
         start = sum(sizes[:self.stage])
-        self.is_first, self.is_last = self.stage == 0, self.stage == cfg.pp - 1
+        self.is_first, self.is_last = self.stage == 0, self.stage == cfg.parallelism.pp - 1
         self.module = Stage(self.full, start, start + sizes[self.stage], first=self.is_first, last=self.is_last)
         self.named = self._name_params()
-        expert_group = self.layout.expert_group if cfg.model == "moe" else None
+        expert_group = self.layout.expert_group if cfg.model.kind == "moe" else None
         self.ddp: DistributedDataParallel | None = None
         self.steps: CanonicalSteps | None = None
         """MoE or a pipeline in the canonical order: steps that sum the dense gradients (and each expert's
         per-source streams) micro-batch by micro-batch; plain DDP (its own canonical round) otherwise."""
-        if cfg.order == "canonical" and (cfg.model == "moe" or cfg.pp > 1):
+        if cfg.parallelism.order == "canonical" and (cfg.model.kind == "moe" or cfg.parallelism.pp > 1):
             self.steps = CanonicalSteps(self.module, dense_group=_unless_alone(self.layout.dense_group),
                                         expert_group=_unless_alone(self.layout.expert_group) if expert_group else None)
             _check_replica_order(self.layout, cfg)
         else:
             self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
-                                               expert_process_group=expert_group, bucket_cap_mb=cfg.bucket_cap_mb,
-                                               order=cfg.order)
+                                               expert_process_group=expert_group, bucket_cap_mb=cfg.parallelism.bucket_cap_mb,
+                                               order=cfg.parallelism.order)
         self.device = device
         self.pipeline = None
         self.tied: TiedStages | None = None
-        if cfg.pp > 1:
+        if cfg.parallelism.pp > 1:
             if self.steps is not None:
                 self.tied = TiedStages(self, self.steps)
             self.pipeline = Pipeline(self.module if self.steps is not None else self.ddp, self.layout.pp_group,
@@ -239,7 +247,7 @@ class LaidOut:
             return self.from_last_stage(self.tied.finish())
         if self.steps is not None:  # the canonical tree over the global micro-batches
             return self.steps.accumulate(micro_batches, lambda m, batch: _cross_entropy(m(batch[0]), batch[1]))
-        if self.cfg.order == "canonical":
+        if self.cfg.parallelism.order == "canonical":
             return self.ddp.accumulate(micro_batches, lambda ddp, batch: _cross_entropy(ddp(batch[0]), batch[1]))
         assert self.ddp is not None
         if self.pipeline is None:
@@ -320,7 +328,7 @@ class LaidOut:
             mine = self.layout.plan.group_of("pp", dist.get_rank())
             act = x
             if not self.is_first:
-                act = torch.empty(x.shape[0], x.shape[1], self.cfg.d_model, device=self.device)
+                act = torch.empty(x.shape[0], x.shape[1], self.cfg.model.d_model, device=self.device)
                 dist.recv(act, src=mine[self.stage - 1], group=self.layout.pp_group)
             out = self.module(act)
             if not self.is_last:
@@ -455,7 +463,7 @@ def plain_names(model: nn.Module) -> list[Named]:
 def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """A model's whole state under its own names, the head's tie to the token embedding left out (FSDP's shards
     gathered: a collective over its group)."""
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    return {name: (t.full_tensor() if is_dtensor(t) else t).detach()
             for name, t in model.state_dict().items() if name != "head.weight"}
 
 

@@ -332,7 +332,7 @@ def check_fits(prepared: Prepared, *, global_batch: int) -> None:
 
 def prepare_data(cfg: TrainConfig) -> Prepared:
     """The records a :class:`~fireflyer.train.config.TrainConfig` trains on, found or built, checked to fit."""
-    prepared = prepare(read_corpus(cfg.data), data_cache_dir(cfg.data_cache), context=cfg.context,
-                       val_fraction=cfg.val_fraction, timeout=cfg.timeout)
-    check_fits(prepared, global_batch=cfg.global_batch)
+    prepared = prepare(read_corpus(cfg.data.path), data_cache_dir(cfg.data.cache), context=cfg.model.context,
+                       val_fraction=cfg.data.val_fraction, timeout=cfg.run.timeout)
+    check_fits(prepared, global_batch=cfg.data.global_batch)
     return prepared

@@ -14,6 +14,7 @@ from typing import Any
 from fireflyer.cliutil import plural
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.fsutil import atomic_write
+from fireflyer.train.config import upgrade_saved
 
 
 def load_run(out: str | Path) -> dict[str, Any]:
@@ -34,7 +35,7 @@ def plot_losses(run: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     h = run["history"]
-    cfg = run["config"]
+    cfg = upgrade_saved(run["config"])  # its fields by their flag names
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(range(1, len(h["loss"]) + 1), h["loss"], lw=1, color="tab:blue", alpha=0.8, label="train (mean over ranks)")
     if h["val"]:
@@ -55,7 +56,7 @@ def plot_losses(run: dict[str, Any], path: str | Path) -> Path:
 
 def summary(run: dict[str, Any], *, wall_s: float, out: str | Path, png: Path | None) -> str:
     """The end-of-run screen: model, world, speed, losses, files, and a sample of generated text."""
-    cfg, h, t, ar, w = run["config"], run["history"], run["timing"], run.get("allreduce"), run["world"]
+    cfg, h, t, ar, w = upgrade_saved(run["config"]), run["history"], run["timing"], run.get("allreduce"), run["world"]
     ft = run.get("fault_tolerance")
     loss = h["loss"]
     val = h["val"]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fireflyer.haiscale import DistributedDataParallel, fsdp_accumulate, fully_shard, layout, sharding_info
+from fireflyer.haiscale import DistributedDataParallel, layout
 from fireflyer.hfreduce import HFReduceConfig
 from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
@@ -102,18 +102,18 @@ class Trainer:
         self.ddp: DistributedDataParallel | None = None
         self.sharded: torch.nn.Module | None = None
         """The model sharded by FSDP (``fsdp``): steps go through fsdp_accumulate, the state is gathered to save."""
-        if cfg.model == "moe" or cfg.pp > 1 or cfg.tp > 1:  # collective: before anything else talks
+        if cfg.model.kind == "moe" or cfg.parallelism.pp > 1 or cfg.parallelism.tp > 1:  # collective: before anything else talks
             # a TP group sums in the canonical order in either order (its linears compute in blocks); the canonical
             # order's data-parallel groups too
-            options = self._canonical_options() if cfg.order == "canonical" or cfg.tp > 1 else None
-            self.layout = layout(pp=cfg.pp, ep=cfg.ep, tp=cfg.tp, pg_options=options)
+            options = self._canonical_options() if cfg.parallelism.order == "canonical" or cfg.parallelism.tp > 1 else None
+            self.layout = layout(pp=cfg.parallelism.pp, ep=cfg.parallelism.ep, tp=cfg.parallelism.tp, pg_options=options)
         self._build_data()
         self._build_model()
-        self.ckpt = saved.manager(cfg.out, rank=where.rank, world_size=where.world_size,
+        self.ckpt = saved.manager(cfg.run.out, rank=where.rank, world_size=where.world_size,
                                   kind="sharded" if self.laid_out else "replicated")
         self.start_step = self._restore(resume) if resume is not None else 0
         self.resumed_from = self.start_step if resume is not None else None
-        self.end_step = cfg.stop_at or cfg.steps
+        self.end_step = cfg.run.stop_at or cfg.run.steps
         self.timing = {"train_s": 0.0, "eval_s": 0.0, "save_s": 0.0}
 
     # ------------------------------------------------------------------ building
@@ -133,35 +133,37 @@ class Trainer:
             self.model, self.ddp = self.laid_out.module, self.laid_out.ddp
             self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
             return
-        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.context, layers=cfg.layers,
-                           d_model=cfg.d_model, heads=cfg.heads)
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.model.context, layers=cfg.model.layers,
+                           d_model=cfg.model.d_model, heads=cfg.model.heads)
+        torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         self.model = GPT(shape).to(self.where.device)
-        if cfg.order == "canonical":
-            seconds = min(COLLECTIVE_TIMEOUT, cfg.timeout)
+        if cfg.parallelism.order == "canonical":
+            seconds = min(COLLECTIVE_TIMEOUT, cfg.run.timeout)
             self.group = dist.new_group(backend="hfreduce", timeout=timedelta(seconds=seconds),
                                         pg_options=self._canonical_options())
-            if cfg.linear_blocks > 1:  # the linears every TP degree dividing linear_blocks computes alike
-                split_linears(self.model, blocks=cfg.linear_blocks)
-        if cfg.fsdp:  # each rank one shard of the weights, gradients and AdamW's state
-            self.sharded = fully_shard(self.model, group=self.group, order=cfg.order)
+            if cfg.parallelism.linear_blocks > 1:  # the linears every TP degree dividing linear_blocks computes alike
+                split_linears(self.model, blocks=cfg.parallelism.linear_blocks)
+        if cfg.parallelism.fsdp:  # each rank one shard of the weights, gradients and AdamW's state
+            from fireflyer.haiscale import fully_shard  # torch's FSDP: imported only by the runs that use it
+
+            self.sharded = fully_shard(self.model, group=self.group, order=cfg.parallelism.order)
         else:
-            self.ddp = DistributedDataParallel(self.model, process_group=self.group, bucket_cap_mb=cfg.bucket_cap_mb,
-                                               order=cfg.order)
+            self.ddp = DistributedDataParallel(self.model, process_group=self.group, bucket_cap_mb=cfg.parallelism.bucket_cap_mb,
+                                               order=cfg.parallelism.order)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
 
     def _canonical_options(self) -> HFReduceConfig:
         """hfreduce groups that sum in the canonical order, with the job's collective timeout."""
-        return HFReduceConfig.from_env(order="canonical", timeout=min(COLLECTIVE_TIMEOUT, self.cfg.timeout))
+        return HFReduceConfig.from_env(order="canonical", timeout=min(COLLECTIVE_TIMEOUT, self.cfg.run.timeout))
 
     def _restore(self, step: int) -> int:
-        return self._take(saved.load_state(self.cfg.out, step))
+        return self._take(saved.load_state(self.cfg.run.out, step))
 
     def _take(self, state: dict[str, Any]) -> int:
         """Load a saved ``state`` into this rank; returns its step."""
         step = int(state["step"])
         if state["vocab"] != self.tokenizer.chars:
-            raise UserError(f"step {step} in {saved.ckpt_dir(self.cfg.out)} was trained on a different corpus "
+            raise UserError(f"step {step} in {saved.ckpt_dir(self.cfg.run.out)} was trained on a different corpus "
                              "vocabulary; start afresh with a new --out")
         rng = state["rng"]
         if "cpu" not in rng:  # saved per rank (a laid-out run): this rank's, else the first rank's
@@ -195,9 +197,9 @@ class Trainer:
         cfg, rank = self.cfg, self.where.rank
         if self.start_step == 0:
             self._evaluate(0)
-        bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.steps)
+        bar = make_progress(rank=rank, first=self.start_step + 1, total=cfg.run.steps)
         if self.resumed_from is not None:
-            bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.out)}")
+            bar.note(f"resumed at step {self.start_step} from {saved.ckpt_dir(cfg.run.out)}")
         for text in self._notes:
             bar.note(text)
         rate = Throughput()
@@ -212,9 +214,9 @@ class Trainer:
                 imbalance = self.history.experts[-1]["imbalance"] if self.laid_out and self.history.experts else None
                 bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), self.allreduce_gbps(),
                                      imbalance))
-                if cfg.eval_interval and step % cfg.eval_interval == 0 and step != self.end_step:
+                if cfg.data.eval_interval and step % cfg.data.eval_interval == 0 and step != self.end_step:
                     bar.note(f"step {step}: val loss {self._evaluate(step):.4f}")
-                saved_now = bool(cfg.save_every and step % cfg.save_every == 0 and step != self.end_step)
+                saved_now = bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step != self.end_step)
                 if saved_now:
                     self._save(step)
                 if self.managed and step != self.end_step:
@@ -229,7 +231,7 @@ class Trainer:
         laid = self._layout_summary()
         record = self._record(reader, laid) if rank == 0 else {}
         if rank == 0:
-            write_json(Path(cfg.out) / "run.json", record)
+            write_json(Path(cfg.run.out) / "run.json", record)
         dist.barrier()
         return record
 
@@ -239,15 +241,17 @@ class Trainer:
         # Each micro-batch's forward and backward; the gradients averaged over every rank's micro-batches
         # (in the canonical tree, for order = "canonical") when this returns, with the mean loss.
         if self.sharded is not None:  # FSDP deals the step's micro-batches to the shards in turn
+            from fireflyer.haiscale import fsdp_accumulate, sharding_info
+
             mine = sharding_info(self.sharded).micro_batch_indices(self.cfg.micro_batches)
             mean = fsdp_accumulate(self.sharded, [self.data.micro_batch("train", g, at=step) for g in mine], lm_loss)
         else:
             mean = self.ddp.accumulate(self.data.train(step=step), lm_loss)
-        if self.cfg.grad_clip and self.cfg.order == "canonical":  # an exact norm: the same bits on every layout
+        if self.cfg.optimizer.grad_clip and self.cfg.parallelism.order == "canonical":  # an exact norm: the same bits on every layout
             shards = self.group if self.sharded is not None else None  # FSDP: each rank adds its own shards
-            clip_exact(self.model.parameters(), self.model.parameters(), self.cfg.grad_clip, shards)
-        elif self.cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            clip_exact(self.model.parameters(), self.model.parameters(), self.cfg.optimizer.grad_clip, shards)
+        elif self.cfg.optimizer.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -261,16 +265,16 @@ class Trainer:
         assert net is not None
         self.optimizer.zero_grad(set_to_none=False)
         loss = net.train_loss(self.data.train(step=step))
-        if self.cfg.grad_clip:
-            net.clip(self.cfg.grad_clip)
+        if self.cfg.optimizer.grad_clip:
+            net.clip(self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         layers = net.after_step()
         # the canonical order's loss is already the global batch's mean, the same on every rank
-        self.history.loss.append(loss.item() if self.cfg.order == "canonical" else self._replica_mean(loss))
+        self.history.loss.append(loss.item() if self.cfg.parallelism.order == "canonical" else self._replica_mean(loss))
         self.history.lr.append(lr)
-        if layers or self.cfg.model == "moe":
+        if layers or self.cfg.model.kind == "moe":
             self.history.experts.append(self._expert_record(layers))
         return self.history.loss[-1], lr
 
@@ -300,22 +304,22 @@ class Trainer:
     def _evaluate(self, step: int) -> float:
         """Mean validation loss over every rank's fixed validation batches; recorded at ``step``."""
         t0 = time.perf_counter()
-        if self.laid_out is not None and self.cfg.order != "canonical":
+        if self.laid_out is not None and self.cfg.parallelism.order != "canonical":
             total = torch.zeros((), dtype=torch.float64, device=self.where.device)
-            for i in range(self.cfg.eval_batches):
+            for i in range(self.cfg.data.eval_batches):
                 for x, y in self.data.eval(index=i):
                     loss = self.laid_out.eval_loss(x, y)
                     if loss is not None:
                         total += loss.double()
-            self.history.val.append([step, self._replica_mean(total / (self.cfg.eval_batches * self.cfg.micro_batches))])
+            self.history.val.append([step, self._replica_mean(total / (self.cfg.data.eval_batches * self.cfg.micro_batches))])
             self.timing["eval_s"] += time.perf_counter() - t0
             return self.history.val[-1][1]
         # Batch i's loss summed pairwise over this replica's micro-batches, then over the replicas (in the
         # group's order), then over i in the canonical tree: layout-independent bits in the canonical order.
         net = self.laid_out
         self.model.eval()
-        sums = torch.zeros(self.cfg.eval_batches, device=self.where.device)
-        for i in range(self.cfg.eval_batches):
+        sums = torch.zeros(self.cfg.data.eval_batches, device=self.where.device)
+        for i in range(self.cfg.data.eval_batches):
             acc = PairwiseAccumulator()
             for x, y in self.data.eval(index=i):
                 loss = lm_loss(self.model, (x, y)) if net is None else net.eval_loss(x, y)
@@ -325,7 +329,7 @@ class Trainer:
                 sums[i] = acc.result()
         self.model.train()
         dist.all_reduce(sums, group=self.group if net is None else self.layout.dense_group)
-        mean = canonical_sum(list(sums.unbind())) / (self.cfg.eval_batches * self.cfg.global_micro_batches)
+        mean = canonical_sum(list(sums.unbind())) / (self.cfg.data.eval_batches * self.cfg.global_micro_batches)
         if net is not None:  # a pipeline's last stage holds it
             mean = net.from_last_stage(mean)
         self.history.val.append([step, mean.item()])
@@ -378,16 +382,16 @@ class Trainer:
 
     def sample(self) -> str:
         """Text the trained model writes after :data:`SAMPLE_PROMPT`, with a generator seeded by ``seed``."""
-        if not self.cfg.sample_tokens:
+        if not self.cfg.run.sample_tokens:
             return ""
         prompt = self.tokenizer.encode(SAMPLE_PROMPT).to(self.where.device)
-        gen = torch.Generator(device=self.where.device).manual_seed(self.cfg.seed)
+        gen = torch.Generator(device=self.where.device).manual_seed(self.cfg.run.seed)
         model = self.model
         if self.laid_out is not None or self.sharded is not None:  # the whole model, from the saved state's names
-            state = saved.load_state(self.cfg.out, self.end_step)
+            state = saved.load_state(self.cfg.run.out, self.end_step)
             model = whole_model(self.cfg, self.tokenizer.vocab_size, state["model"]).to(self.where.device)
         model.eval()
-        out = model.generate(prompt, self.cfg.sample_tokens, temperature=0.8, generator=gen)
+        out = model.generate(prompt, self.cfg.run.sample_tokens, temperature=0.8, generator=gen)
         model.train()
         return self.tokenizer.decode(out.cpu())
 
@@ -433,17 +437,17 @@ class Trainer:
         text = self.sample()
         return {
             "config": cfg.to_dict(),
-            "finished": self.end_step == cfg.steps,
+            "finished": self.end_step == cfg.run.steps,
             "step": self.end_step,
             "resumed_from": self.resumed_from,
-            "world": {"nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "world_size": w.world_size,
+            "world": {"nodes": cfg.parallelism.nodes, "ranks_per_node": cfg.parallelism.ranks_per_node, "world_size": w.world_size,
                       "device": str(w.device) if w.device.type == "cpu" else f"cuda x {w.world_size}",
                       "threads_per_rank": w.threads},
             "model": self._model_record(laid),
             **({"layout": laid["layout"]} if laid else {}),
             **({"experts": self._experts_summary()} if self.history.experts else {}),
             "data": {**self.data.describe(), "tokens_per_step": cfg.tokens_per_step,
-                     "micro_batches_per_step": cfg.global_micro_batches, "micro_batch_size": cfg.micro_batch_size,
+                     "micro_batches_per_step": cfg.global_micro_batches, "micro_batch_size": cfg.data.micro_batch_size,
                      **reader},
             "history": self.history.to_dict(),
             "timing": {**self.timing, "steps_this_run": done,
@@ -458,14 +462,14 @@ class Trainer:
     def _model_record(self, laid: dict[str, Any]) -> dict[str, Any]:
         if not laid:
             return {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size, "kind": "dense",
-                    "weights_sha256": weights_digest(saved.load_state(self.cfg.out, self.end_step)["model"])}
+                    "weights_sha256": weights_digest(saved.load_state(self.cfg.run.out, self.end_step)["model"])}
         cfg = self.cfg
         out = {"parameters": laid["parameters"]["whole_model"], "parameters_per_rank": laid["parameters"]["per_rank"],
-               "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model,
-               "weights_sha256": weights_digest(saved.load_state(cfg.out, self.end_step)["model"])}
-        if cfg.model == "moe":
-            out.update(experts=cfg.experts, shared_experts=cfg.shared_experts, expert_hidden=cfg.expert_hidden,
-                       top_k=cfg.top_k, experts_per_rank=cfg.experts // cfg.ep)
+               "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model.kind,
+               "weights_sha256": weights_digest(saved.load_state(cfg.run.out, self.end_step)["model"])}
+        if cfg.model.kind == "moe":
+            out.update(experts=cfg.model.experts, shared_experts=cfg.model.shared_experts, expert_hidden=cfg.model.expert_hidden,
+                       top_k=cfg.model.top_k, experts_per_rank=cfg.model.experts // cfg.parallelism.ep)
         return out
 
     def _experts_summary(self) -> dict[str, Any]:
