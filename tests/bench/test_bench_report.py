@@ -115,7 +115,7 @@ def test_bench_reads_the_engine_config_from_the_environment(monkeypatch) -> None
     monkeypatch.setenv("FIREFLYER_HFREDUCE_CHUNK_BYTES", str(1 << 20))
     cfg = bench.build_config(["--layouts", "1x4"])
     assert cfg.engine.oneshot_bytes == 0 and cfg.engine.chunk_bytes == 1 << 20
-    assert bench.build_doc(cfg, {}, [])["config"]["thresholds"]["oneshot_bytes"] == 0
+    assert bench.doc_fields(cfg, {}, [])["config"]["thresholds"]["oneshot_bytes"] == 0
     monkeypatch.setenv("FIREFLYER_HFREDUCE_ONESHOT_BYTES", "lots")
     with pytest.raises(UserError, match="FIREFLYER_HFREDUCE_ONESHOT_BYTES"):
         bench.build_config(["--layouts", "1x4"])

@@ -148,7 +148,7 @@ def test_report_json_and_png(tmp_path) -> None:
     assert "skipped: needs root" in buf.getvalue()
 
     cfg = bench_exchange.build_config(["--json", str(tmp_path / "a.json"), "--png", str(tmp_path / "a.png")])
-    doc = bench_exchange.build_doc(cfg, [_result(), skipped])
+    doc = bench_exchange.doc_fields(cfg, [_result(), skipped])
     assert doc["collective"] == "all_to_all_single" and doc["speedups"]["1x4"][str(64 << 10)] == pytest.approx(2.0)
     assert [lay["layout"] for lay in doc["layouts"]] == ["1x4", "2x2-shaped"] and len(doc["rows"]) == 2
     report.write_json(cfg.json_path, doc)

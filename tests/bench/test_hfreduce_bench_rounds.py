@@ -136,12 +136,12 @@ def test_plot_series_and_png(tmp_path) -> None:
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_build_doc_records_peers_and_floors() -> None:
+def test_doc_fields_record_peers_and_floors() -> None:
     from fireflyer.bench import allreduce_peers as bench_peers
 
     cfg = bench.build_config(["--layouts", "1x4"])
     peers = {"deepspeed": bench_peers.PeerStatus("deepspeed", False, note="DeepSpeed skipped: not installed")}
-    doc = bench.build_doc(cfg, peers, [_result()])
+    doc = bench.doc_fields(cfg, peers, [_result()])
     assert doc["peers"]["deepspeed"]["available"] is False
     assert doc["dispatch_floor"]["1x4"]["time_s"] == 2.5e-6
     assert doc["layouts"][0]["notes"]["deepspeed"].startswith("DeepSpeed skipped")

@@ -58,3 +58,14 @@ def test_flags_map_onto_the_config_and_bad_ones_are_one_line_errors():
         bench.build_config(["--tasks", "0"])
     with pytest.raises(UserError, match="ticks"):
         bench.build_config(["--ticks", "0"])
+
+
+
+def test_the_simulated_day_is_the_simulator_s_own_config():
+    cfg = bench.build_config(["--sim-nodes", "32", "--sim-hours", "4", "--sim-step", "30"])
+    assert (cfg.sim.nodes, cfg.sim.hours, cfg.sim.step_s) == (32, 4.0, 30.0)
+    assert cfg.sim.suspend_s == bench.sim.SimConfig().suspend_s  # the rest: the simulator's defaults
+    flat = bench.config_fields(cfg)
+    assert flat["sim_nodes"] == 32 and flat["sim_step_s"] == 30.0 and "sim" not in flat
+    with pytest.raises(UserError, match="simulated day: nodes"):
+        bench.build_config(["--sim-nodes", "0"])

@@ -32,7 +32,9 @@ from typing import Any, Callable
 from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench import allreduce_peers
-from fireflyer.bench.harness import document, invoked_command, machine_info  # noqa: F401 - machine_info re-exported
+from fireflyer.bench.harness import bench_command, document, progress
+from fireflyer.bench.harness import machine_info  # noqa: F401 - re-exported
+from fireflyer.bench.skeleton import run_bench
 from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for tests and callers
     DEFAULT_LAYOUTS,
     HEADLINE_BYTES,
@@ -42,6 +44,7 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
     TABLE_SIZES,
     TRAFFIC_MODEL,
     _label,
+    add_output_flags,
     aggregate_copy_bw,
     algbw_gbps,
     build_row,
@@ -73,7 +76,6 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
     system_label,
     thresholds,
     wrong_total,
-    write_json,
     write_png,
 )
 from fireflyer.hfreduce.config import HFReduceConfig
@@ -188,10 +190,7 @@ def build_config(argv: list[str]) -> BenchConfig:
     p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped link rate, Mbit/s each way")
     p.add_argument("--candidate", default="hfreduce", help="backend measured against the others (default hfreduce)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
-    p.add_argument("--json", default=BenchConfig.json_path, metavar="PATH",
-                   help=f"where the results go, as JSON (default {BenchConfig.json_path})")
-    p.add_argument("--png", default=BenchConfig.png_path, metavar="PATH",
-                   help=f"where the time-against-size plot goes (default {BenchConfig.png_path})")
+    add_output_flags(p, BenchConfig.json_path, BenchConfig.png_path)
     p.add_argument("--quick", action="store_true", help="4K,1M,16M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
     dtypes = tuple(d.strip() for d in a.dtypes.split(",") if d.strip())
@@ -379,10 +378,10 @@ def _check_candidate(name: str) -> None:
                         f"until the engine registers it, use --candidate gloo")
 
 
-def build_doc(cfg: BenchConfig, peers: dict[str, allreduce_peers.PeerStatus], results: list[LayoutResult]) -> dict[str, Any]:
-    """The JSON document of one run."""
+def doc_fields(cfg: BenchConfig, peers: dict[str, allreduce_peers.PeerStatus],
+               results: list[LayoutResult]) -> dict[str, Any]:
+    """The result document's fields after its head."""
     return {
-        **document(invoked_command()),
         "candidate": cfg.candidate,
         "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
                    "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops, "thresholds": thresholds(cfg.engine),
@@ -422,19 +421,11 @@ def split_order(argv: list[str]) -> tuple[str, list[str]]:
     return order, rest
 
 
-def main(argv: list[str]) -> int:
-    """Run the benchmark; returns 0, or 1 when any row had wrong results.
-    ``--order canonical`` runs :mod:`fireflyer.bench.canonical` instead."""
-    order, argv = split_order(list(argv))
-    if order == "canonical":
-        from fireflyer.bench import canonical
-
-        return canonical.main(argv)
-    cfg = build_config(argv)
+def measure(cfg: BenchConfig) -> tuple[dict[str, allreduce_peers.PeerStatus], list[LayoutResult]]:
+    """The peers found and every layout's result, each layout's table printed as it is done."""
     if "candidate" in cfg.systems:
         _check_candidate(cfg.candidate)
-    console, errcon = make_console(width=TABLE_WIDTH), make_console(stderr=True)
-    say = lambda msg: errcon.print(f"[dim]  {msg}[/dim]")  # noqa: E731
+    console, say = make_console(width=TABLE_WIDTH), progress()
     peers = allreduce_peers.probe(cfg.peers, cfg.build_timeout_s, say)
     for st in peers.values():
         console.print(f"{system_label(st.name, cfg.candidate)}: {st.version}" if st.available
@@ -446,12 +437,27 @@ def main(argv: list[str]) -> int:
         res = run_layout(cfg, lay, peers, say)
         print_layout(console, cfg, res)
         results.append(res)
-    write_json(cfg.json_path, build_doc(cfg, peers, results))
-    write_png(cfg.png_path, cfg, results)
-    console.print(f"wrote {cfg.json_path} and {cfg.png_path}", highlight=False)
-    wrong = wrong_total([row for r in results for row in r.rows])
-    if wrong:
-        console.print(f"[red]{wrong} wrong elements in total; see the #wrong columns[/red]")
-        return 1
-    return 0
+    return peers, results
 
+
+def wrong_verdict(wrong: int, columns: str) -> int:
+    """1, after a red line on the terminal, when ``wrong`` elements were wrong in all; else 0."""
+    if not wrong:
+        return 0
+    make_console().print(f"[red]{wrong} wrong elements in total; see the {columns}[/red]")
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; returns 0, or 1 when any row had wrong results.
+    ``--order canonical`` runs :mod:`fireflyer.bench.canonical` instead."""
+    order, rest = split_order(list(argv))
+    if order == "canonical":
+        from fireflyer.bench import canonical
+
+        return canonical.main(rest)
+    return run_bench(
+        rest, part="allreduce", configure=build_config, measure=measure,
+        fields=lambda cfg, m: doc_fields(cfg, *m), plot=lambda path, cfg, m: write_png(path, cfg, m[1]),
+        paths=lambda cfg: (cfg.json_path, cfg.png_path), head=lambda _: document(bench_command("allreduce", argv)),
+        verdict=lambda cfg, m: wrong_verdict(wrong_total([row for r in m[1] for row in r.rows]), "#wrong columns"))

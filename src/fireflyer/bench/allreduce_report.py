@@ -221,6 +221,14 @@ def default_warmup(nbytes: int) -> int:
     return 1 if nbytes >= 64 * MiB else 2
 
 
+def add_output_flags(p: Any, json_path: str, png_path: str) -> None:
+    """The flags ``bench allreduce`` and ``bench alltoall`` name their two outputs with, ``--json`` and ``--png``,
+    on the argument parser ``p``, with their defaults."""
+    p.add_argument("--json", default=json_path, metavar="PATH", help=f"where the results go, as JSON (default {json_path})")
+    p.add_argument("--png", default=png_path, metavar="PATH",
+                   help=f"where the time-against-size plot goes (default {png_path})")
+
+
 def check_run_flags(a: Any, also: tuple[str, ...] = ()) -> None:
     """The flags ``bench allreduce`` and ``bench alltoall`` share: ``--iters`` >= 1, ``--warmup`` >= 0,
     ``--rounds`` (and the counts ``also`` names, as ``--floor-ops``) >= 1, ``--link-mbit`` and ``--timeout`` > 0."""

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.bench.allreduce_peers import DEEPSPEED, Channel, dtype_note  # noqa: F401 - Channel re-exported
-from fireflyer.bench.harness import run_worker
+from fireflyer.bench.skeleton import worker_main
 from fireflyer.hfreduce.config import node_key
 from fireflyer.launch import this_rank
 from fireflyer.errors import JobFailed, UserError
@@ -378,9 +378,5 @@ def buf_itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def main(argv: list[str]) -> int:
-    return run_worker(argv, "python -m fireflyer.bench.allreduce_worker", run)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], "python -m fireflyer.bench.allreduce_worker", run))

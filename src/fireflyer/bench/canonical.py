@@ -27,21 +27,18 @@ algbw = bytes of one rank's buffer / time; GB = 1e9 B.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fireflyer.bench.allreduce_report import (aggregate_copy_bw, algbw_gbps, format_ms, memory_floor_seconds,
                                               path_traffic, pct_of_roofline, ratio, roofline_seconds)
 from fireflyer.bench.harness import (MiB, bench_command, document, format_size, loadavg, make_console, median,
-                                     plot_loglog, slowest_per_op, write_results)
+                                     plot_loglog, progress, slowest_per_op)
+from fireflyer.bench.skeleton import result_paths, run_bench, run_ranks
 from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size, plural
-from fireflyer.errors import JobFailed, TimedOut, UserError
+from fireflyer.errors import JobFailed, UserError
 from fireflyer.hfreduce.plans.canonical import layout_problem
 from fireflyer.hfreduce.config import HFReduceConfig
 from fireflyer.train.model import ModelShape
@@ -214,9 +211,9 @@ def build_config(argv: list[str]) -> CanonicalBenchConfig:
 # -- running and collecting ----------------------------------------------------------
 
 
-def worker_spec(cfg: CanonicalBenchConfig, out_dir: str) -> dict[str, Any]:
+def worker_spec(cfg: CanonicalBenchConfig) -> dict[str, Any]:
     """What every rank of a layout reads (:mod:`fireflyer.bench.canonical_worker`)."""
-    return {"out_dir": out_dir, "sizes": list(cfg.sizes), "dtypes": list(cfg.dtypes), "warmup": cfg.warmup,
+    return {"sizes": list(cfg.sizes), "dtypes": list(cfg.dtypes), "warmup": cfg.warmup,
             "iters": cfg.iters, "rounds": cfg.rounds, "timeout_s": min(300.0, cfg.timeout_s),
             "ddp": {"shape": asdict(cfg.ddp.shape), "micro_batches": cfg.ddp.micro_batches,
                     "micro_batch_size": cfg.ddp.micro_batch_size, "warmup": cfg.ddp.warmup, "steps": cfg.ddp.steps}}
@@ -224,28 +221,8 @@ def worker_spec(cfg: CanonicalBenchConfig, out_dir: str) -> dict[str, Any]:
 
 def run_layout(cfg: CanonicalBenchConfig, layout: tuple[int, int]) -> list[dict[str, Any]]:
     """Every rank's results on one layout; a failed or silent rank is a one-line :class:`JobFailed`."""
-    from fireflyer.launch import LaunchFailed, LocalJob, run_local
-
-    nodes, per = layout
-    name = layout_name(layout)
-    tmp = Path(tempfile.mkdtemp(prefix=f"ffr-bench-canonical-{name}-"))
-    (tmp / "spec.json").write_text(json.dumps(worker_spec(cfg, str(tmp))))
-    job = LocalJob(target=["-m", "fireflyer.bench.canonical_worker", str(tmp / "spec.json")], nodes=nodes,
-                   ranks_per_node=per, timeout=cfg.timeout_s, quiet=True, log_dir=str(tmp / "logs"),
-                   env={"FIREFLYER_HFREDUCE_ORDER": "fast"})
-    try:
-        run_local(job)
-    except LaunchFailed as exc:
-        raise JobFailed(f"layout {name}: {exc}") from None
-    except TimedOut as exc:
-        raise JobFailed(f"layout {name}: {exc} (logs in {tmp / 'logs'})") from None
-    world = nodes * per
-    missing = [r for r in range(world) if not (tmp / f"rank{r}.json").exists()]
-    if missing:
-        raise JobFailed(f"layout {name}: ranks {missing} wrote no results (logs in {tmp / 'logs'})")
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-    shutil.rmtree(tmp, ignore_errors=True)
-    return ranks
+    return run_ranks("fireflyer.bench.canonical_worker", worker_spec(cfg), layout, timeout_s=cfg.timeout_s,
+                     env={"FIREFLYER_HFREDUCE_ORDER": "fast"})
 
 
 def _slowest_median(per_rank: list[list[float]]) -> float:
@@ -450,11 +427,10 @@ def write_png(path: str, cfg: CanonicalBenchConfig, layouts: list[dict[str, Any]
                 "time per allreduce (ms)", max(1, len(cfg.dtypes)))
 
 
-def build_doc(cfg: CanonicalBenchConfig, argv: list[str], layouts: list[dict[str, Any]],
-              checks: list[dict[str, Any]]) -> dict[str, Any]:
+def doc_fields(cfg: CanonicalBenchConfig, layouts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result document's fields after its head."""
     wrong = wrong_total(layouts)
     return {
-        **document(bench_command("allreduce", ["--order", "canonical", *argv])),
         "order": "canonical",
         "config": {"layouts": [layout_name(x) for x in cfg.layouts], "sizes": list(cfg.sizes),
                    "dtypes": list(cfg.dtypes), "warmup": cfg.warmup, "iters": cfg.iters, "rounds": cfg.rounds,
@@ -466,28 +442,31 @@ def build_doc(cfg: CanonicalBenchConfig, argv: list[str], layouts: list[dict[str
         "layouts": [{k: v for k, v in lay.items() if k not in ("rows", "ddp")} for lay in layouts],
         "rows": [r for lay in layouts for r in lay["rows"]],
         "ddp": [lay["ddp"] for lay in layouts],
-        "verdicts": checks,
+        "verdicts": verdicts(layouts),
         "wrong_bytes_total": wrong,
         "ok": wrong == 0,
     }
 
 
-def main(argv: list[str]) -> int:
-    """Run the benchmark; 0, or 1 when any canonical result was wrong (a missed target is reported, not an error)."""
-    argv = list(argv)
-    cfg = build_config(argv)
+def measure(cfg: CanonicalBenchConfig) -> list[dict[str, Any]]:
+    """Every layout's summary; the tables and the verdicts printed."""
     engine = engine_config()
-    console, errcon = make_console(width=140), make_console(stderr=True)
+    console, say = make_console(width=140), progress()
     layouts = []
     for layout in cfg.layouts:
-        errcon.print(f"[dim]  {layout_name(layout)}: {plural(cfg.rounds, 'round')} of fast and canonical allreduces "
-                     f"({plural(len(cfg.dtypes), 'dtype')} x {plural(len(cfg.sizes), 'size')}), then DDP steps ...[/dim]")
+        say(f"{layout_name(layout)}: {plural(cfg.rounds, 'round')} of fast and canonical allreduces "
+            f"({plural(len(cfg.dtypes), 'dtype')} x {plural(len(cfg.sizes), 'size')}), then DDP steps ...")
         lay = summarise_layout(cfg, layout, run_layout(cfg, layout), engine)
         print_layout(console, cfg, lay)
         layouts.append(lay)
-    checks = verdicts(layouts)
     print_ddp(console, cfg, layouts)
-    print_verdicts(console, cfg, layouts, checks)
-    write_results(cfg.out_dir, NAME, build_doc(cfg, argv, layouts, checks), lambda path: write_png(path, cfg, layouts),
-                  lambda line: console.print(line, highlight=False))
-    return 1 if wrong_total(layouts) else 0
+    print_verdicts(console, cfg, layouts, verdicts(layouts))
+    return layouts
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; 0, or 1 when any canonical result was wrong (a missed target is reported, not an error)."""
+    return run_bench(argv, part="allreduce", configure=build_config, measure=measure, fields=doc_fields,
+                     plot=write_png, paths=lambda cfg: result_paths(cfg.out_dir, NAME),
+                     head=lambda argv: document(bench_command("allreduce", ["--order", "canonical", *argv])),
+                     verdict=lambda cfg, layouts: 1 if wrong_total(layouts) else 0)

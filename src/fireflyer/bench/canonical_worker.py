@@ -27,7 +27,6 @@ The rank writes ``rank{RANK}.json`` into the spec's ``out_dir`` for the parent t
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from datetime import timedelta
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fireflyer.bench.allreduce_worker import measure_copy
-from fireflyer.bench.harness import run_worker, write_rank_json
+from fireflyer.bench.skeleton import rank_groups, worker_main
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce import HFReduceConfig
 from fireflyer.hfreduce.plans.canonical import canonical_sum
@@ -130,35 +129,28 @@ def ddp_part(spec: dict[str, Any], rank: int, groups: dict[str, Any], barrier: C
     return {"times": times, "params": params}
 
 
-def run(spec: dict[str, Any]) -> None:
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's results: the copy bandwidth, and the allreduce and DDP parts the spec asks for."""
     from fireflyer.launch import this_rank
 
     me = this_rank()
     rank, world = me.rank, me.world_size
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group("hfreduce", timeout=timeout)
-    canonical = dist.new_group(backend="hfreduce", timeout=timeout,
-                               pg_options=HFReduceConfig.from_env(order="canonical", timeout=spec["timeout_s"]))
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
-    groups = {"fast": dist.group.WORLD, "canonical": canonical}
+    with rank_groups(spec["timeout_s"]) as gloo:
+        canonical = dist.new_group(backend="hfreduce", timeout=timedelta(seconds=spec["timeout_s"]),
+                                   pg_options=HFReduceConfig.from_env(order="canonical", timeout=spec["timeout_s"]))
+        groups = {"fast": dist.group.WORLD, "canonical": canonical}
 
-    def barrier() -> None:
-        dist.barrier(group=gloo)
+        def barrier() -> None:
+            dist.barrier(group=gloo)
 
-    result: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "copies": measure_copy(gloo)}
-    if spec["sizes"]:
-        result["allreduce"] = allreduce_part(spec, rank, world, groups, barrier)
-    if spec.get("ddp"):
-        result["ddp"] = ddp_part(spec, rank, groups, barrier)
-    write_rank_json(os.path.join(spec["out_dir"], f"rank{rank}.json"), result)
-    barrier()
-    dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> int:
-    return run_worker(argv, "python -m fireflyer.bench.canonical_worker", run)
+        result: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "copies": measure_copy(gloo)}
+        if spec["sizes"]:
+            result["allreduce"] = allreduce_part(spec, rank, world, groups, barrier)
+        if spec.get("ddp"):
+            result["ddp"] = ddp_part(spec, rank, groups, barrier)
+        return result
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], "python -m fireflyer.bench.canonical_worker", run))

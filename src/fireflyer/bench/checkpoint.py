@@ -31,7 +31,8 @@ import torch
 
 from fireflyer.checkpoint.manager import CheckpointManager
 from fireflyer.cliutil import ArgumentParser, doc_summary
-from fireflyer.bench.harness import bench_command, document, pyplot, save_figure, write_results
+from fireflyer.bench.harness import figure
+from fireflyer.bench.skeleton import run_bench
 from fireflyer.errors import UserError
 from fireflyer.fsutil import durable_replace
 
@@ -236,33 +237,27 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
-    plt = pyplot()
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(["sync torch.save", "async stall", "async persist\n(background)"],
-          [r["sync_save_s"], r["stall_s"], r["persist_s"]], color=["#d62728", "#1f77b4", "#aec7e8"])
-    a.set_ylabel("seconds")
-    a.set_title(f"Saving {r['state_bytes'] / 1e9:.2f} GB")
-    b.bar(["disk write", "persist", "disk read", "load"],
-          [r["disk"]["write_gbps"], r["persist_gbps"], r["disk"]["read_gbps"], r["load_gbps"]],
-          color=["#999999", "#1f77b4", "#999999", "#2ca02c"])
-    b.set_ylabel("GB/s")
-    b.set_title("Throughput against the disk (dd-style)")
-    save_figure(path, fig)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, (a, b)):
+        a.bar(["sync torch.save", "async stall", "async persist\n(background)"],
+              [r["sync_save_s"], r["stall_s"], r["persist_s"]], color=["#d62728", "#1f77b4", "#aec7e8"])
+        a.set_ylabel("seconds")
+        a.set_title(f"Saving {r['state_bytes'] / 1e9:.2f} GB")
+        b.bar(["disk write", "persist", "disk read", "load"],
+              [r["disk"]["write_gbps"], r["persist_gbps"], r["disk"]["read_gbps"], r["load_gbps"]],
+              color=["#999999", "#1f77b4", "#999999", "#2ca02c"])
+        b.set_ylabel("GB/s")
+        b.set_title("Throughput against the disk (dd-style)")
 
 
 def main(argv: list[str]) -> int:
-    cfg = build_config(list(argv))
-
-    r = run(cfg)
-    _print(r)
-    doc = {**document(bench_command("checkpoint", argv)),
-           "baseline": "torch.save + fsync of the same state; dd-style sequential disk bandwidth",
-           "targets": {"stall_fraction_of_sync_at_most": 0.05, "persist_fraction_of_disk_at_least": 0.8},
-           "config": {"gb": cfg.gb, "threads": cfg.threads, "chunk_mb": cfg.chunk_mb, "rounds": cfg.rounds},
-           **r}
-    write_results(cfg.out_dir, "checkpoint", doc, lambda path: _write_png(path, r))
-    return 0
+    return run_bench(
+        argv, part="checkpoint", configure=build_config, measure=run, report=lambda cfg, r: _print(r),
+        fields=lambda cfg, r: {
+            "baseline": "torch.save + fsync of the same state; dd-style sequential disk bandwidth",
+            "targets": {"stall_fraction_of_sync_at_most": 0.05, "persist_fraction_of_disk_at_least": 0.8},
+            "config": {"gb": cfg.gb, "threads": cfg.threads, "chunk_mb": cfg.chunk_mb, "rounds": cfg.rounds},
+            **r},
+        plot=lambda path, cfg, r: _write_png(path, r))
 
 
 if __name__ == "__main__":

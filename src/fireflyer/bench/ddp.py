@@ -17,26 +17,36 @@ each rank had.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser, doc_summary, plural
-from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_figure, write_results
+from fireflyer.bench.harness import figure, make_console, progress
+from fireflyer.bench.skeleton import run_bench, run_ranks
 from fireflyer.errors import UserError
-from fireflyer.launch import LocalJob, run_local
+
+WORKER_TIMEOUT_S = 300.0
+"""Each rank's process-group timeout."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class DDPBenchConfig:
     layouts: tuple[tuple[int, int], ...] = ((1, 4), (2, 2))
     weak: tuple[int, ...] = (1, 2, 4)
-    model_args: tuple[str, ...] = ()
+    layers: int = 3
+    d_model: int = 768
+    vocab: int = 4096
+    context: int = 64
+    batch: int = 1
+    """Sequences per rank per step."""
+    steps: int = 6
+    """Timed steps per round."""
+    rounds: int = 3
+    bucket_mb: float = 25.0
     out_dir: str = "benchmarks/results"
     timeout: float = 900.0
+    """Seconds per layout before it is stopped."""
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -79,21 +89,18 @@ def build_config(argv: list[str]) -> DDPBenchConfig:
             raise UserError(f"--weak {a.weak!r} is not a list of rank counts") from None
         if any(w < 1 or w > 16 for w in weak):
             raise UserError("--weak rank counts must be between 1 and 16")
-    model_args = ("--layers", str(a.layers), "--d-model", str(a.d_model), "--vocab", str(a.vocab),
-                  "--context", str(a.context), "--batch", str(a.batch), "--steps", str(a.steps),
-                  "--rounds", str(a.rounds), "--bucket-mb", str(a.bucket_mb))
-    return DDPBenchConfig(layouts=tuple(_layout(x) for x in a.layouts.split(",")), weak=weak,
-                          model_args=model_args, out_dir=a.out, timeout=a.timeout)
+    return DDPBenchConfig(layouts=tuple(_layout(x) for x in a.layouts.split(",")), weak=weak, layers=a.layers,
+                          d_model=a.d_model, vocab=a.vocab, context=a.context, batch=a.batch, steps=a.steps,
+                          rounds=a.rounds, bucket_mb=a.bucket_mb, out_dir=a.out, timeout=a.timeout)
 
 
 def _run(cfg: DDPBenchConfig, nodes: int, per: int, variants: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="fireflyer-bench-ddp-") as tmp:
-        out = os.path.join(tmp, "report.json")
-        run_local(LocalJob(target=["-m", "fireflyer.bench.ddp_worker", "--out", out, "--variants", variants,
-                                   *cfg.model_args],
-                           nodes=nodes, ranks_per_node=per, timeout=cfg.timeout, quiet=True, log_dir=tmp))
-        with open(out) as f:
-            return json.load(f)
+    """One layout's report: the run's sizes (rank 0's) and every rank's times."""
+    spec = {"layers": cfg.layers, "d_model": cfg.d_model, "vocab": cfg.vocab, "context": cfg.context,
+            "batch": cfg.batch, "steps": cfg.steps, "rounds": cfg.rounds, "bucket_mb": cfg.bucket_mb,
+            "variants": variants.split(","), "timeout_s": WORKER_TIMEOUT_S}
+    ranks = run_ranks("fireflyer.bench.ddp_worker", spec, (nodes, per), timeout_s=cfg.timeout)
+    return {**ranks[0]["run"], "ranks": ranks}
 
 
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
@@ -147,62 +154,57 @@ def _print(console: Any, rows: list[dict[str, Any]], weak: list[dict[str, Any]])
 
 
 def _write_png(path: str, rows: list[dict[str, Any]], weak: list[dict[str, Any]]) -> None:
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 2 if weak else 1, figsize=(11 if weak else 6, 4), squeeze=False)
-    ax = axes[0][0]
-    labels = [f"{r['nodes']}x{r['world'] // r['nodes']}" for r in rows]
-    xs = range(len(rows))
-    for k, (name, color) in enumerate((("compute", "#999999"), ("haiscale", "#1f77b4"), ("gloo", "#d62728"))):
-        ax.bar([x + (k - 1) * 0.27 for x in xs], [r["step_s"][name] * 1e3 for r in rows], width=0.27,
-               label={"compute": "compute alone (floor)", "haiscale": "haiscale DDP (hfreduce)",
-                      "gloo": "torch DDP (gloo)"}[name], color=color)
-    for x, r in zip(xs, rows):
-        ax.text(x + 0.27, r["step_s"]["gloo"] * 1e3, f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(f"DDP step, {rows[0]['params'] / 1e6:.0f}M params" if rows else "DDP step")
-    ax.legend(fontsize=8)
-    if weak:
-        ax2 = axes[0][1]
-        ax2.plot([r["world"] for r in weak], [r["efficiency"] * 100 for r in weak], "o-", label="haiscale DDP")
-        ax2.plot([r["world"] for r in weak], [r["compute_efficiency"] * 100 for r in weak], "s--",
-                 color="#999999", label="compute alone")
-        ax2.set_xlabel("ranks (one node)")
-        ax2.set_ylabel("weak-scaling efficiency (%)")
-        ax2.set_ylim(0, 110)
-        ax2.legend(fontsize=8)
-        ax2.set_title("Weak scaling")
-    save_figure(path, fig)
+    with figure(path, 1, 2 if weak else 1, figsize=(11 if weak else 6, 4), squeeze=False) as (fig, axes):
+        ax = axes[0][0]
+        labels = [f"{r['nodes']}x{r['world'] // r['nodes']}" for r in rows]
+        xs = range(len(rows))
+        for k, (name, color) in enumerate((("compute", "#999999"), ("haiscale", "#1f77b4"), ("gloo", "#d62728"))):
+            ax.bar([x + (k - 1) * 0.27 for x in xs], [r["step_s"][name] * 1e3 for r in rows], width=0.27,
+                   label={"compute": "compute alone (floor)", "haiscale": "haiscale DDP (hfreduce)",
+                          "gloo": "torch DDP (gloo)"}[name], color=color)
+        for x, r in zip(xs, rows):
+            ax.text(x + 0.27, r["step_s"]["gloo"] * 1e3, f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"DDP step, {rows[0]['params'] / 1e6:.0f}M params" if rows else "DDP step")
+        ax.legend(fontsize=8)
+        if weak:
+            ax2 = axes[0][1]
+            ax2.plot([r["world"] for r in weak], [r["efficiency"] * 100 for r in weak], "o-", label="haiscale DDP")
+            ax2.plot([r["world"] for r in weak], [r["compute_efficiency"] * 100 for r in weak], "s--",
+                     color="#999999", label="compute alone")
+            ax2.set_xlabel("ranks (one node)")
+            ax2.set_ylabel("weak-scaling efficiency (%)")
+            ax2.set_ylim(0, 110)
+            ax2.legend(fontsize=8)
+            ax2.set_title("Weak scaling")
 
 
-def main(argv: list[str]) -> int:
-    cfg = build_config(list(argv))
-
-    console, err = make_console(), make_console(stderr=True)
+def measure(cfg: DDPBenchConfig) -> dict[str, list[dict[str, Any]]]:
+    """Every layout's summary and the weak-scaling runs'."""
+    say = progress()
     rows = []
     for nodes, per in cfg.layouts:
-        err.print(f"[dim]  layout {nodes}x{per}: compute, haiscale DDP, torch DDP over gloo ...[/dim]")
+        say(f"layout {nodes}x{per}: compute, haiscale DDP, torch DDP over gloo ...")
         rows.append(summarise(_run(cfg, nodes, per, "compute,haiscale,gloo,torch-hfreduce")))
     weak = []
     for n in cfg.weak:
-        err.print(f"[dim]  weak scaling: {plural(n, 'rank')} ...[/dim]")
+        say(f"weak scaling: {plural(n, 'rank')} ...")
         weak.append(summarise(_run(cfg, 1, n, "compute,haiscale")))
     for r in weak:  # fixed work per rank: efficiency is the smallest run's step time over this one's
         r["efficiency"] = weak[0]["step_s"]["haiscale"] / r["step_s"]["haiscale"]
         r["compute_efficiency"] = weak[0]["step_s"]["compute"] / r["step_s"]["compute"]
-    _print(console, rows, weak)
-    doc = {
-        **document(bench_command("ddp", argv)),
-        "baseline": "torch.nn.parallel.DistributedDataParallel over gloo",
-        "floor": "compute alone: the same steps with no communication (perfect hiding)",
-        "target": {"ratio_at_most": 0.6},
-        "layouts": rows,
-        "weak_scaling": weak,
-    }
-    write_results(cfg.out_dir, "ddp", doc, lambda path: _write_png(path, rows, weak),
-                  lambda line: console.print(line, highlight=False))
-    return 0
+    return {"layouts": rows, "weak_scaling": weak}
+
+
+def main(argv: list[str]) -> int:
+    return run_bench(
+        argv, part="ddp", configure=build_config, measure=measure,
+        report=lambda cfg, r: _print(make_console(), r["layouts"], r["weak_scaling"]),
+        fields=lambda cfg, r: {"baseline": "torch.nn.parallel.DistributedDataParallel over gloo",
+                               "floor": "compute alone: the same steps with no communication (perfect hiding)",
+                               "target": {"ratio_at_most": 0.6}, **r},
+        plot=lambda path, cfg, r: _write_png(path, r["layouts"], r["weak_scaling"]))
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from typing import Any, Callable
 from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
-from fireflyer.bench.allreduce import _check_candidate, run_layout
+from fireflyer.bench.allreduce import _check_candidate, run_layout, wrong_verdict
 from fireflyer.bench.allreduce_report import (
     COLORS,
     Layout,
     LayoutResult,
     _fmt,
+    add_output_flags,
     check_run_flags,
     format_ms,
     format_size,
@@ -37,15 +38,8 @@ from fireflyer.bench.allreduce_report import (
     speedup,
     summarize,
 )
-from fireflyer.bench.harness import (
-    document,
-    invoked_command,
-    make_console,
-    median,
-    plot_loglog,
-    slowest_per_op,
-    write_json,
-)
+from fireflyer.bench.harness import make_console, median, plot_loglog, progress, slowest_per_op
+from fireflyer.bench.skeleton import run_bench
 
 MiB = 1 << 20
 SIZES = (64 << 10, 4 * MiB, 64 * MiB)
@@ -101,10 +95,7 @@ def build_config(argv: list[str]) -> ExchangeConfig:
     p.add_argument("--link-mbit", type=float, default=1000.0, help="shaped layouts: link rate, Mbit/s each way")
     p.add_argument("--timeout", type=float, default=ExchangeConfig.timeout_s,
                    help="seconds before a stuck collective fails")
-    p.add_argument("--json", default=ExchangeConfig.json_path, metavar="PATH",
-                   help=f"where the results go, as JSON (default {ExchangeConfig.json_path})")
-    p.add_argument("--png", default=ExchangeConfig.png_path, metavar="PATH",
-                   help=f"where the time-against-size plot goes (default {ExchangeConfig.png_path})")
+    add_output_flags(p, ExchangeConfig.json_path, ExchangeConfig.png_path)
     p.add_argument("--quick", action="store_true", help="64K,4M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
     check_run_flags(a)
@@ -187,10 +178,9 @@ def write_png(path: str, results: list[LayoutResult]) -> None:
                 "time per all_to_all_single (ms)", max(1, min(2, len(panels))))
 
 
-def build_doc(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, Any]:
-    """The JSON document of one run."""
+def doc_fields(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, Any]:
+    """The result document's fields after its head."""
     return {
-        **document(invoked_command()),
         "collective": "all_to_all_single",
         "candidate": CANDIDATE,
         "config": {"dtype": "fp32", "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
@@ -228,25 +218,25 @@ def _measure(cfg: ExchangeConfig, lay: Layout, sets: dict[str, allreduce_peers.P
             f"{CANDIDATE if s == 'candidate' else s} {format_ms(median(samples[s]))} ms" for s in systems))
 
 
-def main(argv: list[str]) -> int:
-    """Run the benchmark; returns 0, or 1 when any op's result was wrong."""
-    cfg = build_config(list(argv))
+def measure(cfg: ExchangeConfig) -> list[LayoutResult]:
+    """Every layout's result, each layout's table printed as it is done."""
     _check_candidate(CANDIDATE)
-    console, errcon = make_console(), make_console(stderr=True)
-    say = lambda msg: errcon.print(f"[dim]  {msg}[/dim]")  # noqa: E731
+    console, say = make_console(), progress()
     results = []
     for lay in cfg.layouts:
         res = run_layout(cfg, lay, {}, say, measure=_measure)
         print_layout(console, res)
         results.append(res)
-    write_json(cfg.json_path, build_doc(cfg, results))
-    write_png(cfg.png_path, results)
-    console.print(f"wrote {cfg.json_path} and {cfg.png_path}", highlight=False)
-    wrong = sum(_wrong(row) for r in results for row in r.rows)
-    if wrong:
-        console.print(f"[red]{wrong} wrong elements in total; see the #wrong column[/red]")
-        return 1
-    return 0
+    return results
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; returns 0, or 1 when any op's result was wrong."""
+    return run_bench(
+        argv, part="alltoall", configure=build_config, measure=measure, fields=doc_fields,
+        plot=lambda path, cfg, results: write_png(path, results), paths=lambda cfg: (cfg.json_path, cfg.png_path),
+        verdict=lambda cfg, results: wrong_verdict(sum(_wrong(row) for r in results for row in r.rows),
+                                                   "#wrong column"))
 
 
 if __name__ == "__main__":  # python -m fireflyer.bench.exchange [options], as `fireflyer bench alltoall`

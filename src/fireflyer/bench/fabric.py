@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fireflyer.bench.harness import pyplot, save_figure, timestamp, write_json
+from fireflyer.bench.harness import figure, timestamp
+from fireflyer.bench.skeleton import run_bench
 from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 from fireflyer.fabric import catalog as catalog_mod
@@ -59,7 +60,11 @@ def run_one(gpus: int, *, node: str, switch: str, planes: int, catalog: catalog_
     }
 
 
-def main(argv: list[str]) -> int:
+TARGETS = {"10000": 2.0, "32768": 5.0}
+"""Seconds to plan and simulate, at most, by GPU count."""
+
+
+def build_config(argv: list[str]) -> FabricBenchConfig:
     p = ArgumentParser(prog="fireflyer bench fabric", description=doc_summary(__doc__))
     p.add_argument("--sizes", default="1000,2000,5000,10000",
                    help="single-plane cluster sizes in GPUs (default 1000,2000,5000,10000)")
@@ -68,10 +73,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per size; the best is kept (default 3)")
     p.add_argument("--out", default="benchmarks/results", help="where fabric.json and fabric.png go")
     a = p.parse_args(argv)
-    cfg = FabricBenchConfig(sizes=tuple(parse_counts(a.sizes, "--sizes")),
-                            multiplane=tuple(parse_counts(a.multiplane, "--multiplane")), repeats=a.repeats,
-                            out_dir=a.out)
+    return FabricBenchConfig(sizes=tuple(parse_counts(a.sizes, "--sizes")),
+                             multiplane=tuple(parse_counts(a.multiplane, "--multiplane")), repeats=a.repeats,
+                             out_dir=a.out)
 
+
+def run(cfg: FabricBenchConfig) -> dict:
+    """The result document (its own head: ``bench``, ``when``, ``machine``), each size and the verdicts printed."""
     cat = catalog_mod.default()
     rows = []
     jobs = [(g, "pcie-a100", "frame800", 1) for g in cfg.sizes]
@@ -85,9 +93,8 @@ def main(argv: list[str]) -> int:
                 best = row
         rows.append(best)
         print(f"{gpus:>7}  {best['kind']:<34} {best['switches']:>8} {best['simulations']:>5} {best['seconds']:>8.3f}")
-    targets = {"10000": 2.0, "32768": 5.0}
     verdicts = {}
-    for key, limit in targets.items():
+    for key, limit in TARGETS.items():
         hit = [r for r in rows if r["gpus"] == int(key)]
         if hit:
             verdicts[key] = {"seconds": hit[0]["seconds"], "target_s": limit, "met": hit[0]["seconds"] < limit}
@@ -98,33 +105,32 @@ def main(argv: list[str]) -> int:
                 "(best of --repeats)",
         "rows": rows, "targets": verdicts,
     }
-    out = f"{cfg.out_dir.rstrip('/')}"
-    jp, pp = f"{out}/fabric.json", f"{out}/fabric.png"
-    write_json(jp, report, indent=2)  # as docs/fabric.json has it
-    plot_bench(rows, pp)
     for key, v in verdicts.items():
         print(f"{int(key):,} GPUs: {v['seconds']:.3f} s (target < {v['target_s']:g} s): "
               f"{'met' if v['met'] else 'MISSED'}")
-    print(f"wrote {jp} and {pp}")
-    return 0
+    return report
+
+
+def main(argv: list[str]) -> int:
+    return run_bench(argv, part="fabric", configure=build_config, measure=run, fields=lambda cfg, doc: doc,
+                     plot=lambda path, cfg, doc: plot_bench(doc["rows"], path), head=lambda argv: {},
+                     indent=2)  # as docs/fabric.json has it
 
 
 def plot_bench(rows: Iterable[dict], path: str) -> str:
     """Bench: seconds to plan and simulate against GPU count."""
-    plt = pyplot()
     rows = list(rows)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for kind in sorted({r["kind"] for r in rows}):
-        pts = [r for r in rows if r["kind"] == kind]
-        ax.plot([r["gpus"] for r in pts], [r["seconds"] for r in pts], marker="o", label=kind)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("seconds (plan + simulate)")
-    ax.axhline(2.0, color="red", lw=0.8, ls="--", label="target at 10,000 GPUs: 2 s")
-    ax.axhline(5.0, color="purple", lw=0.8, ls=":", label="target at 32,768 GPUs: 5 s")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("fireflyer bench fabric")
-    save_figure(path, fig)
+    with figure(path, figsize=(7, 4)) as (fig, ax):
+        for kind in sorted({r["kind"] for r in rows}):
+            pts = [r for r in rows if r["kind"] == kind]
+            ax.plot([r["gpus"] for r in pts], [r["seconds"] for r in pts], marker="o", label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("seconds (plan + simulate)")
+        ax.axhline(2.0, color="red", lw=0.8, ls="--", label="target at 10,000 GPUs: 2 s")
+        ax.axhline(5.0, color="purple", lw=0.8, ls=":", label="target at 32,768 GPUs: 5 s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title("fireflyer bench fabric")
     return path

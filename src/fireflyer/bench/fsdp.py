@@ -16,18 +16,15 @@ The table goes to the terminal, JSON and a PNG to ``--out`` (``fsdp.json``, ``fs
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser, doc_summary
-from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_results
-from fireflyer.errors import JobFailed, UserError
+from fireflyer.bench.harness import figure, make_console, progress
+from fireflyer.bench.skeleton import run_bench, run_ranks
+from fireflyer.errors import UserError
 from fireflyer.bench.fsdp_worker import VARIANTS
 from fireflyer.train.model import ModelShape
 
@@ -113,23 +110,9 @@ def build_config(argv: list[str]) -> FSDPBenchConfig:
 
 def run_layout(cfg: FSDPBenchConfig, nodes: int, per_node: int) -> list[dict[str, Any]]:
     """Every rank's results for one layout."""
-    from fireflyer.launch import LocalJob, run_local
-
-    tmp = Path(tempfile.mkdtemp(prefix=f"ffr-bench-fsdp-{nodes}x{per_node}-"))
-    spec = {"out_dir": str(tmp), "model": asdict(cfg.model), "batch": cfg.batch, "steps": cfg.steps,
-            "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr,
-            "timeout_s": min(300.0, cfg.timeout_s)}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    run_local(LocalJob(target=["-m", "fireflyer.bench.fsdp_worker", str(tmp / "spec.json")],
-                       nodes=nodes, ranks_per_node=per_node, timeout=cfg.timeout_s, quiet=True,
-                       log_dir=str(tmp / "logs")))
-    world = nodes * per_node
-    missing = [r for r in range(world) if not (tmp / f"rank{r}.json").exists()]
-    if missing:
-        raise JobFailed(f"layout {nodes}x{per_node}: ranks {missing} wrote no results (logs in {tmp / 'logs'})")
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-    shutil.rmtree(tmp, ignore_errors=True)
-    return ranks
+    spec = {"model": asdict(cfg.model), "batch": cfg.batch, "steps": cfg.steps, "warmup": cfg.warmup,
+            "variants": list(cfg.variants), "lr": cfg.lr, "timeout_s": min(300.0, cfg.timeout_s)}
+    return run_ranks("fireflyer.bench.fsdp_worker", spec, (nodes, per_node), timeout_s=cfg.timeout_s)
 
 
 def summarise(layout: str, world: int, ranks: list[dict[str, Any]], variants: tuple[str, ...]) -> dict[str, Any]:
@@ -189,55 +172,53 @@ def print_layout(console: Any, res: dict[str, Any]) -> None:
 
 def write_png(path: str, cfg: FSDPBenchConfig, results: list[dict[str, Any]]) -> None:
     """Left: step time per variant and layout. Right: per-rank tensor bytes by category, with DDP/N marked."""
-    plt = pyplot()
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(1, len(results))
-    xs = range(len(cfg.variants))
-    for i, res in enumerate(results):
-        ax_t.bar([x + i * width for x in xs], [res["rows"][v]["step_s"] * 1e3 for v in cfg.variants], width,
-                 label=res["layout"])
-    ax_t.set_xticks([x + width * (len(results) - 1) / 2 for x in xs], cfg.variants, rotation=20, fontsize=8)
-    ax_t.set_ylabel("step time (ms), slowest rank")
-    ax_t.set_title("step time")
-    ax_t.legend(fontsize=8)
-    res = results[0]
-    bottom = [0.0] * len(cfg.variants)
-    for cat, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
-        vals = [res["rows"][v][f"{cat}_bytes"] / 1e6 for v in cfg.variants]
-        ax_m.bar(list(xs), vals, 0.6, bottom=bottom, label=cat, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    if MEMORY_BASELINE in res["rows"]:
-        ax_m.axhline(res["rows"][MEMORY_BASELINE]["tensor_bytes"] / 1e6 / res["world"], color="gray", ls="--",
-                     lw=1, label=f"DDP / {res['world']}")
-    ax_m.set_xticks(list(xs), cfg.variants, rotation=20, fontsize=8)
-    ax_m.set_ylabel("MB per rank")
-    ax_m.set_title(f"tensors held per rank, {res['layout']}")
-    ax_m.legend(fontsize=8)
-    fig.suptitle(f"FSDP: GPT {cfg.model.num_params / 1e6:.1f}M params, {cfg.model.layers} blocks")
-    save_figure(path, fig)
+    with figure(path, 1, 2, figsize=(12, 4.5)) as (fig, (ax_t, ax_m)):
+        width = 0.8 / max(1, len(results))
+        xs = range(len(cfg.variants))
+        for i, res in enumerate(results):
+            ax_t.bar([x + i * width for x in xs], [res["rows"][v]["step_s"] * 1e3 for v in cfg.variants], width,
+                     label=res["layout"])
+        ax_t.set_xticks([x + width * (len(results) - 1) / 2 for x in xs], cfg.variants, rotation=20, fontsize=8)
+        ax_t.set_ylabel("step time (ms), slowest rank")
+        ax_t.set_title("step time")
+        ax_t.legend(fontsize=8)
+        res = results[0]
+        bottom = [0.0] * len(cfg.variants)
+        for cat, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
+            vals = [res["rows"][v][f"{cat}_bytes"] / 1e6 for v in cfg.variants]
+            ax_m.bar(list(xs), vals, 0.6, bottom=bottom, label=cat, color=color)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        if MEMORY_BASELINE in res["rows"]:
+            ax_m.axhline(res["rows"][MEMORY_BASELINE]["tensor_bytes"] / 1e6 / res["world"], color="gray", ls="--",
+                         lw=1, label=f"DDP / {res['world']}")
+        ax_m.set_xticks(list(xs), cfg.variants, rotation=20, fontsize=8)
+        ax_m.set_ylabel("MB per rank")
+        ax_m.set_title(f"tensors held per rank, {res['layout']}")
+        ax_m.legend(fontsize=8)
+        fig.suptitle(f"FSDP: GPT {cfg.model.num_params / 1e6:.1f}M params, {cfg.model.layers} blocks")
 
 
-def main(argv: list[str]) -> int:
-
-    cfg = build_config(list(argv))
-    console, errcon = make_console(), make_console(stderr=True)
-    errcon.print(f"[dim]GPT {cfg.model.num_params / 1e6:.2f}M params (dim {cfg.model.d_model}, {cfg.model.layers} blocks, "
-                 f"vocab {cfg.model.vocab_size}, seq {cfg.model.context}), {cfg.batch} sequences per rank[/dim]")
+def measure(cfg: FSDPBenchConfig) -> list[dict[str, Any]]:
+    """Every layout's summary, each layout's table printed as it is done."""
+    console, say = make_console(), progress()
+    make_console(stderr=True).print(
+        f"[dim]GPT {cfg.model.num_params / 1e6:.2f}M params (dim {cfg.model.d_model}, {cfg.model.layers} blocks, "
+        f"vocab {cfg.model.vocab_size}, seq {cfg.model.context}), {cfg.batch} sequences per rank[/dim]")
     results = []
     for nodes, per_node in cfg.layouts:
         layout = f"{nodes}x{per_node}"
-        errcon.print(f"[dim]  {layout}: {', '.join(cfg.variants)} ...[/dim]")
-        ranks = run_layout(cfg, nodes, per_node)
-        res = summarise(layout, nodes * per_node, ranks, cfg.variants)
+        say(f"{layout}: {', '.join(cfg.variants)} ...")
+        res = summarise(layout, nodes * per_node, run_layout(cfg, nodes, per_node), cfg.variants)
         print_layout(console, res)
         results.append(res)
-    doc = {
-        **document(invoked_command()),
-        "config": {"model": asdict(cfg.model), "num_params": cfg.model.num_params, "batch": cfg.batch,
-                   "steps": cfg.steps, "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr},
-        "layouts": results,
-    }
-    write_results(cfg.out_dir, "fsdp", doc, lambda path: write_png(path, cfg, results),
-                  lambda line: console.print(line, highlight=False))
-    return 0
+    return results
+
+
+def main(argv: list[str]) -> int:
+    return run_bench(
+        argv, part="fsdp", configure=build_config, measure=measure,
+        fields=lambda cfg, results: {
+            "config": {"model": asdict(cfg.model), "num_params": cfg.model.num_params, "batch": cfg.batch,
+                       "steps": cfg.steps, "warmup": cfg.warmup, "variants": list(cfg.variants), "lr": cfg.lr},
+            "layouts": results},
+        plot=write_png)

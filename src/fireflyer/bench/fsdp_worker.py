@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fireflyer.bench.harness import run_worker, write_rank_json
+from fireflyer.bench.skeleton import rank_groups, worker_main
 from fireflyer.hfreduce.config import node_key
 from fireflyer.train.model import GPT, Block, ModelShape, synthetic_batch
 from fireflyer.errors import UserError
@@ -120,29 +118,18 @@ def run_variant(name: str, spec: dict[str, Any], gloo: dist.ProcessGroup) -> dic
     return out
 
 
-def run(spec: dict[str, Any]) -> None:
-    import fireflyer.hfreduce  # noqa: F401 - registers the backend
-
-    timeout = timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group("hfreduce", timeout=timeout)
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
-    rank = dist.get_rank()
-    result: dict[str, Any] = {"rank": rank, "node": node_key(),
-                              "threads": torch.get_num_threads(), "variants": {}}
-    # One unreported step first: one-time costs (lazy imports, sharding-propagation caches,
-    # communication buffers) would otherwise land in the first variant's time and memory.
-    run_variant(spec["variants"][0], {**spec, "warmup": 0, "steps": 1}, gloo)
-    for name in spec["variants"]:
-        result["variants"][name] = run_variant(name, spec, gloo)
-    path = os.path.join(spec["out_dir"], f"rank{rank}.json")
-    write_rank_json(path, result)
-    dist.barrier(group=gloo)
-    dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> int:
-    return run_worker(argv, "python -m fireflyer.bench.fsdp_worker", run)
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's results: each variant's step times, memory and losses."""
+    with rank_groups(spec["timeout_s"]) as gloo:
+        result: dict[str, Any] = {"rank": dist.get_rank(), "node": node_key(),
+                                  "threads": torch.get_num_threads(), "variants": {}}
+        # One unreported step first: one-time costs (lazy imports, sharding-propagation caches,
+        # communication buffers) would otherwise land in the first variant's time and memory.
+        run_variant(spec["variants"][0], {**spec, "warmup": 0, "steps": 1}, gloo)
+        for name in spec["variants"]:
+            result["variants"][name] = run_variant(name, spec, gloo)
+        return result
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], "python -m fireflyer.bench.fsdp_worker", run))

@@ -1,22 +1,23 @@
 """The one harness every ``fireflyer bench <part>`` shares.
 
-What each benchmark used to carry its own copy of: the machine it ran on, the result
-document's head (when, the command, the machine), JSON and PNG written atomically through
-:mod:`fireflyer.fsutil`, a rich console wide enough for the tables, sizes as people write
+The machine a benchmark ran on, the result document's head (when, the command, the
+machine), JSON and PNG written atomically through :mod:`fireflyer.fsutil`, a figure to draw
+on, a rich console wide enough for the tables and a line of progress, sizes as people write
 them, and the rounds' arithmetic (each op's time is its slowest rank's; figures are medians).
-No torch at import time: ``fireflyer bench <part> --help`` stays fast.
+The run every benchmark shares is :mod:`fireflyer.bench.skeleton`'s. No torch at import time:
+``fireflyer bench <part> --help`` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform as _platform
 import socket
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from fireflyer import fsutil
 from fireflyer.errors import UserError
@@ -64,11 +65,6 @@ def timestamp() -> str:
 def bench_command(part: str, argv: Iterable[str]) -> list[str]:
     """The command line of ``fireflyer bench PART ARGV...``, as a result document records it."""
     return ["fireflyer", "bench", part, *argv]
-
-
-def invoked_command() -> list[str]:
-    """This process's own command line (its program's base name, then its arguments)."""
-    return [os.path.basename(sys.argv[0])] + sys.argv[1:]
 
 
 def document(command: list[str], *, torch: bool = True, **fields: Any) -> dict[str, Any]:
@@ -119,35 +115,6 @@ def save_figure(path: str, fig: Any, dpi: int = 110) -> None:
     plt.close(fig)
 
 
-def write_results(out_dir: str, name: str, doc: dict[str, Any], write_png: Callable[[str], object],
-                  say: Callable[[str], object] = print) -> None:
-    """A benchmark's two outputs: ``doc`` as ``out_dir/NAME.json``, the chart ``write_png(path)`` draws as
-    ``out_dir/NAME.png``, then one line through ``say`` that names both."""
-    json_path, png_path = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, f"{name}.png")
-    write_json(json_path, doc)
-    write_png(png_path)
-    say(f"wrote {json_path} and {png_path}")
-
-
-def read_spec(argv: list[str], command: str) -> dict[str, Any] | None:
-    """The ``SPEC.json`` a worker rank is started with, its one argument; None, after printing the usage
-    (``command SPEC.json``) on stderr, when ``argv`` is not one path."""
-    if len(argv) != 1:
-        print(f"usage: {command} SPEC.json", file=sys.stderr)
-        return None
-    with open(argv[0], encoding="utf-8") as f:
-        return json.load(f)
-
-
-def run_worker(argv: list[str], command: str, run: Callable[[dict[str, Any]], object]) -> int:
-    """A worker rank's ``main``: ``run`` the spec of :func:`read_spec`; exit code 0, or 2 for a bad command line."""
-    spec = read_spec(argv, command)
-    if spec is None:
-        return 2
-    run(spec)
-    return 0
-
-
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib
@@ -158,11 +125,30 @@ def pyplot() -> Any:
     return plt
 
 
+@contextlib.contextmanager
+def figure(path: str, nrows: int = 1, ncols: int = 1, *, dpi: int = 110, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """A matplotlib figure and its axes (``plt.subplots(nrows, ncols, **subplots)``) to draw on; on a normal exit
+    it is written as PNG at ``path`` (:func:`save_figure`), and closed either way."""
+    plt = pyplot()
+    fig, axes = plt.subplots(nrows, ncols, **subplots)
+    try:
+        yield fig, axes
+        save_figure(path, fig, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
 def make_console(stderr: bool = False, width: int = 132) -> Any:
     """A rich console at least ``width`` columns wide (the terminal's width where wider)."""
     from rich.console import Console
 
     return Console(width=max(width, Console().width), highlight=False, stderr=stderr)
+
+
+def progress() -> Callable[[str], None]:
+    """A function that prints one line of progress, dim and indented, on stderr."""
+    err = make_console(stderr=True)
+    return lambda message: err.print(f"[dim]  {message}[/dim]")
 
 
 # -- sizes (parse_size: fireflyer.cliutil's) -------------------------------------------
@@ -213,24 +199,22 @@ def plot_loglog(path: str, panels: list[dict[str, Any]], title: str, ylabel: str
     ``sizes``, the x ticks; ``hlines``, (label, seconds) drawn dotted across."""
     import matplotlib.ticker
 
-    plt = pyplot()
     nrows = max(1, -(-len(panels) // ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
-    for k, panel in enumerate(panels):
-        ax = axes[k // ncols][k % ncols]
-        for label, pts, style in panel["lines"]:
-            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], label=label, **{"ls": "-", **style})
-        for label, seconds in panel.get("hlines", []):
-            ax.axhline(seconds * 1e3, color="gray", ls=":", lw=1, label=label)
-        ax.set_xscale("log", base=2)
-        if panel.get("sizes"):
-            ax.set_xticks(panel["sizes"], [format_size(b) for b in panel["sizes"]])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_yscale("log")
-        ax.set_title(panel["title"])
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    save_figure(path, fig)
+    with figure(path, nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False) as (fig, axes):
+        for k, panel in enumerate(panels):
+            ax = axes[k // ncols][k % ncols]
+            for label, pts, style in panel["lines"]:
+                ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], label=label, **{"ls": "-", **style})
+            for label, seconds in panel.get("hlines", []):
+                ax.axhline(seconds * 1e3, color="gray", ls=":", lw=1, label=label)
+            ax.set_xscale("log", base=2)
+            if panel.get("sizes"):
+                ax.set_xticks(panel["sizes"], [format_size(b) for b in panel["sizes"]])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set_yscale("log")
+            ax.set_title(panel["title"])
+            ax.set_xlabel("bytes per rank")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(title)

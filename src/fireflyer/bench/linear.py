@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from fireflyer.bench.harness import bench_command, document, loadavg, median, write_json
+from fireflyer.bench.harness import loadavg, median
+from fireflyer.bench.skeleton import run_bench
 from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 
@@ -89,7 +91,15 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def main(argv: list[str]) -> int:
+@dataclass(frozen=True, kw_only=True)
+class LinearBenchConfig:
+    shapes: tuple[tuple[int, int, int], ...] = DEFAULT_SHAPES
+    """``(tokens, in_features, out_features)`` per layer timed."""
+    rounds: int = 20
+    out_dir: str = "benchmarks/results"
+
+
+def build_config(argv: list[str]) -> LinearBenchConfig:
     p = ArgumentParser(prog="fireflyer bench linear", description=doc_summary(__doc__))
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in DEFAULT_SHAPES),
                    help="layers to time, TOKENSxINxOUT comma-separated (default: the main job's fc, proj, qkv "
@@ -97,16 +107,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=20, help="timed rounds per shape; figures are medians (default 20)")
     p.add_argument("--out", default="benchmarks/results", help=f"the folder {NAME}.json goes to")
     a = p.parse_args(argv)
-    result = measure(parse_shapes(a.shapes), a.rounds)
+    return LinearBenchConfig(shapes=tuple(parse_shapes(a.shapes)), rounds=a.rounds, out_dir=a.out)
+
+
+def print_table(cfg: LinearBenchConfig, result: dict[str, Any]) -> None:
+    """Each shape's milliseconds per variant and each CanonicalLinear's ratio to ``nn.Linear``."""
     names = ["nn.Linear"] + [f"blocks={b}" for b in BLOCKS]
-    print(f"forward+backward, 1 thread, median of {a.rounds} rounds (ms; ratio to nn.Linear)")
+    print(f"forward+backward, 1 thread, median of {cfg.rounds} rounds (ms; ratio to nn.Linear)")
     print(f"{'tokens x in -> out':<22}" + "".join(f"{n:>20}" for n in names))
     for row in result["rows"]:
         cells = [f"{row['ms']['nn.Linear']:.3f}"]
         cells += [f"{row['ms'][n]:.3f} ({row['ratio'][n]:.2f}x)" for n in names[1:]]
         label = f"{row['tokens']} x {row['in_features']} -> {row['out_features']}"
         print(f"{label:<22}" + "".join(f"{c:>20}" for c in cells))
-    path = f"{a.out.rstrip('/')}/{NAME}.json"
-    write_json(path, document(bench_command(NAME, argv), loadavg=loadavg(), **result))
-    print(f"wrote {path}")
-    return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_bench(argv, part=NAME, configure=build_config, measure=lambda cfg: measure(cfg.shapes, cfg.rounds),
+                     report=print_table, fields=lambda cfg, result: {"loadavg": loadavg(), **result})

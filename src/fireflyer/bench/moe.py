@@ -20,19 +20,15 @@ The table goes to the terminal, JSON and a PNG to ``--out`` (``moe.json``, ``moe
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Callable
 
-from fireflyer.bench.harness import (bench_command, document, loadavg, machine_info, make_console, median, pyplot,
-                                     save_figure, write_results)
+from fireflyer.bench.harness import figure, loadavg, machine_info, make_console, median, progress
+from fireflyer.bench.skeleton import run_bench, run_ranks
 from fireflyer.cliutil import ArgumentParser, doc_summary, plural
-from fireflyer.errors import JobFailed, UserError
+from fireflyer.errors import UserError
 from fireflyer.train.moe_model import MoEShape
 
 CONFIGS = ("ep", "replicated")  # the worker's names (fireflyer.bench.moe_worker.CONFIGS), without importing torch
@@ -141,23 +137,10 @@ def build_config(argv: list[str]) -> MoEBenchConfig:
 
 def run_layout(cfg: MoEBenchConfig) -> list[dict[str, Any]]:
     """Every rank's results."""
-    from fireflyer.launch import LocalJob, run_local
-
-    nodes, per = cfg.layout
-    tmp = Path(tempfile.mkdtemp(prefix=f"ffr-bench-moe-{nodes}x{per}-"))
-    spec = {"out_dir": str(tmp), "shape": asdict(cfg.shape), "batch": cfg.batch, "data": cfg.data,
-            "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr, "configs": list(CONFIGS),
+    spec = {"shape": asdict(cfg.shape), "batch": cfg.batch, "data": cfg.data, "warmup": cfg.warmup,
+            "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr, "configs": list(CONFIGS),
             "timeout_s": min(300.0, cfg.timeout_s)}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    run_local(LocalJob(target=["-m", "fireflyer.bench.moe_worker", str(tmp / "spec.json")],
-                       nodes=nodes, ranks_per_node=per, timeout=cfg.timeout_s, quiet=True, log_dir=str(tmp / "logs")))
-    world = nodes * per
-    missing = [r for r in range(world) if not (tmp / f"rank{r}.json").exists()]
-    if missing:
-        raise JobFailed(f"layout {nodes}x{per}: ranks {missing} wrote no results (logs in {tmp / 'logs'})")
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-    shutil.rmtree(tmp, ignore_errors=True)
-    return ranks
+    return run_ranks("fireflyer.bench.moe_worker", spec, cfg.layout, timeout_s=cfg.timeout_s)
 
 
 def _slowest(ranks: list[dict[str, Any]], config: str, key: str, over: Callable[[list[float]], float] = max
@@ -305,53 +288,50 @@ def print_report(console: Any, cfg: MoEBenchConfig, res: dict[str, Any]) -> None
 
 def write_png(path: str, cfg: MoEBenchConfig, res: dict[str, Any]) -> None:
     """Left: the step's phases per configuration, the all-to-all marked. Right: expert parameters per rank."""
-    plt = pyplot()
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (fig, (ax_t, ax_p)):
+        names = list(res["rows"])
+        xs = range(len(names))
+        bottom = [0.0] * len(names)
+        colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green", "bias": "tab:purple"}
+        for phase in PHASES:
+            vals = [res["rows"][n]["phases_s"][phase] * 1e3 for n in names]
+            ax_t.bar(list(xs), vals, 0.5, bottom=bottom, label=phase if phase != "backward" else "backward + DDP",
+                     color=colors[phase])
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax_t.bar([x + 0.3 for x in xs], [res["rows"][n]["a2a_s"] * 1e3 for n in names], 0.1, color="black",
+                 label="all-to-all (inside fwd/bwd)")
+        for x, n in zip(xs, names):
+            ax_t.text(x, bottom[x], f"step {res['rows'][n]['step_s'] * 1e3:.0f} ms (slowest rank)", ha="center",
+                      va="bottom", fontsize=8)
+        ax_t.set_xticks(list(xs), [_short(n, res) for n in names], fontsize=8)
+        ax_t.set_ylabel("ms per step (phases: mean over ranks)")
+        ax_t.set_title(f"step: (a)/(b) = {res['verdicts']['step_ratio']:.2f}x (target <= {TARGET_STEP_RATIO}x)")
+        ax_t.legend(fontsize=7)
+        ax_p.bar(list(xs), [res["rows"][n]["expert_params"] / 1e3 for n in names], 0.5, color="tab:gray")
+        ax_p.axhline(res["rows"]["replicated"]["expert_params"] / 1e3 / res["ep"], color="tab:red", ls="--", lw=1,
+                     label=f"replicated / EP ({res['ep']})")
+        ax_p.set_xticks(list(xs), [_short(n, res) for n in names], fontsize=8)
+        ax_p.set_ylabel("expert parameters per rank (thousands)")
+        ax_p.set_title(f"expert params: (a)/(b) = {res['verdicts']['expert_params_ratio_exact']}")
+        ax_p.legend(fontsize=8)
+        fig.suptitle(f"MoE {res['layout']}: EP={res['ep']} x DP={res['dp']} vs replicated experts, DP={res['world']}")
 
-    fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(11, 4.2))
-    names = list(res["rows"])
-    xs = range(len(names))
-    bottom = [0.0] * len(names)
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green", "bias": "tab:purple"}
-    for phase in PHASES:
-        vals = [res["rows"][n]["phases_s"][phase] * 1e3 for n in names]
-        ax_t.bar(list(xs), vals, 0.5, bottom=bottom, label=phase if phase != "backward" else "backward + DDP",
-                 color=colors[phase])
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax_t.bar([x + 0.3 for x in xs], [res["rows"][n]["a2a_s"] * 1e3 for n in names], 0.1, color="black",
-             label="all-to-all (inside fwd/bwd)")
-    for x, n in zip(xs, names):
-        ax_t.text(x, bottom[x], f"step {res['rows'][n]['step_s'] * 1e3:.0f} ms (slowest rank)", ha="center",
-                  va="bottom", fontsize=8)
-    ax_t.set_xticks(list(xs), [_short(n, res) for n in names], fontsize=8)
-    ax_t.set_ylabel("ms per step (phases: mean over ranks)")
-    ax_t.set_title(f"step: (a)/(b) = {res['verdicts']['step_ratio']:.2f}x (target <= {TARGET_STEP_RATIO}x)")
-    ax_t.legend(fontsize=7)
-    ax_p.bar(list(xs), [res["rows"][n]["expert_params"] / 1e3 for n in names], 0.5, color="tab:gray")
-    ax_p.axhline(res["rows"]["replicated"]["expert_params"] / 1e3 / res["ep"], color="tab:red", ls="--", lw=1,
-                 label=f"replicated / EP ({res['ep']})")
-    ax_p.set_xticks(list(xs), [_short(n, res) for n in names], fontsize=8)
-    ax_p.set_ylabel("expert parameters per rank (thousands)")
-    ax_p.set_title(f"expert params: (a)/(b) = {res['verdicts']['expert_params_ratio_exact']}")
-    ax_p.legend(fontsize=8)
-    fig.suptitle(f"MoE {res['layout']}: EP={res['ep']} x DP={res['dp']} vs replicated experts, DP={res['world']}")
-    save_figure(path, fig)
+
+def measure(cfg: MoEBenchConfig) -> dict[str, Any]:
+    """The summary of both configurations."""
+    progress()(f"{cfg.layout[0]}x{cfg.layout[1]}: {cfg.warmup} warm-up + {plural(cfg.rounds, 'round')} x "
+               f"{plural(cfg.steps, 'step')} of (a) EP x DP and (b) replicated experts ...")
+    return summarise(cfg, run_layout(cfg))
 
 
 def main(argv: list[str]) -> int:
-    cfg = build_config(list(argv))
-    console, errcon = make_console(), make_console(stderr=True)
-    errcon.print(f"[dim]  {cfg.layout[0]}x{cfg.layout[1]}: {cfg.warmup} warm-up + {plural(cfg.rounds, 'round')} x "
-                 f"{plural(cfg.steps, 'step')} of (a) EP x DP and (b) replicated experts ...[/dim]")
-    res = summarise(cfg, run_layout(cfg))
-    print_report(console, cfg, res)
-    doc = {
-        **document(bench_command("moe", argv)),
-        "config": {"layout": res["layout"], "shape": asdict(cfg.shape), "batch": cfg.batch, "data": cfg.data,
-                   "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr},
-        "target": {"expert_params_ratio": f"1/{cfg.ep}", "step_ratio_at_most": TARGET_STEP_RATIO},
-        "loadavg": loadavg(),
-        **res,
-    }
-    write_results(cfg.out_dir, "moe", doc, lambda path: write_png(path, cfg, res),
-                  lambda line: console.print(line, highlight=False))
-    return 0
+    return run_bench(
+        argv, part="moe", configure=build_config, measure=measure,
+        report=lambda cfg, res: print_report(make_console(), cfg, res),
+        fields=lambda cfg, res: {
+            "config": {"layout": res["layout"], "shape": asdict(cfg.shape), "batch": cfg.batch, "data": cfg.data,
+                       "warmup": cfg.warmup, "steps": cfg.steps, "rounds": cfg.rounds, "lr": cfg.lr},
+            "target": {"expert_params_ratio": f"1/{cfg.ep}", "step_ratio_at_most": TARGET_STEP_RATIO},
+            "loadavg": loadavg(),
+            **res},
+        plot=write_png)

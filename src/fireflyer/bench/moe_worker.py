@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fireflyer.bench.harness import run_worker, write_rank_json
+from fireflyer.bench.skeleton import rank_groups, worker_main
 from fireflyer.errors import UserError
 from fireflyer.haiscale.ddp import DistributedDataParallel
 from fireflyer.hfreduce.config import node_key
@@ -144,52 +144,44 @@ def train_step(s: Setup, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
             "dropped": sum(st.dropped for st in stats if st is not None), "loss": loss.item()}
 
 
-def run(spec: dict[str, Any]) -> None:
-    import fireflyer.hfreduce  # noqa: F401 - registers the backend
-
-    timeout = timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group("hfreduce", timeout=timeout)
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
-    rank = dist.get_rank()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    groups = expert_parallel_groups(int(os.environ["LOCAL_WORLD_SIZE"]), timeout)
-    shape = MoEShape(**spec["shape"])
-    batch_of = batches(spec["data"], shape, spec["batch"])
-    setups = {name: build(name, shape, groups, spec["lr"]) for name in spec["configs"]}
-    result: dict[str, Any] = {"rank": rank, "node": node_key(), "threads": torch.get_num_threads(),
-                              "ep_size": groups.ep_size, "configs": {}}
-    for name, s in setups.items():
-        moe = s.model.moe_layers()
-        result["configs"][name] = {
-            "expert_params": sum(p.numel() for p in s.model.expert_parameters()),
-            "params": s.model.num_parameters(),
-            "ep_size": moe[0].ep_size if moe else 1,
-            "experts_held": [list(m.global_experts) for m in moe],
-            "rounds": [],
-        }
-    step = 0
-    for name, s in setups.items():  # warm-up: allocations, thread pools, bucket rebuild
-        for _ in range(spec["warmup"]):
-            train_step(s, *batch_of(rank, step))
-            step += 1
-    for _ in range(spec["rounds"]):
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's results: each configuration's sizes and every round's steps."""
+    with rank_groups(spec["timeout_s"]) as gloo:
+        rank = dist.get_rank()
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        groups = expert_parallel_groups(int(os.environ["LOCAL_WORLD_SIZE"]),
+                                        timedelta(seconds=spec["timeout_s"]))
+        shape = MoEShape(**spec["shape"])
+        batch_of = batches(spec["data"], shape, spec["batch"])
+        setups = {name: build(name, shape, groups, spec["lr"]) for name in spec["configs"]}
+        result: dict[str, Any] = {"rank": rank, "node": node_key(), "threads": torch.get_num_threads(),
+                                  "ep_size": groups.ep_size, "configs": {}}
         for name, s in setups.items():
-            dist.barrier(group=gloo)
-            steps = []
-            for i in range(spec["steps"]):  # the same batches for both configurations
-                steps.append(train_step(s, *batch_of(rank, step + i)))
-            result["configs"][name]["rounds"].append(steps)
-        step += spec["steps"]
-    for s in setups.values():
-        s.ddp.close()
-    write_rank_json(os.path.join(spec["out_dir"], f"rank{rank}.json"), result)
-    dist.barrier(group=gloo)
-    dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> int:
-    return run_worker(argv, "python -m fireflyer.bench.moe_worker", run)
+            moe = s.model.moe_layers()
+            result["configs"][name] = {
+                "expert_params": sum(p.numel() for p in s.model.expert_parameters()),
+                "params": s.model.num_parameters(),
+                "ep_size": moe[0].ep_size if moe else 1,
+                "experts_held": [list(m.global_experts) for m in moe],
+                "rounds": [],
+            }
+        step = 0
+        for name, s in setups.items():  # warm-up: allocations, thread pools, bucket rebuild
+            for _ in range(spec["warmup"]):
+                train_step(s, *batch_of(rank, step))
+                step += 1
+        for _ in range(spec["rounds"]):
+            for name, s in setups.items():
+                dist.barrier(group=gloo)
+                steps = []
+                for i in range(spec["steps"]):  # the same batches for both configurations
+                    steps.append(train_step(s, *batch_of(rank, step + i)))
+                result["configs"][name]["rounds"].append(steps)
+            step += spec["steps"]
+        for s in setups.values():
+            s.ddp.close()
+        return result
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], "python -m fireflyer.bench.moe_worker", run))

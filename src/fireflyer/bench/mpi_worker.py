@@ -15,7 +15,7 @@ from typing import Any
 
 from fireflyer.bench import allreduce_worker
 from fireflyer.bench.allreduce_peers import OPENMPI, dtype_note
-from fireflyer.bench.harness import read_spec
+from fireflyer.bench.skeleton import worker_main
 
 
 def _setup() -> allreduce_worker.Setup:
@@ -33,15 +33,12 @@ def _setup() -> allreduce_worker.Setup:
     return {OPENMPI: make_op}, comm.Barrier, {}, info
 
 
-def main(argv: list[str]) -> int:
-    spec = read_spec(argv, "mpirun ... python -m fireflyer.bench.mpi_worker")
-    if spec is None:
-        return 2
+def run(spec: dict[str, Any]) -> None:
+    """Serve the parent's rounds as this OpenMPI rank."""
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
     allreduce_worker.run_rank(spec, rank, world, _setup)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], "mpirun ... python -m fireflyer.bench.mpi_worker", run))

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from fireflyer.bench import linear
-from fireflyer.bench.harness import bench_command, document, loadavg, median, pyplot, save_figure, write_results
+from fireflyer.bench.harness import figure, loadavg, median
+from fireflyer.bench.skeleton import result_paths, run_bench
 from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 
@@ -67,6 +68,8 @@ class ParallelBenchConfig:
     run_timeout: float = 600.0
     cases: tuple[str, ...] = tuple(c.name for c in CASES)
     out: str = "benchmarks/results"
+    linear_rounds: int = 20
+    """Rounds of the canonical linear's timing (the document has them as ``linear.rounds``)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.steps <= 10_000:
@@ -78,6 +81,8 @@ class ParallelBenchConfig:
         if unknown or not self.cases:
             raise UserError(f"unknown case(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from: "
                             f"{', '.join(sorted(known))}")
+        if self.linear_rounds < 1:
+            raise UserError(f"--linear-rounds must be at least 1, got {self.linear_rounds}")
 
 
 def _train(case: Case, order: str, cfg: ParallelBenchConfig, out: Path) -> float:
@@ -115,47 +120,56 @@ def measure(cfg: ParallelBenchConfig) -> list[dict[str, Any]]:
 
 
 def _png(path: str, rows: list[dict[str, Any]], linears: dict[str, Any]) -> None:
-    plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    names = [r["name"] for r in rows]
-    left.barh(names, [r["ratio"] for r in rows], color="#4c72b0")
-    for i, r in enumerate(rows):
-        left.plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="#c44e52")
-    left.axvline(1.0, color="black", linewidth=0.8)
-    left.set_xlabel("canonical / fast step time (red: target)")
-    left.set_title("fireflyer train, the demo's model")
-    left.invert_yaxis()
-    labels = [f"{r['tokens']}x{r['in_features']}->{r['out_features']}" for r in linears["rows"]]
-    width = 0.25
-    for j, b in enumerate(linears["blocks"]):
-        right.bar([i + j * width for i in range(len(labels))], [r["ratio"][f"blocks={b}"] for r in linears["rows"]],
-                  width, label=f"blocks={b}")
-    right.axhline(1.0, color="black", linewidth=0.8)
-    right.set_xticks([i + width for i in range(len(labels))], labels, fontsize=8)
-    right.set_ylabel("CanonicalLinear / nn.Linear (forward+backward)")
-    right.set_title("the canonical linear alone, 1 thread")
-    right.legend()
-    save_figure(path, fig)
+    with figure(path, 1, 2, figsize=(12, 4.2)) as (fig, (left, right)):
+        names = [r["name"] for r in rows]
+        left.barh(names, [r["ratio"] for r in rows], color="#4c72b0")
+        for i, r in enumerate(rows):
+            left.plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="#c44e52")
+        left.axvline(1.0, color="black", linewidth=0.8)
+        left.set_xlabel("canonical / fast step time (red: target)")
+        left.set_title("fireflyer train, the demo's model")
+        left.invert_yaxis()
+        labels = [f"{r['tokens']}x{r['in_features']}->{r['out_features']}" for r in linears["rows"]]
+        width = 0.25
+        for j, b in enumerate(linears["blocks"]):
+            right.bar([i + j * width for i in range(len(labels))], [r["ratio"][f"blocks={b}"] for r in linears["rows"]],
+                      width, label=f"blocks={b}")
+        right.axhline(1.0, color="black", linewidth=0.8)
+        right.set_xticks([i + width for i in range(len(labels))], labels, fontsize=8)
+        right.set_ylabel("CanonicalLinear / nn.Linear (forward+backward)")
+        right.set_title("the canonical linear alone, 1 thread")
+        right.legend()
 
 
-def main(argv: list[str]) -> int:
+def build_config(argv: list[str]) -> ParallelBenchConfig:
     d = ParallelBenchConfig()
     p = ArgumentParser(prog="fireflyer bench parallel", description=doc_summary(__doc__))
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps per run (default {d.steps})")
     p.add_argument("--rounds", type=int, default=d.rounds, help=f"runs per order and case (default {d.rounds})")
     p.add_argument("--cases", default=",".join(d.cases), help="comma list of cases (default: all)")
-    p.add_argument("--linear-rounds", type=int, default=20, help="rounds of the canonical linear's timing")
+    p.add_argument("--linear-rounds", type=int, default=d.linear_rounds, help="rounds of the canonical linear's timing")
     p.add_argument("--out", default=d.out, help=f"the folder {NAME}.json and .png go to (default {d.out})")
     a = p.parse_args(argv)
-    cfg = ParallelBenchConfig(steps=a.steps, rounds=a.rounds, out=a.out,
-                              cases=tuple(c.strip() for c in a.cases.split(",") if c.strip()))
+    return ParallelBenchConfig(steps=a.steps, rounds=a.rounds, out=a.out, linear_rounds=a.linear_rounds,
+                               cases=tuple(c.strip() for c in a.cases.split(",") if c.strip()))
+
+
+def run(cfg: ParallelBenchConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every case's row and the canonical linear's timing, each printed as it is measured."""
     print(f"fireflyer bench parallel: {cfg.steps} steps a run, {cfg.rounds} rounds, fast and canonical in turn")
     rows = measure(cfg)
-    linears = linear.measure(linear.DEFAULT_SHAPES, a.linear_rounds)
+    linears = linear.measure(linear.DEFAULT_SHAPES, cfg.linear_rounds)
     for r in linears["rows"]:
         ratios = ", ".join(f"{name} {x:.2f}x" for name, x in r["ratio"].items())
         print(f"  linear {r['tokens']} x {r['in_features']} -> {r['out_features']}: nn.Linear "
               f"{r['ms']['nn.Linear']:.2f} ms; {ratios}")
-    doc = document(bench_command(NAME, argv), loadavg=loadavg(), config=asdict(cfg), cases=rows, linear=linears)
-    write_results(cfg.out, NAME, doc, lambda path: _png(path, rows, linears))
-    return 0
+    return rows, linears
+
+
+def main(argv: list[str]) -> int:
+    return run_bench(
+        argv, part=NAME, configure=build_config, measure=run,
+        fields=lambda cfg, m: {"loadavg": loadavg(),
+                               "config": {k: v for k, v in asdict(cfg).items() if k != "linear_rounds"},
+                               "cases": m[0], "linear": m[1]},
+        plot=lambda path, cfg, m: _png(path, *m), paths=lambda cfg: result_paths(cfg.out, NAME))

@@ -30,12 +30,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser, doc_summary
-from fireflyer.bench.harness import bench_command, document, loadavg, pyplot, save_figure, write_results
+from fireflyer.bench.harness import bench_command, document, figure, loadavg
+from fireflyer.bench.skeleton import result_paths, run_bench
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.platform.state import simulate as sim
 from fireflyer.platform.state.policy import Node, PolicyConfig, Priority, Task, schedule
@@ -61,17 +62,15 @@ class PlatformBenchConfig:
     ticks: tuple[float, ...] = (0.1, 1.0)
     """Daemon ticks the round trip is measured with."""
     skip_roundtrip: bool = False
-    sim_nodes: int = 128
-    sim_zones: int = 2
-    sim_hours: float = 24.0
-    sim_step_s: float = 60.0
+    sim: sim.SimConfig = field(default_factory=sim.SimConfig)
+    """The simulated day's cluster and settings (``--sim-nodes``, ``--sim-hours``, ``--sim-step``)."""
     seed: int = 0
     day_seeds: int = 5
     """The day is also simulated with this many seeds (seed, seed+1, ...), to show how much one day's ratios vary."""
     out_dir: str = "runs/bench-platform"
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "nodes", "zones", "users", "cycles", "reps", "sim_nodes", "sim_zones", "day_seeds"):
+        for name in ("tasks", "nodes", "zones", "users", "cycles", "reps", "day_seeds"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.zones > self.nodes:
@@ -95,9 +94,9 @@ def build_config(argv: list[str]) -> PlatformBenchConfig:
     p.add_argument("--cycles", type=int, help=f"cycles timed (default {d.cycles})")
     p.add_argument("--reps", type=int, help=f"round-trip repetitions (default {d.reps})")
     p.add_argument("--ticks", help="daemon ticks for the round trip, comma-separated seconds (default 0.1,1.0)")
-    p.add_argument("--sim-nodes", type=int, help=f"simulated cluster's nodes (default {d.sim_nodes})")
-    p.add_argument("--sim-hours", type=float, help=f"simulated hours (default {d.sim_hours:g})")
-    p.add_argument("--sim-step", type=float, help=f"simulated seconds per scheduling cycle (default {d.sim_step_s:g})")
+    p.add_argument("--sim-nodes", type=int, help=f"simulated cluster's nodes (default {d.sim.nodes})")
+    p.add_argument("--sim-hours", type=float, help=f"simulated hours (default {d.sim.hours:g})")
+    p.add_argument("--sim-step", type=float, help=f"simulated seconds per scheduling cycle (default {d.sim.step_s:g})")
     p.add_argument("--seed", type=int, help=f"workload seed (default {d.seed})")
     p.add_argument("--day-seeds", type=int, help=f"seeds the day's ratios are also given for (default {d.day_seeds})")
     a = p.parse_args(argv)
@@ -106,16 +105,30 @@ def build_config(argv: list[str]) -> PlatformBenchConfig:
         ticks = tuple(float(x) for x in a.ticks.split(",")) if a.ticks else None
     except ValueError:
         raise UserError(f"--ticks takes comma-separated seconds, got {a.ticks!r}") from None
-    changes.update({k: v for k, v in {
-        "tasks": a.tasks, "nodes": a.nodes, "cycles": a.cycles, "reps": a.reps, "ticks": ticks,
-        "sim_nodes": a.sim_nodes, "sim_hours": a.sim_hours, "sim_step_s": a.sim_step, "seed": a.seed,
-        "day_seeds": a.day_seeds}.items()
-        if v is not None})
+    changes.update(_given(tasks=a.tasks, nodes=a.nodes, cycles=a.cycles, reps=a.reps, ticks=ticks, seed=a.seed,
+                          day_seeds=a.day_seeds))
     changes.update(out_dir=a.out, skip_roundtrip=a.skip_roundtrip)
+    try:
+        changes["sim"] = replace(d.sim, **_given(nodes=a.sim_nodes, hours=a.sim_hours, step_s=a.sim_step))
+    except UserError as exc:
+        raise UserError(f"the simulated day: {exc}") from None
     try:
         return replace(d, **changes)
     except (TypeError, ValueError) as exc:
         raise UserError(str(exc)) from None
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The flags given: ``values`` without the Nones."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def config_fields(cfg: PlatformBenchConfig) -> dict[str, Any]:
+    """The config as the result document records it: flat, the simulator's fields prefixed ``sim_``."""
+    out: dict[str, Any] = {}
+    for name, value in asdict(cfg).items():
+        out.update({f"sim_{k}": v for k, v in value.items()} if name == "sim" else {name: value})
+    return out
 
 
 # ---------------------------------------------------------------------- 1. the scheduling cycle
@@ -364,8 +377,8 @@ def measure_roundtrip(cfg: PlatformBenchConfig, work: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- 3. the simulated day
 def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
-    scfg = sim.SimConfig(nodes=cfg.sim_nodes, zones=cfg.sim_zones, hours=cfg.sim_hours, step_s=cfg.sim_step_s)
-    jobs = sim.make_workload(seed=cfg.seed, max_nodes=cfg.sim_nodes)
+    scfg = cfg.sim
+    jobs = sim.make_workload(seed=cfg.seed, max_nodes=scfg.nodes)
     t0 = time.perf_counter()
     results = sim.compare(jobs, scfg)
     elapsed = time.perf_counter() - t0
@@ -378,7 +391,7 @@ def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
     hi = [p.name for p in (Priority.EXTREME_HIGH, Priority.VERY_HIGH, Priority.HIGH) if p.name in hai["wait_s"]]
     seeds = []
     for seed in range(cfg.seed, cfg.seed + cfg.day_seeds):
-        day = sim.make_workload(seed=seed, max_nodes=cfg.sim_nodes)
+        day = sim.make_workload(seed=seed, max_nodes=scfg.nodes)
         other = {name: r.summary() for name, r in sim.compare(day, scfg).items()}
         h, f = other["hai"], other["fifo"]
         seeds.append({"seed": seed, "offered_node_hours": sum(j.nodes * j.work_s for j in day) / 3600,
@@ -395,7 +408,7 @@ def measure_day(cfg: PlatformBenchConfig) -> dict[str, Any]:
                       "hours": list(c.hours), "arrive": list(c.arrive), "bursts": c.bursts, "at_start": c.at_start}
                      for c in sim.DEFAULT_CLASSES],
         "jobs": len(jobs), "offered_node_hours": sum(j.nodes * j.work_s for j in jobs) / 3600,
-        "capacity_node_hours": cfg.sim_nodes * cfg.sim_hours,
+        "capacity_node_hours": scfg.nodes * scfg.hours,
         "policies": summ,
         "timeline": {name: {"t_h": [s.t / 3600 for s in r.steps], "busy": [s.busy for s in r.steps]}
                      for name, r in results.items()},
@@ -489,64 +502,61 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
-    plt = pyplot()
-
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    a, b, c, d = axes.flat
-    cy = r["cycle"]
-    labels = ["schedule()", "daemon tick", "read+decide", "steady tick"]
-    keys = ["policy_s", "daemon_tick_s", "daemon_read_decide_s", "daemon_steady_tick_s"]
-    a.bar(labels, [cy[k]["median"] for k in keys], color="#1f77b4", label="median")
-    a.scatter(labels, [cy[k]["max"] for k in keys], color="#d62728", zorder=3, label="max")
-    a.axhline(HAI_TICK_S, color="#999999", linestyle="--", label="HAI tick (1 s)")
-    a.set_ylabel("seconds")
-    a.set_title(f"Cycle: {cy['tasks_queued']:,} queued, {cy['nodes']:,} nodes")
-    a.legend()
-    rts = r.get("roundtrip") or {}
-    if rts:
-        names, stop, back, cold, high = [], [], [], [], []
-        for tick, rt in rts.items():
-            x = rt["roundtrip"]
-            names.append(f"tick {tick} s")
-            stop.append(x["stopped_s"]["median"])
-            back.append(x["total_s"]["median"] - x["stopped_s"]["median"])
-            cold.append(x["cold_start_s"]["median"])
-            high.append(rt["preemption"]["high_running_s"]["median"])
-        xs = list(range(len(names)))
-        w = 0.27
-        b.bar([x - w for x in xs], stop, w, color="#ff7f0e", label="suspend → stopped")
-        b.bar([x - w for x in xs], back, w, bottom=stop, color="#1f77b4", label="stopped → resumed running")
-        b.bar(xs, cold, w, color="#999999", label="cold submit → running")
-        b.bar([x + w for x in xs], high, w, color="#2ca02c", label="HIGH submit → running (preempts)")
-        b.set_xticks(xs, names)
-        b.set_ylabel("seconds (median)")
-        b.set_title("Suspend→resume on the local executor")
-        b.legend(fontsize=8)
-    else:
-        b.text(0.5, 0.5, "round trip skipped", ha="center", va="center")
-        b.set_axis_off()
-    day = r["day"]
-    for name, tl in day["timeline"].items():
-        c.plot(tl["t_h"], [x / day["config"]["nodes"] * 100 for x in tl["busy"]], label=name, linewidth=1)
-    c.set_xlabel("hour")
-    c.set_ylabel("nodes allocated (%)")
-    c.set_ylim(0, 105)
-    c.set_title("A synthetic day: allocation over time")
-    c.legend()
-    pol = day["policies"]
-    prios = list(pol["hai"]["wait_s"])
-    names = list(pol)
-    w = 0.8 / len(names)
-    for i, n in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * w for j in range(len(prios))]
-        d.bar(xs, [pol[n]["wait_s"][p]["mean_s"] / 60 for p in prios], w, label=f"{n} mean")
-        d.scatter(xs, [pol[n]["wait_s"][p]["p95_s"] / 60 for p in prios], color="black", s=10, zorder=3)
-    d.set_xticks(range(len(prios)), prios, fontsize=8)
-    d.set_ylabel("queue wait (minutes; dots: p95)")
-    d.set_title("Wait per priority: " + ", ".join(f"{n} {pol[n]['utilisation'] * 100:.0f}% used" for n in names),
-                fontsize=9)
-    d.legend(fontsize=8)
-    save_figure(path, fig, dpi=100)
+    with figure(path, 2, 2, figsize=(13, 9), dpi=100) as (fig, axes):
+        a, b, c, d = axes.flat
+        cy = r["cycle"]
+        labels = ["schedule()", "daemon tick", "read+decide", "steady tick"]
+        keys = ["policy_s", "daemon_tick_s", "daemon_read_decide_s", "daemon_steady_tick_s"]
+        a.bar(labels, [cy[k]["median"] for k in keys], color="#1f77b4", label="median")
+        a.scatter(labels, [cy[k]["max"] for k in keys], color="#d62728", zorder=3, label="max")
+        a.axhline(HAI_TICK_S, color="#999999", linestyle="--", label="HAI tick (1 s)")
+        a.set_ylabel("seconds")
+        a.set_title(f"Cycle: {cy['tasks_queued']:,} queued, {cy['nodes']:,} nodes")
+        a.legend()
+        rts = r.get("roundtrip") or {}
+        if rts:
+            names, stop, back, cold, high = [], [], [], [], []
+            for tick, rt in rts.items():
+                x = rt["roundtrip"]
+                names.append(f"tick {tick} s")
+                stop.append(x["stopped_s"]["median"])
+                back.append(x["total_s"]["median"] - x["stopped_s"]["median"])
+                cold.append(x["cold_start_s"]["median"])
+                high.append(rt["preemption"]["high_running_s"]["median"])
+            xs = list(range(len(names)))
+            w = 0.27
+            b.bar([x - w for x in xs], stop, w, color="#ff7f0e", label="suspend → stopped")
+            b.bar([x - w for x in xs], back, w, bottom=stop, color="#1f77b4", label="stopped → resumed running")
+            b.bar(xs, cold, w, color="#999999", label="cold submit → running")
+            b.bar([x + w for x in xs], high, w, color="#2ca02c", label="HIGH submit → running (preempts)")
+            b.set_xticks(xs, names)
+            b.set_ylabel("seconds (median)")
+            b.set_title("Suspend→resume on the local executor")
+            b.legend(fontsize=8)
+        else:
+            b.text(0.5, 0.5, "round trip skipped", ha="center", va="center")
+            b.set_axis_off()
+        day = r["day"]
+        for name, tl in day["timeline"].items():
+            c.plot(tl["t_h"], [x / day["config"]["nodes"] * 100 for x in tl["busy"]], label=name, linewidth=1)
+        c.set_xlabel("hour")
+        c.set_ylabel("nodes allocated (%)")
+        c.set_ylim(0, 105)
+        c.set_title("A synthetic day: allocation over time")
+        c.legend()
+        pol = day["policies"]
+        prios = list(pol["hai"]["wait_s"])
+        names = list(pol)
+        w = 0.8 / len(names)
+        for i, n in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * w for j in range(len(prios))]
+            d.bar(xs, [pol[n]["wait_s"][p]["mean_s"] / 60 for p in prios], w, label=f"{n} mean")
+            d.scatter(xs, [pol[n]["wait_s"][p]["p95_s"] / 60 for p in prios], color="black", s=10, zorder=3)
+        d.set_xticks(range(len(prios)), prios, fontsize=8)
+        d.set_ylabel("queue wait (minutes; dots: p95)")
+        d.set_title("Wait per priority: " + ", ".join(f"{n} {pol[n]['utilisation'] * 100:.0f}% used" for n in names),
+                    fontsize=9)
+        d.legend(fontsize=8)
 
 
 def run(cfg: PlatformBenchConfig) -> dict[str, Any]:
@@ -560,24 +570,28 @@ def run(cfg: PlatformBenchConfig) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
-    cfg = build_config(list(argv))
-
+def measure(cfg: PlatformBenchConfig) -> tuple[list[float] | None, dict[str, Any]]:
+    """The load average before, and :func:`run`'s result; a failed measurement is a one-line error."""
     load_before = loadavg()
     try:
-        r = run(cfg)
+        return load_before, run(cfg)
     except RuntimeError as exc:
         raise UserError(f"platform benchmark failed: {exc}") from None
-    _print(r)
-    doc = {**document(bench_command("platform", argv), torch=False),
-           "loadavg_before": load_before, "loadavg_after": loadavg(),
-           "baselines": {"cycle": "HAI Platform's 1 s scheduling tick",
-                         "roundtrip": "a cold submit → running of the same job on the same platform",
-                         "day": "FIFO without preemption (strict submission order, head-of-line blocking); "
-                                "also FIFO with greedy backfill"},
-           "config": asdict(cfg), **r}
-    write_results(cfg.out_dir, "bench-platform", doc, lambda path: _write_png(path, r))
-    return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_bench(
+        argv, part="platform", configure=build_config, measure=measure, report=lambda cfg, m: _print(m[1]),
+        fields=lambda cfg, m: {
+            "loadavg_before": m[0], "loadavg_after": loadavg(),
+            "baselines": {"cycle": "HAI Platform's 1 s scheduling tick",
+                          "roundtrip": "a cold submit → running of the same job on the same platform",
+                          "day": "FIFO without preemption (strict submission order, head-of-line blocking); "
+                                 "also FIFO with greedy backfill"},
+            "config": config_fields(cfg), **m[1]},
+        plot=lambda path, cfg, m: _write_png(path, m[1]),
+        paths=lambda cfg: result_paths(cfg.out_dir, "bench-platform"),
+        head=lambda argv: document(bench_command("platform", argv), torch=False))
 
 
 if __name__ == "__main__":

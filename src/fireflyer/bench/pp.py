@@ -20,17 +20,15 @@ busy time grows and the measured bubble shrinks against a machine with a device 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import statistics
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from fireflyer.cliutil import ArgumentParser, doc_summary, plural
-from fireflyer.bench.harness import document, invoked_command, make_console, pyplot, save_figure, write_json
-from fireflyer.errors import JobFailed, UserError
+from fireflyer.bench.harness import figure, make_console
+from fireflyer.bench.skeleton import result_paths, run_bench, run_ranks
+from fireflyer.errors import UserError
 from fireflyer.haiscale.pipeline import Schedule
 
 DEFAULT_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
@@ -85,11 +83,11 @@ class PPBenchConfig:
 
     @property
     def json_path(self) -> str:
-        return os.path.join(self.out_dir, "pp.json")
+        return result_paths(self.out_dir, "pp")[0]
 
     @property
     def png_path(self) -> str:
-        return os.path.join(self.out_dir, "pp.png")
+        return result_paths(self.out_dir, "pp")[1]
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -235,28 +233,13 @@ def analyse(cfg: PPBenchConfig, ranks: list[dict[str, Any]]) -> list[dict[str, A
 
 
 def run(cfg: PPBenchConfig) -> list[dict[str, Any]]:
-    from fireflyer.launch import LaunchFailed, LocalJob, run_local
-
-    tmp = tempfile.mkdtemp(prefix="fireflyer-bench-pp-")
-    spec = {"out_dir": tmp, "backend": cfg.backend, "schedules": [s.value for s in cfg.schedules],
+    """One row per schedule and micro-batch count, from one pipeline of ``cfg.stages`` ranks, a node each."""
+    spec = {"backend": cfg.backend, "schedules": [s.value for s in cfg.schedules],
             "microbatches": list(cfg.microbatches), "virtual": cfg.virtual, "width": cfg.width,
             "layers": cfg.layers, "rows": cfg.rows, "steps": cfg.steps, "warmup": cfg.warmup,
             "timeout_s": cfg.timeout_s}
-    spec_path = os.path.join(tmp, "spec.json")
-    with open(spec_path, "w", encoding="utf-8") as f:
-        json.dump(spec, f)
-    job = LocalJob(target=["-m", "fireflyer.bench.pp_worker", spec_path], nodes=cfg.stages,
-                   ranks_per_node=1, quiet=True, timeout=cfg.timeout_s, log_dir=os.path.join(tmp, "logs"),
-                   env={"GLOO_SOCKET_IFNAME": "lo"})
-    try:
-        run_local(job)
-    except (LaunchFailed, TimeoutError) as exc:
-        raise JobFailed(f"the benchmark job failed: {exc}") from None
-    ranks = []
-    for r in range(cfg.stages):
-        with open(os.path.join(tmp, f"rank{r}.json"), encoding="utf-8") as f:
-            ranks.append(json.load(f))
-    shutil.rmtree(tmp, ignore_errors=True)
+    ranks = run_ranks("fireflyer.bench.pp_worker", spec, (cfg.stages, 1), timeout_s=cfg.timeout_s,
+                      env={"GLOO_SOCKET_IFNAME": "lo"})
     return analyse(cfg, ranks)
 
 
@@ -297,70 +280,58 @@ def print_table(console: Any, cfg: PPBenchConfig, rows: list[dict[str, Any]]) ->
 
 def write_png(path: str, cfg: PPBenchConfig, rows: list[dict[str, Any]]) -> None:
     """Left: bubble against m, measured, replayed and in theory. Right: peak saved activations per stage."""
-    plt = pyplot()
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {Schedule.GPIPE.value: "tab:blue", Schedule.ONE_F_ONE_B.value: "tab:red",
-              Schedule.INTERLEAVED_1F1B.value: "tab:green"}
-    ms = sorted(cfg.microbatches)
-    p = cfg.stages
-    ax1.plot(ms, [Schedule.GPIPE.bubble_fraction(p, m) for m in ms], "-", color="gray", lw=2, alpha=0.6,
-             label="theory, GPipe = 1F1B")
-    if Schedule.INTERLEAVED_1F1B in cfg.schedules:
-        ax1.plot(ms, [Schedule.INTERLEAVED_1F1B.bubble_fraction(p, m, cfg.virtual) for m in ms], "--",
-                 color="gray", lw=2, alpha=0.6, label=f"theory, Interleaved1F1B v={cfg.virtual}")
-    for sched in cfg.schedules:
-        rs = sorted((r for r in rows if r["schedule"] == sched.value), key=lambda r: r["microbatches"])
-        x = [r["microbatches"] for r in rs]
-        c = colors[sched.value]
-        ax1.plot(x, [r["bubble_measured"] for r in rs], "o-", color=c, label=f"{sched.value} measured")
-        ax1.plot(x, [r["bubble_replay"] for r in rs], "x:", color=c, label=f"{sched.value} replay")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xticks(ms, [str(m) for m in ms])
-    ax1.set_ylim(0, max([r["bubble_measured"] for r in rows] + [r["bubble_theory"] for r in rows]) * 1.1)
-    ax1.set_xlabel("micro-batches per step (m)")
-    ax1.set_ylabel("bubble: idle share of a step")
-    ax1.set_title(f"bubble, p = {p} stages")
-    ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    m_big = max(cfg.microbatches)
-    big = [r for r in rows if r["microbatches"] == m_big]
-    width = 0.8 / max(1, len(big))
-    for k, r in enumerate(big):
-        xs = [s + k * width for s in range(p)]
-        ax2.bar(xs, [b / (1 << 20) for b in r["peak_saved_bytes"]], width, color=colors[r["schedule"]],
-                label=r["schedule"])
-    ax2.set_xticks([s + 0.4 - width / 2 for s in range(p)], [f"stage {s}" for s in range(p)])
-    ax2.set_ylabel("peak activations saved for backward (MiB)")
-    ax2.set_title(f"activation memory, m = {m_big}")
-    ax2.grid(True, axis="y", alpha=0.3)
-    ax2.legend(fontsize=7)
-    fig.suptitle(f"pipeline schedules, {plural(p, 'rank')} on {plural(os.cpu_count() or 0, 'core')} (measured: shared cores; "
-                 f"replay: a device per rank)")
-    save_figure(path, fig)
+    with figure(path, 1, 2, figsize=(12, 4.5)) as (fig, (ax1, ax2)):
+        colors = {Schedule.GPIPE.value: "tab:blue", Schedule.ONE_F_ONE_B.value: "tab:red",
+                  Schedule.INTERLEAVED_1F1B.value: "tab:green"}
+        ms = sorted(cfg.microbatches)
+        p = cfg.stages
+        ax1.plot(ms, [Schedule.GPIPE.bubble_fraction(p, m) for m in ms], "-", color="gray", lw=2, alpha=0.6,
+                 label="theory, GPipe = 1F1B")
+        if Schedule.INTERLEAVED_1F1B in cfg.schedules:
+            ax1.plot(ms, [Schedule.INTERLEAVED_1F1B.bubble_fraction(p, m, cfg.virtual) for m in ms], "--",
+                     color="gray", lw=2, alpha=0.6, label=f"theory, Interleaved1F1B v={cfg.virtual}")
+        for sched in cfg.schedules:
+            rs = sorted((r for r in rows if r["schedule"] == sched.value), key=lambda r: r["microbatches"])
+            x = [r["microbatches"] for r in rs]
+            c = colors[sched.value]
+            ax1.plot(x, [r["bubble_measured"] for r in rs], "o-", color=c, label=f"{sched.value} measured")
+            ax1.plot(x, [r["bubble_replay"] for r in rs], "x:", color=c, label=f"{sched.value} replay")
+        ax1.set_xscale("log", base=2)
+        ax1.set_xticks(ms, [str(m) for m in ms])
+        ax1.set_ylim(0, max([r["bubble_measured"] for r in rows] + [r["bubble_theory"] for r in rows]) * 1.1)
+        ax1.set_xlabel("micro-batches per step (m)")
+        ax1.set_ylabel("bubble: idle share of a step")
+        ax1.set_title(f"bubble, p = {p} stages")
+        ax1.grid(True, alpha=0.3)
+        ax1.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        m_big = max(cfg.microbatches)
+        big = [r for r in rows if r["microbatches"] == m_big]
+        width = 0.8 / max(1, len(big))
+        for k, r in enumerate(big):
+            xs = [s + k * width for s in range(p)]
+            ax2.bar(xs, [b / (1 << 20) for b in r["peak_saved_bytes"]], width, color=colors[r["schedule"]],
+                    label=r["schedule"])
+        ax2.set_xticks([s + 0.4 - width / 2 for s in range(p)], [f"stage {s}" for s in range(p)])
+        ax2.set_ylabel("peak activations saved for backward (MiB)")
+        ax2.set_title(f"activation memory, m = {m_big}")
+        ax2.grid(True, axis="y", alpha=0.3)
+        ax2.legend(fontsize=7)
+        fig.suptitle(f"pipeline schedules, {plural(p, 'rank')} on {plural(os.cpu_count() or 0, 'core')} (measured: shared cores; "
+                     f"replay: a device per rank)")
 
 
 def main(argv: list[str]) -> int:
     """Run the benchmark, print the table, write ``pp.json`` and ``pp.png`` under ``--out``."""
-
-    cfg = build_config(list(argv))
-    console = make_console()
-    rows = run(cfg)
-    print_table(console, cfg, rows)
-    doc = {
-        **document(invoked_command()),
-        "config": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
-        "reference": {"bubble": "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for Interleaved1F1B",
-                      "replay": "measured op CPU times replayed in each rank's executed order, a device per "
-                                "rank, free communication",
-                      "in_flight": "m for GPipe, min(m, p-s) for 1F1B at stage s"},
-        "placement": "one pipeline, stage s on emulated node s (make_subgroups(pp_size=stages))",
-        "shared_cores": (os.cpu_count() or 1) < cfg.stages,
-        "rows": rows,
-    }
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    write_json(cfg.json_path, doc)
-    write_png(cfg.png_path, cfg, rows)
-    console.print(f"wrote {cfg.json_path} and {cfg.png_path}", highlight=False)
-    return 0
-
+    return run_bench(
+        argv, part="pp", configure=build_config, measure=run,
+        report=lambda cfg, rows: print_table(make_console(), cfg, rows),
+        fields=lambda cfg, rows: {
+            "config": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
+            "reference": {"bubble": "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for Interleaved1F1B",
+                          "replay": "measured op CPU times replayed in each rank's executed order, a device per "
+                                    "rank, free communication",
+                          "in_flight": "m for GPipe, min(m, p-s) for 1F1B at stage s"},
+            "placement": "one pipeline, stage s on emulated node s (make_subgroups(pp_size=stages))",
+            "shared_cores": (os.cpu_count() or 1) < cfg.stages,
+            "rows": rows},
+        plot=write_png)

@@ -1,4 +1,4 @@
-"""One rank of ``fireflyer bench pp``, started by torchrun: ``python -m fireflyer.bench.pp_worker SPEC``.
+"""One rank of ``fireflyer bench pp``, started by torchrun: ``python -m fireflyer.bench.pp_worker SPEC.json``.
 
 The world is one pipeline, one stage per rank (``make_subgroups(pp_size=world)``). For
 each schedule and micro-batch count it runs warm-up steps, then timed steps, and records
@@ -12,7 +12,6 @@ fractions.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fireflyer.bench.harness import read_spec, write_rank_json
+from fireflyer.bench.skeleton import rank_groups, worker_main
 
 
 class _Saved:
@@ -147,28 +146,18 @@ def run_case(spec: dict[str, Any], pp_group: Any, schedule: str, n_mb: int) -> d
             "stages": pipe.stage_indices, "steps": steps}
 
 
-def main(argv: list[str]) -> int:
-    spec = read_spec(argv, "python -m fireflyer.bench.pp_worker")
-    if spec is None:
-        return 2
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """This rank's records of every schedule and micro-batch count the spec asks for."""
     torch.set_num_threads(1)
-    if spec["backend"] == "hfreduce":
-        import fireflyer.hfreduce  # noqa: F401  registers the backend
-    timeout = timedelta(seconds=spec["timeout_s"])
-    dist.init_process_group(spec["backend"], timeout=timeout)
-    from fireflyer.haiscale.pipeline import make_subgroups
+    with rank_groups(spec["timeout_s"], spec["backend"]):
+        from fireflyer.haiscale.pipeline import make_subgroups
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the parent reports the placement itself
-        _, pp_group = make_subgroups(dist.get_world_size(), timeout=timeout)
-    cases = [run_case(spec, pp_group, s, m) for s in spec["schedules"] for m in spec["microbatches"]]
-    rank = dist.get_rank()
-    path = os.path.join(spec["out_dir"], f"rank{rank}.json")
-    write_rank_json(path, {"rank": rank, "pp_rank": dist.get_rank(pp_group), "cases": cases})
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the parent reports the placement itself
+            _, pp_group = make_subgroups(dist.get_world_size(), timeout=timedelta(seconds=spec["timeout_s"]))
+        cases = [run_case(spec, pp_group, s, m) for s in spec["schedules"] for m in spec["microbatches"]]
+        return {"rank": dist.get_rank(), "pp_rank": dist.get_rank(pp_group), "cases": cases}
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:], "python -m fireflyer.bench.pp_worker", run))

@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fireflyer.bench.harness import bench_command, document, make_console, pyplot, save_figure, write_results
+from fireflyer.bench.harness import figure, make_console
+from fireflyer.bench.skeleton import run_bench
 from fireflyer.cliutil import ArgumentParser, doc_summary
 from fireflyer.errors import UserError
 
@@ -383,57 +384,53 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def _write_png(path: str, r: dict[str, Any]) -> None:
-    plt = pyplot()
-    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    tl = r["timelines"]
-    t0 = tl["ft_killed"]["launched"]
-    for name, style in (("ft_clean", {"color": "#999999", "ls": "--", "label": "fault-tolerant, no failure"}),
-                        ("ft_killed", {"color": "#1f77b4", "label": "fault-tolerant, nodes killed"})):
-        pts = tl[name]["steps"]
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", **style)
-    for i, k in enumerate(r["kills"]):
-        x = k["at"] - t0
-        a.axvline(x, color="#d62728", lw=1, label="SIGKILL of a node's ranks" if i == 0 else None)
-        a.annotate(k["node"], (x, 0), xytext=(3, 5), textcoords="offset points", color="#d62728", fontsize=8)
-    ft = r["fault_tolerance"]
-    heals = [h for h in ft["heals"] if h["step"] > 0]
-    if heals:
-        a.scatter([h["at"] - t0 for h in heals], [h["step"] for h in heals], marker="^", color="#2ca02c", zorder=3,
-                  label="heal from a live replica")
-    qs = ft["quorums"]
-    a.scatter([q["at"] - t0 for q in qs], [q["step"] for q in qs], marker="s", s=18, color="#ff7f0e", zorder=3,
-              label="quorum change")
-    a.set_ylabel("step")
-    a.legend(fontsize=8, loc="upper left")
-    a.grid(True, alpha=0.3)
-    gp = r["goodput"]
-    a.set_title(f"Steps over wall time: goodput {gp['ft_goodput'] * 100:.0f}% "
-                f"(checkpoint-restart, modelled: {gp['cr_goodput'] * 100:.0f}%)")
-    end = tl["ft_killed"]["steps"][-1][0] if tl["ft_killed"]["steps"] else 0
-    xs = [q["at"] - t0 for q in qs] + [end]
-    ys = [len(q["replicas"]) for q in qs] + [len(qs[-1]["replicas"]) if qs else 0]
-    b.step(xs, ys, where="post", color="#ff7f0e")
-    b.set_ylabel("replicas")
-    b.set_xlabel("seconds since each run's launch")
-    b.set_yticks(range(0, max(ys + [1]) + 1))
-    b.grid(True, alpha=0.3)
-    save_figure(path, fig)
+    with figure(path, 2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}) as (fig, (a, b)):
+        tl = r["timelines"]
+        t0 = tl["ft_killed"]["launched"]
+        for name, style in (("ft_clean", {"color": "#999999", "ls": "--", "label": "fault-tolerant, no failure"}),
+                            ("ft_killed", {"color": "#1f77b4", "label": "fault-tolerant, nodes killed"})):
+            pts = tl[name]["steps"]
+            a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", **style)
+        for i, k in enumerate(r["kills"]):
+            x = k["at"] - t0
+            a.axvline(x, color="#d62728", lw=1, label="SIGKILL of a node's ranks" if i == 0 else None)
+            a.annotate(k["node"], (x, 0), xytext=(3, 5), textcoords="offset points", color="#d62728", fontsize=8)
+        ft = r["fault_tolerance"]
+        heals = [h for h in ft["heals"] if h["step"] > 0]
+        if heals:
+            a.scatter([h["at"] - t0 for h in heals], [h["step"] for h in heals], marker="^", color="#2ca02c", zorder=3,
+                      label="heal from a live replica")
+        qs = ft["quorums"]
+        a.scatter([q["at"] - t0 for q in qs], [q["step"] for q in qs], marker="s", s=18, color="#ff7f0e", zorder=3,
+                  label="quorum change")
+        a.set_ylabel("step")
+        a.legend(fontsize=8, loc="upper left")
+        a.grid(True, alpha=0.3)
+        gp = r["goodput"]
+        a.set_title(f"Steps over wall time: goodput {gp['ft_goodput'] * 100:.0f}% "
+                    f"(checkpoint-restart, modelled: {gp['cr_goodput'] * 100:.0f}%)")
+        end = tl["ft_killed"]["steps"][-1][0] if tl["ft_killed"]["steps"] else 0
+        xs = [q["at"] - t0 for q in qs] + [end]
+        ys = [len(q["replicas"]) for q in qs] + [len(qs[-1]["replicas"]) if qs else 0]
+        b.step(xs, ys, where="post", color="#ff7f0e")
+        b.set_ylabel("replicas")
+        b.set_xlabel("seconds since each run's launch")
+        b.set_yticks(range(0, max(ys + [1]) + 1))
+        b.grid(True, alpha=0.3)
 
 
 def main(argv: list[str]) -> int:
-    cfg = build_config(list(argv))
-    r = run(cfg)
-    _print(r)
-    doc = {**document(bench_command("recovery", argv)),
-           "baseline": "the same job without --fault-tolerant; checkpoint-restart modelled from its measured "
-                       "step time and --resume restart",
-           "targets": TARGETS,
-           "config": {"steps": cfg.steps, "every": cfg.every, "kills": cfg.kills, "save_every": cfg.save_every,
-                      "nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "preset": cfg.preset,
-                      "order": "canonical"},
-           **r}
-    write_results(cfg.out_dir, "recovery", doc, lambda path: _write_png(path, r))
-    return 0
+    return run_bench(
+        argv, part="recovery", configure=build_config, measure=run, report=lambda cfg, r: _print(r),
+        fields=lambda cfg, r: {
+            "baseline": "the same job without --fault-tolerant; checkpoint-restart modelled from its measured "
+                        "step time and --resume restart",
+            "targets": TARGETS,
+            "config": {"steps": cfg.steps, "every": cfg.every, "kills": cfg.kills, "save_every": cfg.save_every,
+                       "nodes": cfg.nodes, "ranks_per_node": cfg.ranks_per_node, "preset": cfg.preset,
+                       "order": "canonical"},
+            **r},
+        plot=lambda path, cfg, r: _write_png(path, r))
 
 
 if __name__ == "__main__":

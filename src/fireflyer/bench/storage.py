@@ -30,7 +30,8 @@ from typing import Any, Callable
 import numpy as np
 
 from fireflyer.cliutil import ArgumentParser, doc_summary
-from fireflyer.bench.harness import pyplot, save_figure, timestamp, write_results
+from fireflyer.bench.harness import figure, timestamp
+from fireflyer.bench.skeleton import run_bench
 from fireflyer.errors import UserError
 from fireflyer.storage.backends import LocalBackend
 from fireflyer.storage.cache import CacheConfig, ShardCache
@@ -268,42 +269,40 @@ def _measure_cache(cfg: StorageBenchConfig, root: str) -> list[dict[str, Any]]:
 
 
 def write_png(path: str, doc: dict[str, Any]) -> None:
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    ax = axes[0]
-    reads = doc["random_reads"]
-    labels = sorted({(r["cache"], r["threads"]) for r in reads}, key=lambda x: (x[0] != "warm", x[1]))
-    layouts = ["records", "files", "memmap"]
-    width = 0.8 / len(layouts)
-    for j, lay in enumerate(layouts):
-        vals = [next(r["samples_per_s"] for r in reads if r["layout"] == lay and (r["cache"], r["threads"]) == lb)
-                for lb in labels]
-        ax.bar([i + j * width for i in range(len(labels))], vals, width, label=lay)
-    ax.set_xticks([i + width for i in range(len(labels))])
-    ax.set_xticklabels([f"{c}\n{t} thread{'s' if t > 1 else ''}" for c, t in labels])
-    ax.set_yscale("log")
-    ax.set_ylabel("random samples/s (log)")
-    ax.set_title(f"random reads of {doc['config']['sample_kb']} KiB samples")
-    ax.legend()
-    ax = axes[1]
-    rows = doc["shard_cache"]
-    xs = [f"d={r['prefetch_distance']}" if r["prefetch_distance"] else "none" for r in rows]
-    ax.bar(xs, [r["stall_seconds"] for r in rows], color="tab:red", label="reader stall (s)")
-    ax.set_ylabel("reader stall (s)")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [r["hit_rate"] for r in rows], "o-", color="tab:blue", label="top-tier hit rate")
-    ax2.set_ylim(0, 1)
-    ax2.set_ylabel("top-tier hit rate")
-    ax.set_xlabel("prefetch")
-    ax.set_title("ShardCache on the locality trace")
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
-    save_figure(path, fig)
+    with figure(path, 1, 2, figsize=(13, 4.5)) as (fig, axes):
+        ax = axes[0]
+        reads = doc["random_reads"]
+        labels = sorted({(r["cache"], r["threads"]) for r in reads}, key=lambda x: (x[0] != "warm", x[1]))
+        layouts = ["records", "files", "memmap"]
+        width = 0.8 / len(layouts)
+        for j, lay in enumerate(layouts):
+            vals = [next(r["samples_per_s"] for r in reads if r["layout"] == lay and (r["cache"], r["threads"]) == lb)
+                    for lb in labels]
+            ax.bar([i + j * width for i in range(len(labels))], vals, width, label=lay)
+        ax.set_xticks([i + width for i in range(len(labels))])
+        ax.set_xticklabels([f"{c}\n{t} thread{'s' if t > 1 else ''}" for c, t in labels])
+        ax.set_yscale("log")
+        ax.set_ylabel("random samples/s (log)")
+        ax.set_title(f"random reads of {doc['config']['sample_kb']} KiB samples")
+        ax.legend()
+        ax = axes[1]
+        rows = doc["shard_cache"]
+        xs = [f"d={r['prefetch_distance']}" if r["prefetch_distance"] else "none" for r in rows]
+        ax.bar(xs, [r["stall_seconds"] for r in rows], color="tab:red", label="reader stall (s)")
+        ax.set_ylabel("reader stall (s)")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [r["hit_rate"] for r in rows], "o-", color="tab:blue", label="top-tier hit rate")
+        ax2.set_ylim(0, 1)
+        ax2.set_ylabel("top-tier hit rate")
+        ax.set_xlabel("prefetch")
+        ax.set_title("ShardCache on the locality trace")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
 
 
 def run(cfg: StorageBenchConfig) -> dict[str, Any]:
+    """The whole result document (its own head: ``bench``, ``time``, ``host``), the progress printed."""
     root = tempfile.mkdtemp(prefix="fireflyer-storage-bench-", dir=cfg.directory or ".")
     try:
         load_before = os.getloadavg()
@@ -324,7 +323,5 @@ def run(cfg: StorageBenchConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    cfg = build_config(argv)
-    doc = run(cfg)
-    write_results(cfg.out_dir, "storage", doc, lambda path: write_png(path, doc))
-    return 0
+    return run_bench(argv, part="storage", configure=build_config, measure=run, fields=lambda cfg, doc: doc,
+                     plot=lambda path, cfg, doc: write_png(path, doc), head=lambda argv: {})
