@@ -6,8 +6,10 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 from fireflyer.hfreduce.engine import node_stage
-from fireflyer.hfreduce.engine.node_stage import JOB_FIELDS, job_spec
+from fireflyer.hfreduce.engine.node_stage import COMM_FIELDS, JOB_FIELDS, comm_spec, job_spec
 
 HEADER = Path(node_stage.__file__).parents[1] / "_core" / "node.h"
 
@@ -34,3 +36,18 @@ def test_each_field_lands_in_its_own_slot():
     assert len(packed) == 8 * len(JOB_FIELDS)
     for i, name in enumerate(JOB_FIELDS):
         assert int.from_bytes(packed[8 * i:8 * i + 8], "little", signed=True) == values[name], name
+
+
+def test_hfr_comm_is_packed_by_name_in_the_headers_field_order():
+    assert list(COMM_FIELDS) == c_fields("hfr_comm")
+    values = {name: 2000 + i for i, name in enumerate(COMM_FIELDS)}
+    packed = comm_spec(**dict(reversed(values.items())))  # the caller's order does not matter
+    assert len(packed) == 8 * len(COMM_FIELDS)
+    for i, name in enumerate(COMM_FIELDS):
+        assert int.from_bytes(packed[8 * i:8 * i + 8], "little", signed=True) == values[name], name
+    missing = dict(values)
+    del missing["spin"]
+    with pytest.raises(TypeError, match="hfr_comm needs exactly"):
+        comm_spec(**missing)
+    with pytest.raises(TypeError, match="hfr_comm needs exactly"):
+        comm_spec(**values, stray=1)

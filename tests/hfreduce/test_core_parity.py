@@ -123,9 +123,7 @@ def mixed_trees(ctx, cases: list[Case]) -> tuple[bool, list[torch.Tensor]]:
     config = HFReduceConfig.from_env(core_trees=ctx.node % 2 == 0)
     comm = Communicator(dist.PrefixStore("mixed", ctx.store), ctx.rank, ctx.world_size, config=config)
     try:
-        trees = comm._trees
-        in_core = trees is not None and trees._core is not None
-        return in_core, [run_case(dataclasses.replace(ctx, comm=comm), c) for c in cases]
+        return comm.runs_core_trees, [run_case(dataclasses.replace(ctx, comm=comm), c) for c in cases]
     finally:
         comm.close()
 
@@ -170,10 +168,9 @@ def _can_build() -> bool:
 
 @pytest.mark.skipif(not _can_build(), reason="no C compiler or no Python headers: the core cannot be built here")
 def test_the_core_is_built_and_is_the_default_path():
-    from fireflyer.hfreduce.engine import communicator as engine
-    from fireflyer.hfreduce.engine import kernels
+    from fireflyer.hfreduce.engine import compiled, kernels
     from fireflyer.hfreduce.config import HFReduceConfig
 
-    assert engine._core is not None, "pip built no compiled core although a compiler and Python's headers exist"
+    assert compiled.CORE is not None, "pip built no compiled core although a compiler and Python's headers exist"
     assert kernels.available() and kernels.isa() != "reference"
     assert HFReduceConfig().core

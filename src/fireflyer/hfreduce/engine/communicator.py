@@ -407,6 +407,11 @@ class Communicator:
         return self._node_stage is not None and self._node_stage.core_comm is not None
 
     @property
+    def runs_core_trees(self) -> bool:
+        """Whether the tree stage across nodes runs in the compiled core (False: its Python loop, or one node)."""
+        return self._trees is not None and self._trees.in_core
+
+    @property
     def refused_connections(self) -> int:
         """Connections to this rank's tree listener refused so far (a wrong key, or not a peer at all)."""
         listener = self._trees.listener if self._trees is not None else None

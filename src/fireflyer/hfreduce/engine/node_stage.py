@@ -51,7 +51,17 @@ _SLICE = 0.05  # seconds between checks while waiting for the stage-out thread
 _OUT_GRACE = SELF_GRACE  # a wait on the tree stage's result outlasts the tree stage's own deadline
 SHARED_EXT = struct.Struct("<qq")  # after a rank's descriptor: registered buffer (index + 1, bit 62: in place), byte offset
 _IN_PLACE = 1 << 62
-_COMM = struct.Struct("<14q")  # _core/node.h: hfr_comm
+COMM_FIELDS = ("base", "local_size", "local_rank", "depth", "chunk_bytes", "control_bytes", "red_bytes",
+               "flags_offset", "pid_offset", "desc_offset", "abort_offset", "rails", "spin", "yields")
+"""_core/node.h's ``hfr_comm``, field by field in its order (all int64; a test reads the header and compares)."""
+_COMM = struct.Struct(f"<{len(COMM_FIELDS)}q")
+
+
+def comm_spec(**fields: int) -> bytes:
+    """One ``hfr_comm`` for the compiled core, every field by name (:data:`COMM_FIELDS`, each exactly once)."""
+    if set(fields) != set(COMM_FIELDS):
+        raise TypeError(f"hfr_comm needs exactly {', '.join(COMM_FIELDS)}; got {', '.join(sorted(fields))}")
+    return _COMM.pack(*(fields[name] for name in COMM_FIELDS))
 JOB_FIELDS = ("mode", "first_chunk", "nchunks", "elems", "numel", "dtype", "op", "acc_dtype", "divisor", "src", "dst",
               "deadline_ns", "late_deadline_ns", "seq", "desc_bytes", "ext_bytes", "resume", "self_registered",
               "peer_in", "peer_out", "tree")
@@ -478,9 +488,11 @@ class NodeStage:
     # ------------------------------------------------------------------ the compiled core
     def _pack_comm(self) -> bytes:
         shape, base = self.shape, self.arena.base_address
-        return _COMM.pack(base, self.local_size, self.local_rank, shape.depth, shape.chunk_bytes, shape.control_bytes,
-                          shape.red_bytes, shape.flags_offset, shape.pid_offset, shape.desc_offset, shape.abort_offset,
-                          self.rails, self.config.spin, self.config.yields)
+        return comm_spec(base=base, local_size=self.local_size, local_rank=self.local_rank, depth=shape.depth,
+                         chunk_bytes=shape.chunk_bytes, control_bytes=shape.control_bytes, red_bytes=shape.red_bytes,
+                         flags_offset=shape.flags_offset, pid_offset=shape.pid_offset, desc_offset=shape.desc_offset,
+                         abort_offset=shape.abort_offset, rails=self.rails, spin=self.config.spin,
+                         yields=self.config.yields)
 
     def run_core(self, job: Job, oneshot: bool, *, resume: bool = False) -> Staged | None:
         """Run the node stage of ``job`` in the compiled core, when its plan is one the core takes.

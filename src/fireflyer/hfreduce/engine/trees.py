@@ -127,7 +127,13 @@ class TreeStage:
         self._core = core
         self._core_state = (ctypes.c_int32 * 4)()  # the compiled runs' root_ready[2] and done[2]
 
+    @property
+    def in_core(self) -> bool:
+        """Whether this stage runs its trees in the compiled core."""
+        return self._core is not None
+
     # ------------------------------------------------------------------ life cycle
+
     def connect(self, *, store: "torch.distributed.Store", host: str, secret: bytes, deadline: float) -> None:
         """Listen, connect to both parents, accept both trees' children, then start the four threads."""
         self.listener = Listener(host, secret, self.rank)
