@@ -96,6 +96,7 @@ CHAOS_SEED = int(os.environ.get("FIREFLYER_CHAOS_SEED") or secrets.randbelow(2**
 HEALING = re.compile(r"(node\d+): healing from a live replica at step (\d+)")
 """The line a replica's rank 0 prints as a heal's transfer begins."""
 STEP_FAILED = re.compile(r"step \d+ failed \(")
+LOST = re.compile(r"step \d+: (node\d+(?:, node\d+)*) lost; going on with")
 """The line a replica's rank 0 prints when a step fails on its node (the error follows)."""
 
 
@@ -333,7 +334,10 @@ def test_a_node_that_comes_back_as_the_run_ends_finds_it_done(straight, tmp_path
         run, _ = chaos.finish()
     same_bits(run, straight, chaos.why())
     log = (tmp_path / "late" / "logs" / "node1.log").read_text(errors="replace")
-    assert "while this node joined; nothing left to do" in log and "left behind" not in log, log[-2000:]
+    # held at its resume, it either asks for its quorum after the run ended (joined) or had asked before it was held
+    # and wakes past the request's deadline (waited for its quorum): both find the run done
+    assert re.search(r"while this node (joined|waited for its quorum); nothing left to do", log), log[-2000:]
+    assert "left behind" not in log, log[-2000:]
     assert log.count("failed (exitcode") == 1, log[-2000:]  # the kill's restart only
 
 
@@ -380,10 +384,13 @@ def test_three_nodes_killed_at_random_moments_keep_the_bits(straight, tmp_path):
     same_bits(run, straight, chaos.why())
     # each survivor's rank 0 prints the step its node saw fail; the record may have forgotten it (all three
     # nodes may be down at once, and a restart from the checkpoint begins a fresh record)
-    failed = [line.strip() for node in ("node0", "node1", "node2") for line in chaos.output(node)
-              if STEP_FAILED.search(line)]
-    print(f"{chaos.why()}; steps that failed: {failed}")
-    assert failed, f"no survivor saw a step fail: {chaos.why()}"
+    printed = [line.strip() for node in ("node0", "node1", "node2") for line in chaos.output(node)]
+    failed = [line for line in printed if STEP_FAILED.search(line)]
+    lost = [line for line in printed if LOST.search(line)]
+    print(f"{chaos.why()}; steps that failed: {failed}; losses seen between steps: {lost}")
+    # a death inside a step fails it; one that lands between steps (the freeze caught the node before its quorum
+    # request) shows as the next quorum without it: either way a survivor saw it
+    assert failed or lost, f"no survivor saw a node die: {chaos.why()}"
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,14 @@ class FaultTolerantTrainer(Trainer):
     def _begin(self, bar: Any) -> StepPlan | None:
         """The next quorum's plan; a quorum without a replica of the last one is a failure, recorded."""
         before = list(self.replica.record.quorums[-1]["replicas"]) if self.replica.record.quorums else None
-        plan = self.replica.begin()
+        try:
+            plan = self.replica.begin()
+        except TimeoutError:  # this node was paused past its quorum's deadline (frozen, stopped) and may wake late
+            latest = saved.latest_step(self.cfg.run.out)  # each rank reads it: a finished run's last step is final
+            if latest is not None and latest >= self.end_step:
+                raise _RunFinished(f"{self.where.node}: the run finished (step {latest} is committed) while this "
+                                   "node waited for its quorum; nothing left to do") from None
+            raise
         if plan is None:
             return None
         if plan.replicas != before:
