@@ -26,8 +26,11 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """Where the ranks find the Lighthouse (torchft's own variable)."""
 HEARTBEAT_TIMEOUT_MS = 1500
 """A replica that has not heartbeated for this long is left out of the next quorum."""
-JOIN_TIMEOUT_MS = 1000
-"""How long a quorum waits for the previous quorum's members before forming without them."""
+JOIN_TIMEOUT_MS = 5000
+"""How long a quorum waits for a member of the previous quorum that still heartbeats but has not asked for this one
+(a replica slow on a busy host) before forming without it. A dead replica stops heartbeating, so the quorum forms
+without it after :data:`HEARTBEAT_TIMEOUT_MS` whatever this is; a shorter wait only drops live replicas that must
+then heal back in."""
 QUORUM_TICK_MS = 50
 """How often the Lighthouse looks for a quorum it can form."""
 
