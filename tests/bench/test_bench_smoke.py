@@ -4,8 +4,10 @@ one small size, the table on stdout and the JSON and PNG where asked. No timing 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,19 @@ pytestmark = pytest.mark.multiproc
 def fireflyer(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fireflyer.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def busy_loops() -> set[int]:
+    """The pids of processes running ``--busy``'s loop."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if b"while True: pass" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.add(int(pid))
+            except OSError:
+                continue
+    return found
 
 
 @pytest.mark.timeout(180)
@@ -36,13 +51,17 @@ def test_allreduce_quick_prints_each_sizes_path(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_alltoall_quick(tmp_path):
+def test_alltoall_quick_on_a_busy_host(tmp_path):
     out_json, out_png = tmp_path / "a2a.json", tmp_path / "a2a.png"
+    before = busy_loops()
     done = fireflyer("bench", "alltoall", "--quick", "--layouts", "1x4", "--sizes", "64K", "--timeout", "60",
-                     "--json", str(out_json), "--png", str(out_png))
+                     "--busy", "1", "--json", str(out_json), "--png", str(out_png))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all_to_all_single fp32" in done.stdout and "64K" in done.stdout
+    assert "a busy host: 1 CPU-bound process beside the ranks (--busy 1)" in done.stdout
+    assert busy_loops() == before  # the busy process ended with the run
     doc = json.loads(out_json.read_text())
+    assert doc["config"]["busy"] == 1
     (row,) = doc["rows"]
     assert row["bytes"] == 64 << 10 and row["candidate"]["ops"] == 5 and row["gloo"]["ops"] == 5
     assert row["candidate"]["wrong"] == 0 and row["gloo"]["wrong"] == 0

@@ -33,6 +33,12 @@ def test_defaults_and_quick() -> None:
     assert quick.json_path == "/tmp/a.json"
     cfg = bench_exchange.build_config(["--sizes", "4M,64K,4M", "--iters", "3", "--warmup", "0", "--rounds", "4"])
     assert cfg.schedule == ((64 << 10, 3, 0), (4 * MiB, 3, 0)) and cfg.rounds == 4
+    assert cfg.busy == 0
+    busy = bench_exchange.build_config(["--busy", "2"])  # a busy run's default outputs sit beside the quiet ones
+    assert busy.busy == 2 and busy.json_path == "benchmarks/results/alltoall-busy2.json"
+    assert busy.png_path == "benchmarks/results/alltoall-busy2.png"
+    named = bench_exchange.build_config(["--busy", "2", "--json", "/tmp/b.json"])
+    assert named.json_path == "/tmp/b.json" and named.png_path == "benchmarks/results/alltoall-busy2.png"
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -48,6 +54,9 @@ def test_defaults_and_quick() -> None:
     (["--warmup", "-2"], "--warmup"),
     (["--rounds", "0"], "--rounds"),
     (["--timeout", "0"], "--timeout"),
+    (["--busy", "-1"], "--busy must be 0 to 64"),
+    (["--busy", "65"], "--busy must be 0 to 64"),
+    (["--busy", "two"], "--busy"),
     (["--bogus"], "--bogus"),
 ])
 def test_bad_flags_are_user_errors(argv, needle) -> None:
@@ -60,6 +69,7 @@ def test_bad_flags_are_user_errors(argv, needle) -> None:
     (["--layouts", "1x4,4"], "NODESxRANKS"),
     (["--iters", "-3"], "--iters"),
     (["--sizes", "6"], "multiple of"),
+    (["--busy", "-2"], "--busy must be 0 to 64"),
 ])
 def test_cli_bad_input_is_one_line_and_non_zero(args, needle) -> None:
     done = subprocess.run([sys.executable, "-m", "fireflyer.cli", "bench", "alltoall", *args],

@@ -146,6 +146,34 @@ def test_doc_fields_record_peers_and_floors() -> None:
     assert doc["dispatch_floor"]["1x4"]["time_s"] == 2.5e-6
     assert doc["layouts"][0]["notes"]["deepspeed"].startswith("DeepSpeed skipped")
     assert doc["speedups"]["1x4"][f"fp32/{64 * MiB}"]["openmpi"] == pytest.approx(1.6)
+    assert doc["config"]["busy"] == 0
+
+
+def test_a_busy_run_records_its_load_and_writes_beside_the_quiet_one() -> None:
+    quiet = bench.build_config(["--layouts", "1x4"])
+    assert quiet.busy == 0 and quiet.json_path == "benchmarks/results/allreduce.json"
+    busy = bench.build_config(["--layouts", "1x4", "--busy", "2"])
+    assert busy.busy == 2 and busy.json_path == "benchmarks/results/allreduce-busy2.json"
+    assert busy.png_path == "benchmarks/results/allreduce-busy2.png"
+    assert bench.doc_fields(busy, {}, [_result()])["config"]["busy"] == 2
+    for bad in ("-1", "65"):
+        with pytest.raises(bench.UserError, match="--busy must be 0 to 64"):
+            bench.build_config(["--busy", bad])
+
+
+def test_the_busy_processes_run_beside_the_block_and_end_with_it() -> None:
+    import os
+
+    from fireflyer.bench.harness import busy_host
+
+    with busy_host(0) as none:
+        assert none == []
+    with busy_host(2) as pids:
+        assert len(pids) == 2
+        for pid in pids:
+            assert b"while True: pass" in open(f"/proc/{pid}/cmdline", "rb").read()
+    for pid in pids:  # reaped: gone from /proc
+        assert not os.path.exists(f"/proc/{pid}")
 
 
 # -- the ranks' side ---------------------------------------------------------------------

@@ -29,10 +29,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser, doc_summary
+from fireflyer.cliutil import ArgumentParser, doc_summary, plural
 from fireflyer.errors import JobFailed, UserError
 from fireflyer.bench import allreduce_peers
-from fireflyer.bench.harness import bench_command, document, progress
+from fireflyer.bench.harness import bench_command, busy_host, document, progress
 from fireflyer.bench.harness import machine_info  # noqa: F401 - re-exported
 from fireflyer.bench.skeleton import run_bench
 from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for tests and callers
@@ -44,12 +44,14 @@ from fireflyer.bench.allreduce_report import (  # noqa: F401 - re-exported for t
     TABLE_SIZES,
     TRAFFIC_MODEL,
     _label,
+    add_busy_flag,
     add_output_flags,
     aggregate_copy_bw,
     algbw_gbps,
     build_row,
     busbw_factor,
     check_run_flags,
+    output_paths,
     default_iters,
     default_ops,
     default_warmup,
@@ -133,6 +135,8 @@ class BenchConfig:
     """Seconds DeepSpeed's op may take to JIT-build before the peer is skipped."""
     json_path: str = "benchmarks/results/allreduce.json"
     png_path: str = "benchmarks/results/allreduce.png"
+    busy: int = 0
+    """CPU-bound processes run beside the ranks for the whole run (``--busy``)."""
     engine: HFReduceConfig = field(default_factory=HFReduceConfig)
     """The engine's config as the candidate ranks read it (``HFReduceConfig.from_env()`` here: they
     inherit this environment), which decides the path each size takes."""
@@ -191,6 +195,7 @@ def build_config(argv: list[str]) -> BenchConfig:
     p.add_argument("--candidate", default="hfreduce", help="backend measured against the others (default hfreduce)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     add_output_flags(p, BenchConfig.json_path, BenchConfig.png_path)
+    add_busy_flag(p)
     p.add_argument("--quick", action="store_true", help="4K,1M,16M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
     dtypes = tuple(d.strip() for d in a.dtypes.split(",") if d.strip())
@@ -200,12 +205,13 @@ def build_config(argv: list[str]) -> BenchConfig:
     if not dtypes:
         raise UserError("--dtypes is empty; choose from " + ", ".join(DTYPE_ITEMSIZE))
     check_run_flags(a, also=("--floor-ops",))
+    json_path, png_path = output_paths(a, BenchConfig.json_path, BenchConfig.png_path)
     layouts = parse_layouts(a.layouts)
     schedule = op_schedule(_sizes(a), a.iters, a.warmup, a.quick)
     return BenchConfig(layouts=layouts, dtypes=dtypes, schedule=schedule,
                        systems=parse_systems(a.systems, a.candidate), rounds=a.rounds or (1 if a.quick else 2),
                        candidate=a.candidate, link_mbit=a.link_mbit, timeout_s=a.timeout, floor_ops=a.floor_ops,
-                       json_path=a.json, png_path=a.png, engine=engine_config())
+                       json_path=json_path, png_path=png_path, busy=a.busy, engine=engine_config())
 
 
 def engine_config() -> HFReduceConfig:
@@ -384,6 +390,7 @@ def doc_fields(cfg: BenchConfig, peers: dict[str, allreduce_peers.PeerStatus],
     return {
         "candidate": cfg.candidate,
         "config": {"dtypes": cfg.dtypes, "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
+                   "busy": cfg.busy,
                    "link_mbit": cfg.link_mbit, "floor_ops": cfg.floor_ops, "thresholds": thresholds(cfg.engine),
                    "timing": "each op's time is its slowest rank's; figures are medians over rounds x ops"},
         "peers": {name: st.to_json() for name, st in peers.items()},
@@ -433,10 +440,14 @@ def measure(cfg: BenchConfig) -> tuple[dict[str, allreduce_peers.PeerStatus], li
     if "candidate" in cfg.systems and cfg.candidate == "hfreduce":
         console.print(format_thresholds(thresholds(cfg.engine)), soft_wrap=True)
     results = []
-    for lay in cfg.layouts:
-        res = run_layout(cfg, lay, peers, say)
-        print_layout(console, cfg, res)
-        results.append(res)
+    with busy_host(cfg.busy) as hogs:
+        if hogs:
+            console.print(f"a busy host: {plural(len(hogs), 'CPU-bound process', 'CPU-bound processes')} "
+                          f"beside the ranks (--busy {cfg.busy})")
+        for lay in cfg.layouts:
+            res = run_layout(cfg, lay, peers, say)
+            print_layout(console, cfg, res)
+            results.append(res)
     return peers, results
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from fireflyer.bench.harness import (  # noqa: F401 - re-exported: the allreduce bench's callers and tests
     atomic_write,
+    busy_path,
+    check_busy,
     format_size,
     make_console,
     median,
@@ -223,10 +225,24 @@ def default_warmup(nbytes: int) -> int:
 
 def add_output_flags(p: Any, json_path: str, png_path: str) -> None:
     """The flags ``bench allreduce`` and ``bench alltoall`` name their two outputs with, ``--json`` and ``--png``,
-    on the argument parser ``p``, with their defaults."""
-    p.add_argument("--json", default=json_path, metavar="PATH", help=f"where the results go, as JSON (default {json_path})")
-    p.add_argument("--png", default=png_path, metavar="PATH",
-                   help=f"where the time-against-size plot goes (default {png_path})")
+    on the argument parser ``p``, with their defaults (read them through :func:`output_paths`)."""
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help=f"where the results go, as JSON (default {json_path}; with --busy N, {busy_path(json_path, 'N')})")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help=f"where the time-against-size plot goes (default {png_path}; with --busy N, "
+                        f"{busy_path(png_path, 'N')})")
+
+
+def output_paths(a: Any, json_path: str, png_path: str) -> tuple[str, str]:
+    """The JSON and PNG paths the flags name, or the defaults (``-busyN`` added on a busy run)."""
+    return a.json or busy_path(json_path, a.busy), a.png or busy_path(png_path, a.busy)
+
+
+def add_busy_flag(p: Any) -> None:
+    """``--busy N``, which ``bench allreduce`` and ``bench alltoall`` share."""
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="run N CPU-bound processes beside the ranks for the whole run (a busy host; default 0). "
+                        "The default outputs then get a -busyN suffix")
 
 
 def check_run_flags(a: Any, also: tuple[str, ...] = ()) -> None:
@@ -238,6 +254,7 @@ def check_run_flags(a: Any, also: tuple[str, ...] = ()) -> None:
         raise UserError(" and ".join(("--rounds", *also)) + " must be >= 1")
     if not a.link_mbit > 0 or not a.timeout > 0:
         raise UserError("--link-mbit and --timeout must be positive")
+    check_busy(a.busy)
 
 
 def parse_layouts(text: str) -> tuple[Layout, ...]:

@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size
+from fireflyer.cliutil import ArgumentParser, doc_summary, parse_size, plural
 from fireflyer.errors import UserError
 from fireflyer.bench import allreduce_peers
 from fireflyer.bench.allreduce import _check_candidate, run_layout, wrong_verdict
@@ -28,8 +28,10 @@ from fireflyer.bench.allreduce_report import (
     Layout,
     LayoutResult,
     _fmt,
+    add_busy_flag,
     add_output_flags,
     check_run_flags,
+    output_paths,
     format_ms,
     format_size,
     layout_title,
@@ -38,7 +40,7 @@ from fireflyer.bench.allreduce_report import (
     speedup,
     summarize,
 )
-from fireflyer.bench.harness import make_console, median, plot_loglog, progress, slowest_per_op
+from fireflyer.bench.harness import busy_host, make_console, median, plot_loglog, progress, slowest_per_op
 from fireflyer.bench.skeleton import run_bench
 
 MiB = 1 << 20
@@ -69,6 +71,8 @@ class ExchangeConfig:
     """Per-collective timeout in the ranks; the parent gives up on a round after 1.5x this."""
     json_path: str = "benchmarks/results/alltoall.json"
     png_path: str = "benchmarks/results/alltoall.png"
+    busy: int = 0
+    """CPU-bound processes run beside the ranks for the whole run (``--busy``)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -96,9 +100,11 @@ def build_config(argv: list[str]) -> ExchangeConfig:
     p.add_argument("--timeout", type=float, default=ExchangeConfig.timeout_s,
                    help="seconds before a stuck collective fails")
     add_output_flags(p, ExchangeConfig.json_path, ExchangeConfig.png_path)
+    add_busy_flag(p)
     p.add_argument("--quick", action="store_true", help="64K,4M, 1 round of 5 ops: a smoke run")
     a = p.parse_args(argv)
     check_run_flags(a)
+    json_path, png_path = output_paths(a, ExchangeConfig.json_path, ExchangeConfig.png_path)
     layouts = parse_layouts(a.layouts)
     if a.sizes is not None:
         sizes = sorted({parse_size(t) for t in a.sizes.split(",") if t.strip()})
@@ -113,7 +119,7 @@ def build_config(argv: list[str]) -> ExchangeConfig:
                                 f"{lay.world} ranks of {lay.name}; give a multiple of {ITEMSIZE * lay.world} bytes")
     schedule = op_schedule(sizes, a.iters, a.warmup, a.quick)
     return ExchangeConfig(layouts=layouts, schedule=schedule, rounds=a.rounds or (1 if a.quick else 2),
-                          link_mbit=a.link_mbit, timeout_s=a.timeout, json_path=a.json, png_path=a.png)
+                          link_mbit=a.link_mbit, timeout_s=a.timeout, json_path=json_path, png_path=png_path, busy=a.busy)
 
 
 # -- the figures (unit-tested) --------------------------------------------------------------
@@ -184,7 +190,7 @@ def doc_fields(cfg: ExchangeConfig, results: list[LayoutResult]) -> dict[str, An
         "collective": "all_to_all_single",
         "candidate": CANDIDATE,
         "config": {"dtype": "fp32", "schedule": cfg.schedule, "rounds": cfg.rounds, "systems": cfg.systems,
-                   "timeout_s": cfg.timeout_s,
+                   "timeout_s": cfg.timeout_s, "busy": cfg.busy,
                    "timing": "each op's time is its slowest rank's; figures are medians over rounds x ops",
                    "bytes": "what each rank sends in all (its whole input), split evenly over the ranks"},
         "layouts": [{k: v for k, v in asdict(r).items()
@@ -223,10 +229,14 @@ def measure(cfg: ExchangeConfig) -> list[LayoutResult]:
     _check_candidate(CANDIDATE)
     console, say = make_console(), progress()
     results = []
-    for lay in cfg.layouts:
-        res = run_layout(cfg, lay, {}, say, measure=_measure)
-        print_layout(console, res)
-        results.append(res)
+    with busy_host(cfg.busy) as hogs:
+        if hogs:
+            console.print(f"a busy host: {plural(len(hogs), 'CPU-bound process', 'CPU-bound processes')} "
+                          f"beside the ranks (--busy {cfg.busy})")
+        for lay in cfg.layouts:
+            res = run_layout(cfg, lay, {}, say, measure=_measure)
+            print_layout(console, res)
+            results.append(res)
     return results
 
 

@@ -15,11 +15,14 @@ import datetime as _dt
 import json
 import os
 import platform as _platform
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from fireflyer import fsutil
+from fireflyer import fsutil, lifetime
 from fireflyer.errors import UserError
 
 MiB = 1 << 20
@@ -149,6 +152,47 @@ def progress() -> Callable[[str], None]:
     """A function that prints one line of progress, dim and indented, on stderr."""
     err = make_console(stderr=True)
     return lambda message: err.print(f"[dim]  {message}[/dim]")
+
+
+# -- a busy host -------------------------------------------------------------------------------
+
+MAX_BUSY = 64
+"""The most CPU-bound processes ``--busy`` starts."""
+
+
+def check_busy(n: int) -> int:
+    """``--busy N``: 0 to :data:`MAX_BUSY` processes, or a one-line :class:`UserError`."""
+    if not 0 <= n <= MAX_BUSY:
+        raise UserError(f"--busy must be 0 to {MAX_BUSY} CPU-bound processes, got {n}")
+    return n
+
+
+def busy_path(path: str, busy: int | str) -> str:
+    """Where a result goes by default when ``busy`` processes ran beside it: ``name-busyN.ext`` (``path`` at 0),
+    so a quiet and a busy run of the same benchmark sit side by side."""
+    if not busy:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-busy{busy}{ext}"
+
+
+@contextlib.contextmanager
+def busy_host(n: int) -> Iterator[list[int]]:
+    """``n`` CPU-bound processes (a Python loop each, never sleeping) running beside the block, as a training
+    node's data loaders and Python loop keep its cores busy; their pids. They end with the block, and with this
+    process whatever ends it (the parent-death signal), so none outlives a benchmark."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(check_busy(n)):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          preexec_fn=lifetime.tied_to_me(signal.SIGKILL)))
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(timeout=30)
 
 
 # -- sizes (parse_size: fireflyer.cliutil's) -------------------------------------------
