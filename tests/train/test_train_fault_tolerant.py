@@ -93,6 +93,8 @@ def test_layouts_without_a_replica_are_refused_in_one_line(flags, says, tmp_path
 CHAOS_SEED = int(os.environ.get("FIREFLYER_CHAOS_SEED") or secrets.randbelow(2**31))
 """The seed every trial's moments and victims are drawn from (with the test's name); each assertion names it:
 ``FIREFLYER_CHAOS_SEED=<seed>`` draws the same ones again."""
+PROGRESS = re.compile(r"step\s+(\d+)/\d+  loss ")
+"""A progress line of rank 0 of a node (every 20 steps of a 400-step run)."""
 HEALING = re.compile(r"(node\d+): healing from a live replica at step (\d+)")
 """The line a replica's rank 0 prints as a heal's transfer begins."""
 STEP_FAILED = re.compile(r"step \d+ failed \(")
@@ -266,6 +268,16 @@ class Chaos:
         log = self.out / "logs" / f"{node}.log"
         return log.read_text(errors="replace").splitlines() if log.exists() else []
 
+    def wait_stepped(self, step: int, node: str, timeout: float = 240.0) -> None:
+        """Wait for ``node``'s progress line of a committed step at or past ``step`` (a line every 20 steps)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any((m := PROGRESS.search(line)) and int(m.group(1)) >= step for line in self.output(node)):
+                return
+            assert self.proc.poll() is None, f"the run ended before {node} printed step {step}; {self.why()}"
+            time.sleep(0.005)
+        raise AssertionError(f"{node} did not print step {step} within {timeout:.0f}s; {self.why()}")
+
     def wait_heal(self, node: str, seen: int, timeout: float = 240.0) -> int:
         """Wait for ``node`` to begin a heal past step 0 after its first ``seen`` lines; the heal's step."""
         deadline = time.monotonic() + timeout
@@ -319,14 +331,23 @@ def wait_committed(out: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 def ft_run(out: Path, kills: list[tuple[int, str]], *extra: str, rejoin: bool = False) -> tuple[dict, str]:
     """A fault-tolerant run with the ranks of node ``n`` SIGKILLed once step ``s`` is committed, for each (s, n).
-    ``rejoin``: the survivors are slowed until the killed node heals back in (:meth:`Chaos.slowed`)."""
+    ``rejoin``: ``s`` is a step between checkpoints that a survivor prints (a multiple of 20, not of 25); once the
+    survivors are there the node is killed and they are slowed until it heals back in (:meth:`Chaos.slowed`).
+    They are past the checkpoint it restarts from, so it must heal: had they been at that very step when it
+    asked its quorum (as when it is killed just after a checkpoint and they are slowed at once), it would join
+    with nothing to heal."""
     with Chaos(out, [*RUN, *extra], "ft_run") as chaos:
         for step, node in kills:
-            chaos.wait_committed(step)
+            survivors = [n for n in ("node0", "node1", "node2") if n != node]
+            if rejoin:
+                assert step % 20 == 0 and step % 25 != 0, step
+                chaos.wait_stepped(step, survivors[0])
+            else:
+                chaos.wait_committed(step)
             seen = len(chaos.output(node))
             chaos.send(node, signal.SIGKILL)
             if rejoin:
-                with chaos.slowed([n for n in ("node0", "node1", "node2") if n != node]):
+                with chaos.slowed(survivors):
                     chaos.wait_heal(node, seen)
         return chaos.finish()
 
@@ -354,7 +375,7 @@ def same_bits(run: dict, straight: dict, why: str = "") -> None:
 
 @pytest.mark.multiproc
 def test_a_node_killed_mid_run_leaves_the_bits_of_a_run_that_never_failed(straight, tmp_path):
-    run, printed = ft_run(tmp_path / "one", [(50, "node1")], "--order", "canonical", rejoin=True)
+    run, printed = ft_run(tmp_path / "one", [(60, "node1")], "--order", "canonical", rejoin=True)
     same_bits(run, straight)
     ft = run["fault_tolerance"]
     assert len(ft["failures"]) == 1 and ft["failures"][0]["lost"] == ["node1"], ft["failures"]
@@ -362,7 +383,7 @@ def test_a_node_killed_mid_run_leaves_the_bits_of_a_run_that_never_failed(straig
     assert ft["failures"][0]["recovered_s"] is not None
     rejoined = [q for q in ft["quorums"] if q["step"] > ft["failures"][0]["step"] and "node1" in q["replicas"]]
     assert rejoined, "the restarted node never rejoined"
-    assert any(h["replica"] == "node1" and h["step"] >= 50 and h["bytes"] > 0 for h in ft["heals"]), ft["heals"]
+    assert any(h["replica"] == "node1" and h["step"] >= 60 and h["bytes"] > 0 for h in ft["heals"]), ft["heals"]
     assert ft["dropped_micro_batches"] == 0
     assert "node1 lost, 3 -> 2 replicas" in printed
 
