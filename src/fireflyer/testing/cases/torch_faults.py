@@ -53,6 +53,17 @@ def _stay_away(ctx) -> dict:
     return _leave({"victim": True})
 
 
+def _passed(ctx, label: str) -> None:
+    """Tells the cell's store this rank is past ``label``."""
+    ctx.store.set(f"{_CELL['name']}/{label}/{ctx.rank}", "1")
+
+
+def _wait_passed(ctx, label: str) -> None:
+    """Until every rank of the cell is past ``label`` (told by ``_passed``)."""
+    keys = [f"{_CELL['name']}/{label}/{r}" for r in range(ctx.world_size)]
+    ctx.store.wait(keys, timedelta(seconds=60))
+
+
 def _die_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -307,8 +318,10 @@ def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
     else:
         raise UserError(who)
     _step(model)  # one good step through the wrapper
+    _passed(ctx, "good-step")
     if ctx.rank == victim:
-        if fault == "between":
+        if fault == "between":  # between steps on every rank: not while a peer still finishes the good one
+            _wait_passed(ctx, "good-step")
             _die_now()
         if fault == "during":
             _die_soon(0.05)
