@@ -29,8 +29,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ PROGRESS = re.compile(r"step\s+(\d+)/\d+  loss ")
 """A progress line of rank 0 of a node (every 20 steps of a 400-step run)."""
 HEALING = re.compile(r"(node\d+): healing from a live replica at step (\d+)")
 """The line a replica's rank 0 prints as a heal's transfer begins."""
+T = TypeVar("T")
 STEP_FAILED = re.compile(r"step \d+ failed \(")
 LOST = re.compile(r"step \d+: (node\d+(?:, node\d+)*) lost; going on with")
 """The line a replica's rank 0 prints when a step fails on its node (the error follows)."""
@@ -270,25 +272,16 @@ class Chaos:
 
     def wait_stepped(self, step: int, node: str, timeout: float = 240.0) -> None:
         """Wait for ``node``'s progress line of a committed step at or past ``step`` (a line every 20 steps)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any((m := PROGRESS.search(line)) and int(m.group(1)) >= step for line in self.output(node)):
-                return
-            assert self.proc.poll() is None, f"the run ended before {node} printed step {step}; {self.why()}"
-            time.sleep(0.005)
-        raise AssertionError(f"{node} did not print step {step} within {timeout:.0f}s; {self.why()}")
+        watch(lambda: any((m := PROGRESS.search(line)) and int(m.group(1)) >= step for line in self.output(node)),
+              self.proc, f"{node} printed step {step}", timeout, self.why)
 
     def wait_heal(self, node: str, seen: int, timeout: float = 240.0) -> int:
         """Wait for ``node`` to begin a heal past step 0 after its first ``seen`` lines; the heal's step."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.output(node)[seen:]:
-                m = HEALING.search(line)
-                if m and m.group(1) == node and int(m.group(2)) > 0:
-                    return int(m.group(2))
-            assert self.proc.poll() is None, f"the run ended before {node} healed; {self.why()}"
-            time.sleep(0.005)
-        raise AssertionError(f"{node} did not heal within {timeout:.0f}s; {self.why()}")
+        def healed() -> int:
+            steps = [int(m.group(2)) for line in self.output(node)[seen:]
+                     if (m := HEALING.search(line)) and m.group(1) == node]
+            return next((s for s in steps if s > 0), 0)
+        return watch(healed, self.proc, f"{node} healed", timeout, self.why)
 
     def finish(self, timeout: float = 400.0) -> tuple[dict, str]:
         """The run's record and output, once it ended well, with no process, thread or /dev/shm file left."""
@@ -319,14 +312,22 @@ class Chaos:
         lifetime.sweep(self.mark)
 
 
-def wait_committed(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+def watch(found: Callable[[], T], proc: subprocess.Popen, what: str, timeout: float,
+          why: Callable[[], str] = lambda: "") -> T:
+    """``found()``'s first true value, polled while ``proc`` runs; an AssertionError naming ``what`` if the run
+    ends first or ``timeout`` passes (with ``why()``, the run's state, when given)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (out / "ckpt").is_dir() and any(s >= step for s in committed_steps(str(out / "ckpt"))):
-            return
-        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before step {step}"
+        if got := found():
+            return got
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {what}; {why()}"
         time.sleep(0.01)
-    raise AssertionError(f"step {step} was not committed within {timeout:.0f}s")
+    raise AssertionError(f"{what} did not come within {timeout:.0f}s; {why()}")
+
+
+def wait_committed(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    watch(lambda: (out / "ckpt").is_dir() and any(s >= step for s in committed_steps(str(out / "ckpt"))),
+          proc, f"step {step} committed", timeout)
 
 
 def ft_run(out: Path, kills: list[tuple[int, str]], *extra: str, rejoin: bool = False) -> tuple[dict, str]:
