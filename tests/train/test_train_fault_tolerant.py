@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import torch
@@ -42,6 +41,7 @@ from fireflyer import cli, lifetime  # noqa: E402
 from fireflyer.checkpoint.manager import committed_steps  # noqa: E402
 from fireflyer.hfreduce.plans.canonical import canonical_sum  # noqa: E402
 from fireflyer.testing.cli import fireflyer  # noqa: E402
+from fireflyer.testing.waiting import T, wait_until  # noqa: E402
 from fireflyer.train.fault_tolerant import (micro_blocks, node_ranks, own_blocks, tree_blocks,  # noqa: E402
                                             tree_over_blocks)
 
@@ -98,7 +98,6 @@ PROGRESS = re.compile(r"step\s+(\d+)/\d+  loss ")
 """A progress line of rank 0 of a node (every 20 steps of a 400-step run)."""
 HEALING = re.compile(r"(node\d+): healing from a live replica at step (\d+)")
 """The line a replica's rank 0 prints as a heal's transfer begins."""
-T = TypeVar("T")
 STEP_FAILED = re.compile(r"step \d+ failed \(")
 LOST = re.compile(r"step \d+: (node\d+(?:, node\d+)*) lost; going on with")
 """The line a replica's rank 0 prints when a step fails on its node (the error follows)."""
@@ -316,13 +315,11 @@ def watch(found: Callable[[], T], proc: subprocess.Popen, what: str, timeout: fl
           why: Callable[[], str] = lambda: "") -> T:
     """``found()``'s first true value, polled while ``proc`` runs; an AssertionError naming ``what`` if the run
     ends first or ``timeout`` passes (with ``why()``, the run's state, when given)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if got := found():
-            return got
-        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {what}; {why()}"
-        time.sleep(0.01)
-    raise AssertionError(f"{what} did not come within {timeout:.0f}s; {why()}")
+    def ready() -> T:
+        got = found()
+        assert got or proc.poll() is None, f"the run ended (code {proc.returncode}) before {what}; {why()}"
+        return got
+    return wait_until(ready, timeout, what, poll=0.01, detail=why)
 
 
 def wait_committed(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240.0) -> None:
