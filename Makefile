@@ -5,15 +5,18 @@ BIN    := $(VENV)/bin
 # extras on top of it (the tests, the docs build, the benches' test-side peers).
 STAMP     := $(VENV)/.installed
 STAMP_DEV := $(VENV)/.installed-dev
-INPUTS := pyproject.toml setup.py constraints.txt $(wildcard src/fireflyer/hfreduce/_core/*.[ch])
+INPUTS := pyproject.toml setup.py constraints.txt $(wildcard src/fireflyer/hfreduce/_core/*.[ch]) \
+          src/fireflyer/hfreduce/backend/door.cpp
 
 .PHONY: demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# hfreduce's C++ door is compiled here, against the torch just installed (a failed build leaves the Python door).
 $(STAMP): $(BIN)/python $(INPUTS)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	-$(BIN)/python -c 'import sys; from fireflyer.hfreduce.backend import cpp_door; sys.exit(cpp_door.main([]))'
 	touch $(STAMP)
 
 # Builds on the package's install, so `make demo` then `make test` downloads torch and the rest once.
@@ -34,4 +37,4 @@ bench: $(STAMP_DEV)
 	$(BIN)/fireflyer bench pp
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/fireflyer/hfreduce/_core.*.so
+	rm -rf $(VENV) build src/*.egg-info src/fireflyer/hfreduce/_core.*.so src/fireflyer/hfreduce/backend/_door

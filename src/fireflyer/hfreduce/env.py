@@ -48,6 +48,9 @@ TRACE_DIR = f"{PREFIX}TRACE_DIR"
 """Where flight-recorder dumps go (default: beside a platform task's logs, else a folder per job in tmp)."""
 TRACE_STACK = f"{PREFIX}TRACE_STACK"
 """Set, and not ``0``: the flight recorder keeps the Python stack of each collective too."""
+DOOR = f"{PREFIX}DOOR"
+"""``python``: groups take the Python door, not the C++ one (``backend/door.cpp``); default ``cpp``, which falls
+back to the Python door, with a one-line warning, where the C++ door cannot be built or loaded."""
 NO_FUTEX = "FIREFLYER_NO_FUTEX"
 """Set: waits on shared flags sleep in short steps instead of on a futex."""
 

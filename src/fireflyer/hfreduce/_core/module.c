@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "node.h"
 
 static int isa_by_name(const char *name) {
     for (int isa = HFR_ISA_PORTABLE; isa <= HFR_ISA_AVX512; isa++)
@@ -167,6 +168,13 @@ PyMODINIT_FUNC PyInit__core(void) {
     }
     if (PyModule_AddObject(m, "isa_note", note) < 0) {
         Py_DECREF(note);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* hfr_node_run itself, for the C++ door (backend/door.cpp), which calls it without Python */
+    PyObject *run = PyCapsule_New((void *)hfr_node_run, NODE_RUN_CAPSULE, NULL);
+    if (run == NULL || PyModule_AddObject(m, "node_run_capsule", run) < 0) {
+        Py_XDECREF(run);
         Py_DECREF(m);
         return NULL;
     }

@@ -99,6 +99,9 @@ typedef struct {
  * with HFR_INTERRUPTED. NULL: never interrupted. */
 typedef int (*hfr_interrupt_hook)(void *arg);
 
+/* The name of the capsule that _core.node_run_capsule holds: this function's address. */
+#define NODE_RUN_CAPSULE "fireflyer.hfreduce._core.hfr_node_run"
+
 int hfr_node_run(const hfr_comm *comm, const hfr_job *job, hfr_where *where, hfr_interrupt_hook interrupted,
                  void *arg);
 

@@ -15,6 +15,7 @@ implements; every other collective raises ``NotImplementedError`` naming it.
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from fireflyer.hfreduce.plans import collectives
-from fireflyer.hfreduce.backend import spread
+from fireflyer.hfreduce.backend import cpp_door, spread
 from fireflyer.hfreduce.engine.communicator import Communicator, HFReduceConfig
 from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.diagnosis.flight import trace_of
@@ -97,6 +98,20 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         self._monitored = 0
         self.comm = Communicator(store, rank, world_size, config=config, group_name=group_name,
                                  global_ranks=global_ranks)
+        # The C++ door (cpp_door.py): small one-node allreduces without Python between the call and the core.
+        self._door = None
+        compiled = cpp_door.load() if self.comm.fast_door is not None else None
+        if compiled is not None:
+            self._door = compiled.Door(self.comm.fast_door, weakref.ref(self), DOOR_OPS,
+                                       self.comm.core.node_run_capsule)
+
+    @property
+    def door(self) -> str:
+        """Which door this group's small allreduces take: ``"cpp"``, ``"python"``, or ``"none"`` (several nodes,
+        or no compiled core: every allreduce takes the engine's general path)."""
+        if self._door is not None:
+            return "cpp"
+        return "python" if self.comm.fast_door is not None else "none"
 
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -158,6 +173,10 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
 
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if self._door is not None and opts is not None and type(tensors) is list:
+            work = self._door.run(tensors, opts)
+            if work is not None:
+                return work
         op = _op(opts)
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
@@ -168,10 +187,24 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
                 if self.comm.allreduce_now(t, op, seconds(opts.timeout)):
                     return DoneWork(tensors, self.comm.last_number, "all_reduce")
             except HFReduceError as exc:
-                failed: torch.futures.Future = torch.futures.Future()
-                failed.set_exception(exc)
-                return HFReduceWork(self.comm, [failed], tensors, seqs=[self.comm.last_number], what="all_reduce")
+                return self._failed(exc, tensors, "all_reduce")
         return self._work([collectives.allreduce(t, op, self.size())], tensors, opts, "all_reduce", [t], [t])
+
+    def _failed(self, exc: HFReduceError, tensors: list[torch.Tensor], what: str) -> HFReduceWork:
+        """The Work of a collective that failed in the caller's thread: ``wait()`` raises ``exc``, as torch expects."""
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_exception(exc)
+        return HFReduceWork(self.comm, [failed], tensors, seqs=[self.comm.last_number], what=what)
+
+    def _door_settle(self, tensors: list[torch.Tensor], slot, ticket, rc: int, stage: int, k: int, chunk: int,
+                     interrupt: BaseException | None) -> dist.Work:
+        """What the core handed back to the C++ door (a mismatch to finish, a failure, Ctrl-C), settled as the
+        Python door settles it."""
+        try:
+            self.comm.fast_door.settle(slot, tensors[0], ticket, rc, stage, k, chunk, interrupt)
+        except HFReduceError as exc:
+            return self._failed(exc, tensors, "all_reduce")
+        return DoneWork(tensors, ticket[0], "all_reduce")
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _op(opts)
@@ -348,6 +381,13 @@ def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
     ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or range(dist_opts.group_size))
     return HFReduceProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, config,
                                 group_name=str(getattr(dist_opts, "group_id", "") or ""), global_ranks=ranks)
+
+
+DOOR_OPS = [int(_OPS[getattr(dist.ReduceOp, name)]) if hasattr(dist.ReduceOp, name) and
+            getattr(dist.ReduceOp, name) in _OPS else -1
+            for name in dist.ReduceOp.RedOpType.__members__]
+"""torch's reduce ops, by their number (``ReduceOp.RedOpType``), as hfreduce's :class:`Op`; -1 where the door
+hands the call to the Python door (``PREMUL_SUM``, which it refuses by name)."""
 
 
 def engine_of(group: object) -> Communicator | None:

@@ -284,6 +284,16 @@ class Communicator:
         in the flight recorder as the engine would enter ``plan``; returns the number."""
         return self._jobs.number_plan(plan)
 
+    @property
+    def fast_door(self) -> FastDoor | None:
+        """The door of small one-node allreduces (None where there are several nodes or no compiled core)."""
+        return self._door
+
+    @property
+    def core(self):
+        """The compiled core this communicator runs (``fireflyer.hfreduce._core``), or None (the Python reference)."""
+        return self._node_stage.core if self._node_stage is not None else None
+
     def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
         """``dist.all_reduce`` of a small contiguous CPU tensor on one node, as one call of the core.
 

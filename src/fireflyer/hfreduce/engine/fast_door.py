@@ -4,6 +4,15 @@ The same protocol, descriptors, flight record and errors as the general path, wi
 of its bookkeeping: no plan or job unless the core hands the collective back (a
 descriptor it does not judge, or a registered peer buffer), when the node stage's Python
 loop finishes it from there.
+
+A call goes through four steps, each a method, so that the C++ door (``backend/door.cpp``)
+runs the middle one without Python and this module keeps the rules:
+
+1. :meth:`FastDoor.slot`: what the door packs for the core for this dtype, shape and op (kept per shape);
+2. :meth:`FastDoor.enter`: the collective's number, flight record and deadline, when the engine is free;
+3. the descriptor and the core's run (:meth:`FastDoor.run` here, ``door.cpp`` in C++);
+4. :meth:`FastDoor.done` when the core finished it, else :meth:`FastDoor.settle` (a mismatch or a registered
+   peer finished in Python, or the failure raised).
 """
 
 from __future__ import annotations
@@ -30,12 +39,46 @@ from fireflyer.hfreduce.engine.node_stage import (
 from fireflyer.hfreduce.plans.plan import DESCRIPTOR_BYTES, DTYPES, Descriptor, Kind, Op, Plan, acc_dtype, check_op
 from fireflyer.errors import UserError
 
+Ticket = tuple[int, int, int, "float | None", float]
+"""What :meth:`FastDoor.enter` hands out: (seq, the group's chunk number, deadline in CLOCK_MONOTONIC ns,
+the call's own timeout or None, the seconds it runs under)."""
+
+
+class Slot:
+    """What the door keeps for one (dtype, shape, op): the descriptor, its packed bytes, the core's job without
+    the per-call fields (``job``: an ``hfr_job`` whose first chunk, addresses, deadlines and seq are 0) and the
+    flight record's trace."""
+
+    __slots__ = ("desc", "packed", "job", "trace", "numel", "op", "dtype", "acc", "divisor", "tree")
+
+    def __init__(self, desc: Descriptor, trace: tuple, *, divisor: int, tree: bool) -> None:
+        self.desc = desc
+        self.packed = desc.pack() + bytes(SHARED_EXT.size)
+        self.trace = trace
+        self.numel = desc.numel
+        self.op = desc.op
+        self.dtype = DTYPES[desc.dtype]
+        self.acc = DTYPES[acc_dtype(desc.dtype, desc.op)]
+        self.divisor = divisor
+        self.tree = int(tree)
+        self.job = self.spec(0, 0, 0, 0)
+
+    def spec(self, first_chunk: int, ptr: int, deadline_ns: int, seq: int) -> bytes:
+        """The core's ``hfr_job`` for one call, in place at ``ptr``."""
+        return job_spec(mode=ONESHOT, first_chunk=first_chunk, nchunks=1, elems=max(1, self.numel), numel=self.numel,
+                        dtype=self.dtype, op=int(self.op), acc_dtype=self.acc, divisor=self.divisor, src=ptr, dst=ptr,
+                        deadline_ns=deadline_ns, late_deadline_ns=deadline_ns, seq=seq, desc_bytes=DESCRIPTOR_BYTES,
+                        ext_bytes=SHARED_EXT.size, resume=0, self_registered=0, peer_in=0, peer_out=0, tree=self.tree)
+
 
 class FastDoor:
     """The door for one communicator on one node whose core is built (see the module docstring).
 
     ``timeout()`` is the communicator's default timeout, in seconds.
     """
+
+    MAX_SLOTS = 1024
+    """Shapes kept at once; past it the door starts its list again."""
 
     def __init__(self, *, node: NodeStage, jobs: Jobs, failures: Failures, flight: FlightRecorder,
                  timeout: Callable[[], float]) -> None:
@@ -44,60 +87,99 @@ class FastDoor:
         self._failures = failures
         self._flight = flight
         self._timeout = timeout
-        self._fast: dict = {}  # (dtype, shape, op) -> what the door packs for the core, and its trace
+        self._slots: dict[tuple, Slot | None] = {}  # (dtype, shape, op) -> its slot, None where the door declines
 
-    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
-        """True when it ran (its error raised otherwise); False when it is not a collective this door
-        takes, or the engine is busy (the caller then takes the general path)."""
-        node, jobs = self._node, self._jobs
-        if jobs.closed or self._failures.error is not None:
-            return False
+    # ------------------------------------------------------------------ for the C++ door
+    @property
+    def descriptor_address(self) -> tuple[int, int, int, int, int]:
+        """Where the descriptors lie: (address of buffer 0's, bytes per rank's descriptor, ranks per buffer,
+        this rank's index, buffers); rank ``k``'s in buffer ``b`` is at ``address + (b * ranks + k) * bytes``."""
+        node = self._node
+        return (node.arena.descriptor_address(0, 0), node.arena.descriptor_bytes, node.local_size,
+                node.local_rank, node.config.depth)
+
+    @property
+    def core_comm(self) -> bytes:
+        """The core's ``hfr_comm`` for this communicator."""
+        return self._node.core_comm
+
+    # ------------------------------------------------------------------ the four steps
+    def slot(self, tensor: torch.Tensor, op: Op) -> Slot | None:
+        """What the door packs for ``tensor``'s dtype and shape and ``op``; None where it does not take them
+        (a dtype the core lacks, or more than one chunk). An op the dtype cannot take raises, as on every path."""
         key = (tensor.dtype, tensor.shape, op)
-        fast = self._fast.get(key)
-        if fast is None:
-            dtype, numel, cfg = tensor.dtype, tensor.numel(), node.config
-            if dtype not in CORE_DTYPES or numel * dtype.itemsize > min(cfg.oneshot_bytes, cfg.chunk_bytes):
-                return False
+        try:
+            return self._slots[key]
+        except KeyError:
+            pass
+        dtype, numel, cfg = tensor.dtype, tensor.numel(), self._node.config
+        slot = None
+        if dtype in CORE_DTYPES and numel * dtype.itemsize <= min(cfg.oneshot_bytes, cfg.chunk_bytes):
             check_op(op, dtype)
-            desc = Descriptor(Kind.ALLREDUCE, dtype, numel, op)
-            if len(self._fast) > 1024:
-                self._fast.clear()
             # The flight record keeps the trace's lists: one pair per shape, so a call leaves none behind.
             sizes, dtypes = trace_of([tensor])
-            fast = self._fast[key] = (desc, desc.pack() + bytes(SHARED_EXT.size), DTYPES[dtype],
-                                      DTYPES[acc_dtype(dtype, op)], node.world_size if op == Op.AVG else 0,
-                                      numel, (sizes, dtypes, sizes, dtypes))
-        if not tensor.is_contiguous() or tensor.is_cuda or (node.shared is not None and
-                                                             node.shared.locate(tensor) is not None):
-            return False
+            slot = Slot(Descriptor(Kind.ALLREDUCE, dtype, numel, op), (sizes, dtypes, sizes, dtypes),
+                        divisor=self._node.world_size if op == Op.AVG else 0, tree=self._node.tree)
+        if len(self._slots) >= self.MAX_SLOTS:
+            self._slots.clear()
+        self._slots[key] = slot
+        return slot
+
+    def enter(self, slot: Slot, ptr: int, nbytes: int, timeout: float | None) -> Ticket | None:
+        """Number the collective and record it, when the engine is free and the group has not failed; None
+        otherwise, or where the bytes at ``ptr`` are a registered buffer (the general path takes it then)."""
+        node, jobs = self._node, self._jobs
+        if jobs.closed or self._failures.error is not None:
+            return None
+        if node.shared is not None and node.shared.locate_bytes(ptr, nbytes) is not None:
+            return None
         if timeout is not None and not timeout > 0:
             raise UserError(f"a collective's timeout must be positive seconds, got {timeout}")
-        desc, packed, dtype_code, acc_code, divisor, numel, trace = fast
         seconds = timeout or self._timeout()
+        trace = slot.trace
         seq = jobs.claim(lambda seq: self._flight.record(seq, "allreduce", input_sizes=trace[0],
                                                          input_dtypes=trace[1], output_sizes=trace[2],
                                                          output_dtypes=trace[3], timeout_s=seconds))
         if seq is None:
-            return False
+            return None
+        g = node.chunk
+        node.chunk += 1
+        self._flight.started(seq)
+        return seq, g, int((time.monotonic() + seconds) * 1e9), timeout, seconds
+
+    def run(self, slot: Slot, ptr: int, ticket: Ticket) -> tuple[int, int, int, int]:
+        """Step 3 in Python: the descriptor, then the core's run; (rc, stage, local rank, chunk) as the core left
+        them. Raises what interrupted it (Ctrl-C)."""
+        node = self._node
+        seq, g, deadline_ns = ticket[0], ticket[1], ticket[2]
+        node.arena.write_descriptor(node.local_rank, seq.to_bytes(8, "little") + slot.packed, g % node.config.depth)
+        rc, stage, k, chunk, _ = node.core.node_run(node.core_comm, slot.spec(g, ptr, deadline_ns, seq))
+        return rc, stage, k, chunk
+
+    def done(self, seq: int) -> None:
+        """Step 4 when the core finished collective ``seq``."""
         try:
-            g = node.chunk
-            node.chunk += 1
-            deadline = time.monotonic() + seconds
-            self._flight.started(seq)
-            node.arena.write_descriptor(node.local_rank, seq.to_bytes(8, "little") + packed, g % node.config.depth)
-            ptr = tensor.data_ptr()
-            rc, stage, k, chunk, _ = node.core.node_run(node.core_comm, job_spec(
-                mode=ONESHOT, first_chunk=g, nchunks=1, elems=max(1, numel), numel=numel, dtype=dtype_code,
-                op=int(op), acc_dtype=acc_code, divisor=divisor, src=ptr, dst=ptr, deadline_ns=int(deadline * 1e9),
-                late_deadline_ns=int(deadline * 1e9), seq=seq, desc_bytes=DESCRIPTOR_BYTES,
-                ext_bytes=SHARED_EXT.size, resume=0, self_registered=0, peer_in=0, peer_out=0, tree=int(node.tree)))
+            self._flight.completed(seq)
+        finally:
+            self._jobs.release()
+
+    def settle(self, slot: Slot, tensor: torch.Tensor, ticket: Ticket, rc: int, stage: int, k: int, chunk: int,
+               interrupt: BaseException | None = None) -> None:
+        """Step 4 otherwise: finish in Python what the core handed back (``rc`` need-Python), or fail the group
+        with what stopped it (its named error, raised; ``interrupt``, raised as it is)."""
+        node, jobs = self._node, self._jobs
+        seq, g, deadline_ns, timeout, seconds = ticket
+        try:
+            if interrupt is not None:
+                raise interrupt
             if rc == CORE_DONE:
                 self._flight.completed(seq)
-                return True
+                return
+            deadline = deadline_ns / 1e9
             flat = tensor.view(-1)
-            plan = Plan(desc, sources=[(0, flat)], sinks=[(0, flat)], world_size=node.world_size, timeout=timeout,
-                        trace=trace, seq=seq)
-            job = Job(plan=plan, future=None, first_chunk=g, nchunks=1, elems=max(1, numel), seq=seq,
+            plan = Plan(slot.desc, sources=[(0, flat)], sinks=[(0, flat)], world_size=node.world_size,
+                        timeout=timeout, trace=slot.trace, seq=seq)
+            job = Job(plan=plan, future=None, first_chunk=g, nchunks=1, elems=max(1, slot.numel), seq=seq,
                       timeout=seconds, deadline=deadline, tree_deadline=deadline, own=flat)
             if rc != CORE_NEED_PYTHON:
                 raise node.core_failure(job, rc, stage, k, chunk)
@@ -105,7 +187,6 @@ class FastDoor:
             node.pipeline(job, True, Staged.CHUNK_0_IN, None)  # a mismatch, or a registered peer
             jobs.running = None
             self._flight.completed(seq)
-            return True
         except BaseException as exc:  # noqa: BLE001 - as a job's failure: every one reaches the caller
             error = self._failures.fail(exc)
             jobs.running = None
@@ -115,3 +196,27 @@ class FastDoor:
             raise fresh(error) from None
         finally:
             jobs.release()
+
+    # ------------------------------------------------------------------ the Python door
+    def allreduce_now(self, tensor: torch.Tensor, op: Op, timeout: float | None) -> bool:
+        """True when it ran (its error raised otherwise); False when it is not a collective this door
+        takes, or the engine is busy (the caller then takes the general path)."""
+        if tensor.is_cuda or not tensor.is_contiguous():
+            return False
+        slot = self.slot(tensor, op)
+        if slot is None:
+            return False
+        ptr = tensor.data_ptr()
+        ticket = self.enter(slot, ptr, slot.numel * tensor.element_size(), timeout)
+        if ticket is None:
+            return False
+        try:
+            rc, stage, k, chunk = self.run(slot, ptr, ticket)
+        except BaseException as exc:  # noqa: BLE001 - Ctrl-C inside the core's wait
+            self.settle(slot, tensor, ticket, 0, 0, 0, 0, interrupt=exc)
+            raise  # settle raised it already; for the type checker
+        if rc == CORE_DONE:
+            self.done(ticket[0])
+        else:
+            self.settle(slot, tensor, ticket, rc, stage, k, chunk)
+        return True

@@ -366,6 +366,13 @@ class Arena:
         off = self.shape.desc_slot(buf, local_rank)
         self._mm[off : off + len(desc)] = desc
 
+    def descriptor_address(self, buf: int, local_rank: int) -> int:
+        """The address of local rank ``local_rank``'s descriptor in buffer ``buf`` (in this process's mapping)."""
+        return self._base + self.shape.desc_slot(buf, local_rank)
+
+    descriptor_bytes = _DESC_BYTES
+    """Bytes of one rank's descriptor slot."""
+
     def descriptor(self, local_rank: int, size: int, buf: int = 0) -> bytes:
         off = self.shape.desc_slot(buf, local_rank)
         return bytes(self._mm[off : off + size])

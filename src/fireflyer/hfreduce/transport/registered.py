@@ -109,7 +109,10 @@ class SharedBuffers:
         """(buffer index, byte offset) when ``tensor`` is a contiguous CPU tensor inside one of this rank's slots."""
         if not self._segments or tensor.is_cuda or not tensor.is_contiguous():
             return None
-        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        return self.locate_bytes(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def locate_bytes(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        """:meth:`locate` for the ``nbytes`` bytes at address ``ptr``."""
         for index, seg in self._segments.items():
             if seg.base <= ptr and ptr + nbytes <= seg.base + seg.slot_bytes:
                 return index, ptr - seg.base
