@@ -111,10 +111,25 @@ def build(*, timeout: float = BUILD_TIMEOUT, verbose: bool = False) -> ModuleTyp
                 os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
             except ImportError:
                 pass  # a system ninja, if any
-            return cpp_extension.load(name=module_name, sources=[str(SOURCE)], extra_include_paths=[str(CORE_HEADERS)],
-                                      extra_cflags=["-O2"], build_directory=str(folder), verbose=verbose)
+            module = cpp_extension.load(name=module_name, sources=[str(SOURCE)],
+                                        extra_include_paths=[str(CORE_HEADERS)], extra_cflags=["-O2"],
+                                        build_directory=str(folder), verbose=verbose)
+            _forget_others(module_name)
+            return module
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _forget_others(keep: str) -> None:
+    """Remove the doors built from other sources or for another torch (a process still using one keeps its
+    mapping)."""
+    import shutil
+    for old in ROOT.glob("hfreduce_door_*"):
+        if old.name != keep and old.name != f"{keep}.lock":
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
 
 def load() -> ModuleType | None:

@@ -127,6 +127,7 @@ class Door {
     int rc = run_(&comm_, &job, &where, signal_pending, &released);
     PyEval_RestoreThread(released.save);
 
+    ran_++;
     if (rc == HFR_DONE) {
       done_(seq);
       return py::cast(c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<DoneWork>(tensors)));
@@ -150,6 +151,8 @@ class Door {
     return group.attr("_door_settle")(tensors, kept, ticket, rc, where.stage, where.local_rank, where.chunk,
                                       interrupt);
   }
+
+  int64_t ran() const { return ran_; }
 
  private:
   // The door's Slot for t's dtype, shape and op (asking FastDoor.slot the first time); nullptr where the
@@ -189,6 +192,7 @@ class Door {
   NodeRun run_ = nullptr;
   hfr_comm comm_{};
   int64_t desc_base_ = 0, desc_bytes_ = 0, desc_ranks_ = 0, local_rank_ = 0, depth_ = 1;
+  int64_t ran_ = 0;
   Key key_;  // reused: a lookup allocates nothing once its sizes' capacity is there
   std::map<Key, Slot> slots_;
 };
@@ -203,5 +207,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::object, py::object, std::vector<int64_t>, py::object>(), py::arg("door"), py::arg("group"),
            py::arg("ops"), py::arg("run"))
       .def("run", &Door::run, py::arg("tensors"), py::arg("opts"),
-           "The allreduce's Work where the door ran it, None where the Python door is to.");
+           "The allreduce's Work where the door ran it, None where the Python door is to.")
+      .def_property_readonly("ran", &Door::ran, "How many allreduces the door has taken to the core.");
 }

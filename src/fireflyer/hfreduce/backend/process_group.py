@@ -113,6 +113,11 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
             return "cpp"
         return "python" if self.comm.fast_door is not None else "none"
 
+    @property
+    def door_calls(self) -> int:
+        """How many allreduces the C++ door has taken to the core (0 without it)."""
+        return self._door.ran if self._door is not None else 0
+
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
