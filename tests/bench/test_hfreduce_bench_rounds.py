@@ -41,7 +41,11 @@ def test_speedup_and_dispatch_floor() -> None:
     assert report.speedup(10.0, 2.0) == 5.0
     assert math.isnan(report.speedup(None, 2.0)) and math.isnan(report.speedup(1.0, float("nan")))
     floor = report.dispatch_floor([[1e-6, 3e-6, 2e-6], [2e-6, 1e-6, 2e-6]])
-    assert floor["time_s"] == 2e-6 and floor["ops"] == 3
+    assert floor["time_s"] == 2e-6 and floor["ops"] == 3 and "doors_s" not in floor
+    doors = [{"cpp": [1e-6, 2e-6, 1e-6], "python": [5e-6, 6e-6, 5e-6]}, {"cpp": [2e-6, 1e-6, 1e-6], "python": [4e-6] * 3}]
+    floor = report.dispatch_floor([[1e-6] * 3, [1e-6] * 3], doors)
+    assert floor["doors_s"] == {"cpp": 2e-6, "python": 5e-6}  # per op the slowest rank, then the median
+    assert "doors_s" not in report.dispatch_floor([[1e-6], [1e-6]], [{"cpp": [1e-6]}, {}])  # not every rank: none
 
 
 def test_format_ms() -> None:

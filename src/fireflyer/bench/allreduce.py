@@ -300,7 +300,7 @@ def _measure(cfg: BenchConfig, lay: Layout, sets: dict[str, allreduce_peers.Proc
     call_s = 1.5 * cfg.timeout_s + 10
     copies = [c for r in torch_set.call({"cmd": "copy", "first_trial": 0}, call_s) for c in r["copies"]]
     floor = torch_set.call({"cmd": "floor", "ops": cfg.floor_ops}, call_s)
-    res.dispatch_floor = dispatch_floor([r["times"] for r in floor])
+    res.dispatch_floor = dispatch_floor([r["times"] for r in floor], [r.get("doors", {}) for r in floor])
     measured: list[tuple[str, int, dict[str, tuple[list[float], int]], dict[str, str]]] = []
     for di, dtype in enumerate(cfg.dtypes):
         for si, (nbytes, ops, warmup) in enumerate(cfg.schedule):

@@ -352,10 +352,15 @@ def _measured(row: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(s, row[s]) for s in SYSTEMS if isinstance(row.get(s), dict)]
 
 
-def dispatch_floor(per_rank: list[list[float]]) -> dict[str, Any]:
-    """The median of the slowest rank's 4-byte ``dist.all_reduce`` on the do-nothing backend."""
+def dispatch_floor(per_rank: list[list[float]], doors: list[dict[str, list[float]]] | None = None) -> dict[str, Any]:
+    """The median of the slowest rank's 4-byte ``dist.all_reduce`` on the do-nothing backend; with ``doors``
+    (per rank, door -> its times on a one-rank hfreduce group), the same per door."""
     ops = slowest_per_op(per_rank)
-    return {"time_s": median(ops), "ops": len(ops), "backend": "a Python backend whose allreduce does nothing"}
+    out = {"time_s": median(ops), "ops": len(ops), "backend": "a Python backend whose allreduce does nothing"}
+    names = sorted({d for rank in doors or [] for d in rank})
+    if names and all(set(rank) == set(names) for rank in doors):
+        out["doors_s"] = {d: median(slowest_per_op([rank[d] for rank in doors])) for d in names}
+    return out
 
 
 def wrong_total(rows: list[dict[str, Any]]) -> int:
@@ -469,6 +474,10 @@ def print_layout(console: Any, cfg: Any, res: LayoutResult) -> None:
         console.print(f"  dispatch floor: dist.all_reduce of 4 bytes on a Python backend that does nothing: "
                       f"[bold]{res.dispatch_floor['time_s'] * 1e6:.1f} us[/bold] (torch's plugin boundary; "
                       f"median of {res.dispatch_floor['ops']} ops, slowest rank)", soft_wrap=True)
+        doors = res.dispatch_floor.get("doors_s")
+        if doors:
+            console.print("  the same on a one-rank hfreduce group, per door: "
+                          + ", ".join(f"{d} [bold]{t * 1e6:.1f} us[/bold]" for d, t in doors.items()), soft_wrap=True)
     if "roofline_s" in rf:
         tr = rf["traffic"]
         console.print(f"  roofline at {format_size(rf['headline_bytes'])} {rf['headline_dtype']}"

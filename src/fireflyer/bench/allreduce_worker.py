@@ -312,6 +312,28 @@ def dispatch_times(group: dist.ProcessGroup, ops: int) -> list[float]:
     return times
 
 
+def door_groups(rank: int, world: int, timeout: timedelta) -> dict[str, dist.ProcessGroup]:
+    """This rank's one-rank hfreduce group per door (``cpp``, ``python``): what a call costs through each, where
+    nobody waits. Every rank makes every rank's, as ``new_group`` asks."""
+    from fireflyer.hfreduce.env import DOOR
+
+    out = {}
+    before = os.environ.get(DOOR)
+    try:
+        for door in ("cpp", "python"):
+            os.environ[DOOR] = door  # read as a group is made
+            for r in range(world):
+                group = dist.new_group([r], backend="hfreduce", timeout=timeout)
+                if r == rank:
+                    out[door] = group
+    finally:
+        if before is None:
+            os.environ.pop(DOOR, None)
+        else:
+            os.environ[DOOR] = before
+    return out
+
+
 def _torch_set(spec: dict[str, Any], rank: int) -> Setup:
     candidate = spec["candidate"]
     if candidate != "gloo":
@@ -321,13 +343,15 @@ def _torch_set(spec: dict[str, Any], rank: int) -> Setup:
     dist.init_process_group(candidate, timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     noop = dist.new_group(backend=NOOP_BACKEND, timeout=timeout)
+    doors = door_groups(rank, dist.get_world_size(), timeout) if candidate == "hfreduce" else {}
     _inject_fault(rank)
     systems = {"candidate": lambda buf: lambda: dist.all_reduce(buf),
                "gloo": lambda buf: lambda: dist.all_reduce(buf, group=gloo)}
     exchange = _Exchange(rank, dist.get_world_size(), {"candidate": None, "gloo": gloo},
                          lambda: dist.barrier(group=gloo))
     handlers = {"copy": lambda cmd: {"copies": measure_copy(gloo, cmd.get("first_trial", 0))},
-                "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"])},
+                "floor": lambda cmd: {"times": dispatch_times(noop, cmd["ops"]),
+                                      "doors": {d: dispatch_times(g, cmd["ops"]) for d, g in doors.items()}},
                 "exchange": exchange.round}
     info = {"node": node_key(), "dtypes": {s: {d: None for d in DTYPES} for s in systems}}
     return systems, lambda: dist.barrier(group=gloo), handlers, info
