@@ -14,7 +14,8 @@ import pytest
 
 from fireflyer.errors import UserError
 from fireflyer.hfreduce.backend import cpp_door
-from fireflyer.testing.cases.cpp_door import every_allreduce, late_peer
+from fireflyer.hfreduce.config import HFReduceConfig
+from fireflyer.testing.cases.cpp_door import every_allreduce, late_peer, unbuildable_door
 from fireflyer.testing.cluster import LocalCluster
 
 ENV = {"FIREFLYER_TEST_COMM": "0", "OMP_NUM_THREADS": "1"}
@@ -57,9 +58,20 @@ def test_a_per_call_timeout_through_the_cpp_door_raises_the_named_error_and_the_
 def test_the_choice_of_door_is_range_checked(monkeypatch):
     monkeypatch.setenv("FIREFLYER_HFREDUCE_DOOR", "rust")
     with pytest.raises(UserError, match="choose cpp or python"):
-        cpp_door.choice()
+        HFReduceConfig.from_env()
+    with pytest.raises(UserError, match="choose cpp or python"):
+        HFReduceConfig(door="rust")
     monkeypatch.setenv("FIREFLYER_HFREDUCE_DOOR", "python")
-    assert cpp_door.load() is None
+    assert HFReduceConfig.from_env().door == "python"
+
+
+@pytest.mark.multiproc
+def test_a_group_whose_door_does_not_build_works_through_the_python_door_after_one_line(tmp_path):
+    results = _run("cpp", [2], unbuildable_door, "unbuildable", str(tmp_path))
+    for r in results:
+        assert r["door"] == "python" and r["calls"] == 0, r
+        assert r["sum"] == [4.0] * 8, r
+        assert len(r["warnings"]) == 1 and "using the Python door" in r["warnings"][0], r["warnings"]
 
 
 def test_a_door_that_does_not_build_leaves_the_python_door_with_one_warning_line(tmp_path, monkeypatch, caplog):

@@ -315,22 +315,15 @@ def dispatch_times(group: dist.ProcessGroup, ops: int) -> list[float]:
 def door_groups(rank: int, world: int, timeout: timedelta) -> dict[str, dist.ProcessGroup]:
     """This rank's one-rank hfreduce group per door (``cpp``, ``python``): what a call costs through each, where
     nobody waits. Every rank makes every rank's, as ``new_group`` asks."""
-    from fireflyer.hfreduce.env import DOOR
+    from fireflyer.hfreduce.config import DOORS, HFReduceConfig
 
     out = {}
-    before = os.environ.get(DOOR)
-    try:
-        for door in ("cpp", "python"):
-            os.environ[DOOR] = door  # read as a group is made
-            for r in range(world):
-                group = dist.new_group([r], backend="hfreduce", timeout=timeout)
-                if r == rank:
-                    out[door] = group
-    finally:
-        if before is None:
-            os.environ.pop(DOOR, None)
-        else:
-            os.environ[DOOR] = before
+    for door in DOORS:
+        for r in range(world):
+            group = dist.new_group([r], backend="hfreduce", timeout=timeout,
+                                   pg_options=HFReduceConfig.from_env(door=door))
+            if r == rank:
+                out[door] = group
     return out
 
 

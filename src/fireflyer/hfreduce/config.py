@@ -67,6 +67,10 @@ class HFReduceConfig:
     number of consecutive ranks (one node may hold any number); other layouts are refused when
     the group forms. Across more than two nodes the trees become binomial trees rooted at node 0.
     Every rank of a group must use the same value."""
+    door: str = "cpp"
+    """The door of small one-node allreduces: ``cpp``, the C++ door (``backend/door.cpp``), which falls back to
+    the Python door with a one-line warning where it cannot be built or loaded; ``python``, the Python door.
+    Both give the same bits."""
     arena: str = "memfd"
     """How local ranks share the node's arena and the exchange's mailboxes: ``file``, files in
     /dev/shm opened by name; anything else, private memory handed over as file descriptors
@@ -88,6 +92,8 @@ class HFReduceConfig:
             raise UserError(f"oneshot_bytes must be 0 or more bytes, got {self.oneshot_bytes}")
         if self.order not in ORDERS:
             raise UserError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.door not in DOORS:
+            raise UserError(f"door: choose {' or '.join(DOORS)}, got {self.door!r}")
         if not 0 <= self.spin <= 1 << 24 or not 0 <= self.yields <= 1 << 20:
             raise UserError(f"spin must be 0..{1 << 24} and yields 0..{1 << 20}, got {self.spin} and {self.yields}")
 
@@ -111,7 +117,7 @@ class HFReduceConfig:
         kw: dict = {}
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
                            ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int),
-                           ("arena", str), ("order", str)):
+                           ("arena", str), ("order", str), ("door", str)):
             value = _env_field(name, conv)
             if value is not None:
                 kw[name] = value
@@ -137,6 +143,7 @@ def _env_field(name: str, conv):
 
 
 ORDERS = ("fast", "canonical")
+DOORS = ("cpp", "python")
 """The values of :attr:`HFReduceConfig.order`."""
 
 ONE_NODE_CHUNK = 256 << 10

@@ -12,7 +12,7 @@ from fireflyer import launch
 PREFIX = "FIREFLYER_HFREDUCE_"
 """``FIREFLYER_HFREDUCE_<FIELD>`` overrides the default of the :class:`HFReduceConfig` field ``<field>``
 (``CHUNK_BYTES``, ``DEPTH``, ``TIMEOUT``, ``IFADDR``, ``ONESHOT_BYTES``, ``CORE``, ``CORE_TREES``,
-``SPIN``, ``YIELDS``, ``ARENA``, ``ORDER``)."""
+``SPIN``, ``YIELDS``, ``ARENA``, ``ORDER``, ``DOOR``)."""
 
 
 def field(name: str) -> str:
@@ -48,9 +48,10 @@ TRACE_DIR = f"{PREFIX}TRACE_DIR"
 """Where flight-recorder dumps go (default: beside a platform task's logs, else a folder per job in tmp)."""
 TRACE_STACK = f"{PREFIX}TRACE_STACK"
 """Set, and not ``0``: the flight recorder keeps the Python stack of each collective too."""
-DOOR = f"{PREFIX}DOOR"
+DOOR = field("door")
 """``python``: groups take the Python door, not the C++ one (``backend/door.cpp``); default ``cpp``, which falls
-back to the Python door, with a one-line warning, where the C++ door cannot be built or loaded."""
+back to the Python door, with a one-line warning, where the C++ door cannot be built or loaded
+(:attr:`~fireflyer.hfreduce.config.HFReduceConfig.door`)."""
 NO_FUTEX = "FIREFLYER_NO_FUTEX"
 """Set: waits on shared flags sleep in short steps instead of on a futex."""
 

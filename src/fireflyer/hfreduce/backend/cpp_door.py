@@ -13,8 +13,9 @@ it on first use, under a lock, so the ranks of a node build it once. It lives be
 in ``_door/<name>/``, the name keyed by the sources and torch's and Python's versions, so a
 changed source or another torch builds afresh and never loads a stale one.
 
-``FIREFLYER_HFREDUCE_DOOR`` chooses: ``cpp`` (the default) uses the door where it builds and
-loads, and otherwise the Python door with a one-line warning; ``python`` always the Python door.
+A group's :attr:`~fireflyer.hfreduce.config.HFReduceConfig.door` (``FIREFLYER_HFREDUCE_DOOR``) chooses:
+``cpp`` (the default) uses the door where it builds and loads, and otherwise the Python door
+with a one-line warning; ``python`` always the Python door.
 """
 
 from __future__ import annotations
@@ -31,16 +32,12 @@ from types import ModuleType
 
 import torch
 
-from fireflyer.hfreduce import env
-from fireflyer.hfreduce.config import read
-
 log = logging.getLogger("fireflyer.hfreduce")
 
 SOURCE = Path(__file__).with_name("door.cpp")
 CORE_HEADERS = Path(__file__).resolve().parents[1] / "_core"
 ROOT = Path(__file__).with_name("_door")
 """Where the built doors lie (one folder per :func:`name`)."""
-CHOICES = ("cpp", "python")
 BUILD_TIMEOUT = 900.0
 """Seconds a process waits for the build lock (another process building) before it takes the Python door."""
 
@@ -56,15 +53,6 @@ def name() -> str:
         h.update(part)
         h.update(b"\0")
     return f"hfreduce_door_{h.hexdigest()[:16]}"
-
-
-def choice() -> str:
-    """``FIREFLYER_HFREDUCE_DOOR``: ``cpp`` (default) or ``python``; anything else is refused."""
-    value = read(env.DOOR, "cpp").strip().lower() or "cpp"
-    if value not in CHOICES:
-        from fireflyer.errors import UserError
-        raise UserError(f"{env.DOOR}={value!r}: choose cpp or python")
-    return value
 
 
 def built(folder: Path | None = None) -> Path | None:
@@ -133,10 +121,8 @@ def _forget_others(keep: str) -> None:
 
 
 def load() -> ModuleType | None:
-    """The door's module for this process, or None where the Python door is to be used (chosen, or the door
-    could not be built or loaded: then one warning line says why, once per process)."""
-    if choice() == "python":
-        return None
+    """The door's module for this process, or None where it could not be built or loaded (then one warning
+    line says why, once per process)."""
     module_name = name()
     if module_name in _loaded:
         return _loaded[module_name]

@@ -100,7 +100,8 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
                                  global_ranks=global_ranks)
         # The C++ door (cpp_door.py): small one-node allreduces without Python between the call and the core.
         self._door = None
-        compiled = cpp_door.load() if self.comm.fast_door is not None else None
+        wanted = self.comm.fast_door is not None and self.comm.config.door == "cpp"
+        compiled = cpp_door.load() if wanted else None
         if compiled is not None:
             self._door = compiled.Door(self.comm.fast_door, weakref.ref(self), DOOR_OPS,
                                        self.comm.core.node_run_capsule)
@@ -388,11 +389,11 @@ def _create(dist_opts, backend_options=None) -> HFReduceProcessGroup:
                                 group_name=str(getattr(dist_opts, "group_id", "") or ""), global_ranks=ranks)
 
 
-DOOR_OPS = [int(_OPS[getattr(dist.ReduceOp, name)]) if hasattr(dist.ReduceOp, name) and
-            getattr(dist.ReduceOp, name) in _OPS else -1
-            for name in dist.ReduceOp.RedOpType.__members__]
+DOOR_OPS = [-1] * len(dist.ReduceOp.RedOpType.__members__)
 """torch's reduce ops, by their number (``ReduceOp.RedOpType``), as hfreduce's :class:`Op`; -1 where the door
 hands the call to the Python door (``PREMUL_SUM``, which it refuses by name)."""
+for _torch_op, _hfreduce_op in _OPS.items():
+    DOOR_OPS[int(_torch_op)] = int(_hfreduce_op)
 
 
 def engine_of(group: object) -> Communicator | None:

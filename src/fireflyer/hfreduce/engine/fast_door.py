@@ -165,16 +165,14 @@ class FastDoor:
 
     def settle(self, slot: Slot, tensor: torch.Tensor, ticket: Ticket, rc: int, stage: int, k: int, chunk: int,
                interrupt: BaseException | None = None) -> None:
-        """Step 4 otherwise: finish in Python what the core handed back (``rc`` need-Python), or fail the group
-        with what stopped it (its named error, raised; ``interrupt``, raised as it is)."""
+        """Step 4 where the core did not finish (``rc`` not done): finish in Python what it handed back
+        (need-Python), or fail the group with what stopped it (its named error, raised; ``interrupt``, raised as
+        it is)."""
         node, jobs = self._node, self._jobs
         seq, g, deadline_ns, timeout, seconds = ticket
         try:
             if interrupt is not None:
                 raise interrupt
-            if rc == CORE_DONE:
-                self._flight.completed(seq)
-                return
             deadline = deadline_ns / 1e9
             flat = tensor.view(-1)
             plan = Plan(slot.desc, sources=[(0, flat)], sinks=[(0, flat)], world_size=node.world_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from datetime import timedelta
 
@@ -84,3 +85,32 @@ def late_peer(ctx, prefix: str, late_rank: int, timeout_s: float) -> dict:
         again = f"{type(exc).__name__}: {exc}"
     return {"door": group.door, "late": False, "error": error, "took": took, "again": again,
             "calls": group.door_calls}
+
+
+def unbuildable_door(ctx, prefix: str, folder: str) -> dict:
+    """This rank's door sources replaced by ones that do not compile (built into ``folder``), then a group made and
+    used through ``dist``: the door it took, the sum it got and the warning lines it logged."""
+    from pathlib import Path
+
+    from fireflyer.hfreduce.backend import cpp_door
+
+    broken = Path(folder) / f"door-{ctx.rank}.cpp"
+    broken.write_text('#include "no_such_header_anywhere.h"\n')
+    cpp_door.SOURCE, cpp_door.ROOT = broken, Path(folder) / f"built-{ctx.rank}"
+    cpp_door._loaded.clear()
+    cpp_door._warned.clear()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("fireflyer.hfreduce")
+    log.addHandler(handler)
+    try:
+        init(ctx, prefix)
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+    finally:
+        log.removeHandler(handler)
+    group = dist.group.WORLD
+    return {"door": group.door, "calls": group.door_calls, "sum": t.tolist(),
+            "warnings": [line for line in lines if "C++ door" in line]}
