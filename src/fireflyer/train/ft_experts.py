@@ -22,22 +22,18 @@ import torch.distributed as dist
 
 from fireflyer.train.fault_tolerant import StepPlan
 from fireflyer.train.ft_trainer import FaultTolerantTrainer
-from fireflyer.train.trainer import Trainer
 
 
 class FaultTolerantMoETrainer(FaultTolerantTrainer):
-    """A :class:`FaultTolerantTrainer` for ``model = "moe"`` (no pipeline)."""
-
-    def _build_model(self) -> None:
-        Trainer._build_model(self)  # the layout path over this node's ranks: its stage is the whole model
+    """A :class:`FaultTolerantTrainer` for ``model = "moe"`` (no pipeline): the layout over this node's ranks, its
+    stage the whole model."""
 
     def _train_step_ft(self, plan: StepPlan) -> tuple[float, float] | None:
-        net = self.laid_out
-        assert net is not None
+        net = self.net
         R, n = self.where.world_size, len(plan.replicas)
         self.optimizer.zero_grad(set_to_none=False)
         # this rank's own micro-batches (in the fast order it keeps them); the node's gradients, inside the node only
-        loss = net.train_loss(self.data.train(step=plan.step))
+        loss = net.replica_loss(self.data.train(step=plan.step))
         loads = net.take_loads()
         node = torch.cat([loss.detach().double().reshape(1), *loads])
         if R > 1:
@@ -74,8 +70,7 @@ class FaultTolerantMoETrainer(FaultTolerantTrainer):
         """The validation loss over every configured rank's validation batches, computed by this replica alone
         (rank ``r`` of the node takes the batches of ranks ``r``, ``r + R``, ...): the same on every replica."""
         t0 = time.perf_counter()
-        net = self.laid_out
-        assert net is not None
+        net = self.net
         R, M = self.where.world_size, self.cfg.global_micro_batches
         total = torch.zeros(1, dtype=torch.float64)
         for i in range(self.cfg.data.eval_batches):

@@ -7,7 +7,9 @@ computes the aligned blocks of the step's micro-batches the quorum gives it, gat
 block's sum and adds them in the canonical tree; the optimizer steps only if torchft commits.
 A step that fails (a replica lost during it) is redone by the next quorum.
 
-The node's own ranks are the default process group; the cross-replica group is torchft's.
+The node's own ranks are the default process group; the cross-replica group is torchft's. The
+model is laid out over the node's ranks as any run's is (:class:`~fireflyer.train.parallel.RankModel`):
+the dense model whole on each rank, held bare, its gradients summed here.
 The checkpoint on disk is written by the first replica of the quorum (its node's ranks), and
 ``run.json`` by its rank 0; every replica evaluates on its own.
 """
@@ -31,8 +33,7 @@ from fireflyer.train.data import TrainingData
 from fireflyer.train.fault_tolerant import (Failure, LeftBehind, Record, Replica, StepPlan, micro_blocks,
                                             node_index, restarts, tree_over_blocks)
 from fireflyer.fsutil import write_json
-from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
-from fireflyer.train.optim import build_optimizer, clip_exact
+from fireflyer.train.model import lm_loss
 from fireflyer.train.progress import StepStats, Throughput, make_progress
 from fireflyer.train.trainer import History, Placement, Trainer
 
@@ -128,17 +129,6 @@ class FaultTolerantTrainer(Trainer):
         self.tokenizer = self.data.tokenizer
         self._notes: list[str] = []
 
-    def _build_model(self) -> None:
-        cfg = self.cfg
-        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.model.context, layers=cfg.model.layers,
-                           d_model=cfg.model.d_model, heads=cfg.model.heads)
-        torch.manual_seed(cfg.run.seed)  # the same initial weights on every replica (torchft also syncs them at start)
-        self.model = GPT(shape).to(self.where.device)
-        if cfg.parallelism.order == "canonical" and cfg.parallelism.linear_blocks > 1:  # the plain run's linears: its bits
-            split_linears(self.model, blocks=cfg.parallelism.linear_blocks)
-        self.ddp = None
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-
     # ------------------------------------------------------------------ the state a heal moves
     def _live_state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -215,7 +205,7 @@ class FaultTolerantTrainer(Trainer):
         self._save(self.end_step)
         self.ckpt.wait()
         reader = self._reader_stats()
-        laid = self._layout_summary()  # the MoE path's (a collective over the node's ranks); {} for the dense model
+        laid = self._layout_summary()  # a collective over the node's ranks
         record = self._record(reader, laid) if rank == 0 and self.writer == self.where.node else {}
         if record:
             write_json(Path(cfg.run.out) / "run.json", record)
@@ -313,10 +303,8 @@ class FaultTolerantTrainer(Trainer):
             for p in self.params:
                 p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-        if self.cfg.optimizer.grad_clip and self.cfg.parallelism.order == "canonical":  # the plain run's exact norm: its bits
-            clip_exact(self.params, self.params, self.cfg.optimizer.grad_clip)
-        elif self.cfg.optimizer.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optimizer.grad_clip)
+        if self.cfg.optimizer.grad_clip:  # as the plain data-parallel run clips: its bits
+            self.net.clip(self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

@@ -250,8 +250,8 @@ def _sequence_divides(tp: int):
 
 
 def lm_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A micro-batch's mean next-token cross-entropy under ``model`` (a GPT, or a DDP wrapping one): the
-    ``loss_fn`` of ``DistributedDataParallel.accumulate``."""
+    """A micro-batch's mean next-token cross-entropy under ``model`` (a GPT or a whole pipeline stage of one, or a
+    DDP wrapping it): the ``loss_fn`` of ``DistributedDataParallel.accumulate``."""
     x, y = batch
     return model(x, y)
 

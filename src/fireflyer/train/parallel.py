@@ -1,7 +1,7 @@
-"""One rank's share of a model laid out over pipeline stages, experts and data parallel.
+"""One rank's part of the model on the run's layout: pipeline stages, experts, tensor and data parallel.
 
-The dense demo keeps a whole replica on every rank (the trainer's plain path). A run with
-``model = "moe"`` or ``pp > 1`` is laid out by :func:`fireflyer.haiscale.layout` instead:
+Every run is laid out by :func:`fireflyer.haiscale.layout`, the dense model on plain data
+parallel too (``pp = ep = tp = 1``: one stage holding every block, on every rank):
 
 * **pipeline** (``pp``): the blocks are cut into ``pp`` stages of consecutive blocks, one per
   node, a node's ranks in different pipelines. The first stage embeds, the last normalises and
@@ -13,14 +13,18 @@ The dense demo keeps a whole replica on every rank (the trainer's plain path). A
   them with an all-to-all inside the node (:class:`fireflyer.haiscale.MoE`).
 * **data parallel** takes the rest. haiscale DDP averages dense gradients over the ranks
   holding the same stage (``dense_group``: dp x ep) and expert gradients over the ranks
-  holding the same experts (``expert_group``: dp).
+  holding the same experts (``expert_group``: dp). The dense model on data parallel alone is
+  *replicated*: a whole replica on every rank under DDP, or sharded over the dense group by
+  FSDP (``fsdp``), its steps and clipping those of DDP and FSDP themselves.
 
 Each pipeline is one data replica: it reads the batch of replica ``dp * ep + ep_rank``, so
-with ``pp = 1`` replica ``r`` is rank ``r``, as in the dense demo. The gradient norm is
-clipped globally (dense parts counted once, experts summed over EP, stages summed over the
-pipeline), and the state is saved with ``kind="sharded"`` under *global* names: an expert's
-weights by their global expert index (``blocks.0.moe.experts.5.w1``), so a state is one model
-whatever the layout, and rank 0 can rebuild the whole model from it to write the sample.
+with ``pp = 1`` replica ``r`` is rank ``r``. The gradient norm is clipped globally (dense parts
+counted once, experts summed over EP, stages summed over the pipeline), and the state is saved
+under *global* names: an expert's weights by their global expert index
+(``blocks.0.moe.experts.5.w1``), so a state is one model whatever the layout, and rank 0 can
+rebuild the whole model from it to write the sample. A replicated model is saved with
+``kind="replicated"`` (every rank the same whole state), any other with ``kind="sharded"`` (each
+rank its share).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,10 +50,14 @@ from fireflyer.haiscale.moe import RoutedExperts
 from fireflyer.haiscale.moe_steps import CanonicalSteps
 from fireflyer.haiscale.env import pp_timeout_s
 from fireflyer.haiscale.pipeline import DEFAULT_TIMEOUT_S, Pipeline, PipelineConfig, split_sizes
+from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train.config import TrainConfig
-from fireflyer.train.model import GPT, ModelShape, split_linears
+from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
 from fireflyer.train.optim import clip_exact
 from fireflyer.train.moe_model import MoEBlock, MoEGPT, MoEShape
+
+if TYPE_CHECKING:
+    from fireflyer.train.data import TrainingData
 
 
 def is_dtensor(t: object) -> bool:
@@ -77,8 +85,8 @@ def build_full(cfg: TrainConfig, vocab_size: int, ep_group: dist.ProcessGroup | 
 
 class Stage(nn.Module):
     """Blocks ``[start, stop)`` of a :class:`GPT` or :class:`MoEGPT`: the first stage embeds the
-    tokens, the last normalises and projects to logits (with its own copy of the tied embedding
-    when it is not also the first)."""
+    tokens, the last normalises and projects to logits (with the model's own head, tied to the
+    embedding, when it is also the first; with its own copy of the tied embedding otherwise)."""
 
     def __init__(self, full: nn.Module, start: int, stop: int, *, first: bool, last: bool) -> None:
         super().__init__()
@@ -88,15 +96,24 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(full.blocks[start:stop])
         if last:
             self.ln_f = full.ln_f
-            self.head = nn.Linear(full.shape.d_model, full.shape.vocab_size, bias=False)
-            self.head.weight = full.tok.weight if first else nn.Parameter(full.tok.weight.detach().clone())
+            if first:
+                self.head = full.head
+            else:
+                self.head = nn.Linear(full.shape.d_model, full.shape.vocab_size, bias=False)
+                self.head.weight = nn.Parameter(full.tok.weight.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's output (the last stage's: logits); with ``targets``, the last stage's mean next-token
+        cross-entropy instead (as :meth:`GPT.forward` gives it, so :func:`~fireflyer.train.model.lm_loss` takes a
+        stage)."""
         if self.first:
             x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
+        if not self.last:
+            return x
+        logits = self.head(self.ln_f(x))
+        return logits if targets is None else _cross_entropy(logits, targets)
 
 
 def expert_name(name: str, g: int) -> str:
@@ -168,47 +185,63 @@ def replica_of(laid: Layout, cfg: TrainConfig) -> int:
     return laid.coords["dp"] * cfg.parallelism.ep + laid.coords["ep"]
 
 
-class LaidOut:
-    """This rank's stage of the model, its DDP and pipeline, and the groups of its layout.
+class RankModel:
+    """This rank's part of the model on the run's layout: its stage (the whole model where ``pp = 1``), how the
+    stage is held (a DDP, FSDP's shards, a pipeline, canonical MoE steps), the layout's groups, and the step,
+    evaluation, clipping and saved state that go with them.
 
-    Collective to build (every rank of the job, the same config). Methods that run
+    Every run has one: the dense model on plain data parallel is the layout ``pp = ep = tp = 1``, replicated
+    (:attr:`replicated`). Collective to build (every rank of the job, the same config). Methods that run
     collectives say so; every rank calls them in the same order.
     """
 
     def __init__(self, cfg: TrainConfig, laid: Layout, vocab_size: int, device: torch.device) -> None:
+        par = cfg.parallelism
         self.cfg = cfg
         self.layout = laid
+        self.device = device
         self.stage = laid.coords["pp"]
-        self.full = build_full(cfg, vocab_size, self.layout.ep_group if cfg.parallelism.ep > 1 else None).to(device)
-        if cfg.parallelism.tp > 1:  # Megatron over the TP group; in the canonical order in the run's blocks, not the layout's
-            split_linears(self.full, blocks=cfg.parallelism.linear_blocks, tp_group=self.layout.tp_group, order=cfg.parallelism.order)
-        elif cfg.parallelism.order == "canonical" and cfg.parallelism.linear_blocks > 1:  # the blocks one process computes, on one rank
-            split_linears(self.full, blocks=cfg.parallelism.linear_blocks)
-        sizes = split_sizes(cfg.model.layers, cfg.parallelism.pp)
+        self.replicated = cfg.model.kind == "dense" and par.pp == 1 and par.tp == 1
+        """The dense model on data parallel alone: every rank holds it whole (or, with ``fsdp``, its shard of every
+        parameter), steps as DDP or FSDP accumulate, clips as a plain data-parallel run does, and saves the same
+        whole state as every other rank."""
+        self.full = build_full(cfg, vocab_size, laid.ep_group if par.ep > 1 else None).to(device)
+        if par.tp > 1:  # Megatron over the TP group; in the canonical order in the run's blocks, not the layout's
+            split_linears(self.full, blocks=par.linear_blocks, tp_group=laid.tp_group, order=par.order)
+        elif par.order == "canonical" and par.linear_blocks > 1:  # the blocks one process computes, on one rank
+            split_linears(self.full, blocks=par.linear_blocks)
+        sizes = split_sizes(cfg.model.layers, par.pp)
         start = sum(sizes[:self.stage])
-        self.is_first, self.is_last = self.stage == 0, self.stage == cfg.parallelism.pp - 1
+        self.is_first, self.is_last = self.stage == 0, self.stage == par.pp - 1
         self.module = Stage(self.full, start, start + sizes[self.stage], first=self.is_first, last=self.is_last)
-        self.named = self._name_params()
-        expert_group = self.layout.expert_group if cfg.model.kind == "moe" else None
+        expert_group = laid.expert_group if cfg.model.kind == "moe" else None
         self.ddp: DistributedDataParallel | None = None
+        """The DDP over the dense group, unless FSDP or canonical steps sum the gradients, or the fault-tolerant
+        trainer does (over torchft's replicas, the dense model held bare)."""
+        self.sharded = par.fsdp
+        """The module is sharded by FSDP over the dense group: steps go through ``fsdp_accumulate``."""
         self.steps: CanonicalSteps | None = None
         """MoE or a pipeline in the canonical order: steps that sum the dense gradients (and each expert's
-        per-source streams) micro-batch by micro-batch; plain DDP (its own canonical round) otherwise."""
-        if cfg.parallelism.order == "canonical" and (cfg.model.kind == "moe" or cfg.parallelism.pp > 1):
-            self.steps = CanonicalSteps(self.module, dense_group=_unless_alone(self.layout.dense_group),
-                                        expert_group=_unless_alone(self.layout.expert_group) if expert_group else None)
-            _check_replica_order(self.layout, cfg)
-        else:
-            self.ddp = DistributedDataParallel(self.module, process_group=self.layout.dense_group,
-                                               expert_process_group=expert_group, bucket_cap_mb=cfg.parallelism.bucket_cap_mb,
-                                               order=cfg.parallelism.order)
-        self.device = device
+        per-source streams) micro-batch by micro-batch; DDP (its own canonical round) otherwise."""
+        if self.sharded:  # each rank one shard of the weights, gradients and AdamW's state
+            from fireflyer.haiscale import fully_shard  # torch's FSDP: imported only by the runs that use it
+
+            fully_shard(self.module, group=laid.dense_group, order=par.order)
+        elif par.order == "canonical" and (cfg.model.kind == "moe" or par.pp > 1):
+            self.steps = CanonicalSteps(self.module, dense_group=_unless_alone(laid.dense_group),
+                                        expert_group=_unless_alone(laid.expert_group) if expert_group else None)
+            _check_replica_order(laid, cfg)
+        elif not (cfg.run.fault_tolerant and cfg.model.kind == "dense"):  # a fault-tolerant dense model: held bare
+            self.ddp = DistributedDataParallel(self.module, process_group=laid.dense_group,
+                                               expert_process_group=expert_group, bucket_cap_mb=par.bucket_cap_mb,
+                                               order=par.order)
+        self.named = self._name_params()  # after FSDP, whose shards replace the parameters
         self.pipeline = None
         self.tied: TiedStages | None = None
-        if cfg.parallelism.pp > 1:
+        if par.pp > 1:
             if self.steps is not None:
                 self.tied = TiedStages(self, self.steps)
-            self.pipeline = Pipeline(self.module if self.steps is not None else self.ddp, self.layout.pp_group,
+            self.pipeline = Pipeline(self.module if self.steps is not None else self.ddp, laid.pp_group,
                                      loss_fn=_cross_entropy, device=device, hooks=self.tied,
                                      config=PipelineConfig(n_microbatches=cfg.micro_batches, schedule="1F1B",
                                                            scale_grads=self.steps is None))
@@ -232,23 +265,37 @@ class LaidOut:
         return named
 
     # ------------------------------------------------------------------ a step
-    def train_loss(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Forward and backward of this replica's micro-batches; the gradients are reduced when it returns.
+    def train_loss(self, data: TrainingData, step: int) -> float:
+        """Forward and backward of this rank's micro-batches of ``data`` at ``step``; the gradients are reduced
+        when it returns. Returns the global batch's mean loss, on every rank (collective).
 
-        A pipeline runs them as the slots of its 1F1B schedule; without one they are accumulated (each its own
-        forward and backward, the gradients reduced with the last). Returns the mean loss on ranks holding the
-        last stage, None on the others (collective).
+        A pipeline runs the micro-batches as the slots of its 1F1B schedule; without one they are accumulated
+        (each its own forward and backward), by DDP, FSDP (which deals them to the shards in turn) or the
+        canonical steps.
         """
+        if self.sharded:
+            from fireflyer.haiscale import fsdp_accumulate, sharding_info
+
+            mine = sharding_info(self.module).micro_batch_indices(self.cfg.micro_batches)
+            return fsdp_accumulate(self.module, [data.micro_batch("train", g, at=step) for g in mine], lm_loss).item()
+        micro_batches = data.train(step=step)
         if self.tied is not None:  # a pipeline in the canonical order: its schedule runs the micro-batches
             assert self.steps is not None and self.pipeline is not None
             self.steps.begin(len(micro_batches))
             x, y = (torch.cat(parts) for parts in zip(*micro_batches, strict=True))
             self.pipeline.forward_backward(x, y)
-            return self.from_last_stage(self.tied.finish())
+            return self.from_last_stage(self.tied.finish()).item()
         if self.steps is not None:  # the canonical tree over the global micro-batches
-            return self.steps.accumulate(micro_batches, lambda m, batch: _cross_entropy(m(batch[0]), batch[1]))
-        if self.cfg.parallelism.order == "canonical":
-            return self.ddp.accumulate(micro_batches, lambda ddp, batch: _cross_entropy(ddp(batch[0]), batch[1]))
+            return self.steps.accumulate(micro_batches, lm_loss).item()
+        if self.cfg.parallelism.order == "canonical" or self.replicated:  # DDP's accumulation: the global mean
+            assert self.ddp is not None
+            return self.ddp.accumulate(micro_batches, lm_loss).item()
+        return self._replica_mean(self.replica_loss(micro_batches))
+
+    def replica_loss(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """:meth:`train_loss` in the fast order on this replica's ``micro_batches``, before the mean over replicas:
+        through the pipeline, or accumulated under DDP's ``no_sync`` (the gradients reduced with the last). Returns
+        this replica's mean loss on ranks holding the last stage, None on the others (collective)."""
         assert self.ddp is not None
         if self.pipeline is None:
             total = torch.zeros((), device=self.device)
@@ -262,6 +309,15 @@ class LaidOut:
         losses = self.pipeline.forward_backward(x, y)
         self._reduce_tied()
         return torch.stack(losses).mean() if losses is not None else None
+
+    def _replica_mean(self, value: torch.Tensor | None) -> float:
+        """The mean over data replicas of a value the last stage holds, on every rank of its TP group (collective
+        over the world: TP rank 0 counts it)."""
+        buf = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if value is not None and self.layout.coords["tp"] == 0:
+            buf += value.double()
+        dist.all_reduce(buf)
+        return buf.item() / self.cfg.replicas
 
     def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the pipeline's last stage holds it, on every stage (a broadcast over the pipeline; ``value``
@@ -278,19 +334,27 @@ class LaidOut:
         buf = grad if grad is not None else torch.zeros(self.full.tok.weight.shape, device=self.device)
         dist.all_reduce(buf, group=self.layout.pp_group)
 
-    def clip(self, max_norm: float) -> float:
-        """Scale every gradient so the model's global norm is at most ``max_norm``; return the norm (collective).
+    def clip(self, max_norm: float) -> None:
+        """Scale every gradient so the model's global norm is at most ``max_norm`` (collective).
 
-        The norm is exact (:func:`~fireflyer.train.optim.clip_exact`), so it has the same bits on every layout:
-        each element of the model counts once, on the rank of data-parallel index 0 that holds it (a TP-split
-        parameter on every TP rank, a replicated one on TP rank 0; an expert on its EP rank, a dense parameter on
-        EP rank 0; each stage its own; the last stage's copy of the tied embedding not at all).
+        A replicated model clips as plain data parallel does: in the fast order by torch's norm, in the canonical
+        order by the exact norm (:func:`~fireflyer.train.optim.clip_exact`) of the gradients every rank holds (FSDP:
+        each rank adding its shards). Any other layout takes the exact norm, so it has the same bits on every
+        layout: each element of the model counts once, on the rank of data-parallel index 0 that holds it (a
+        TP-split parameter on every TP rank, a replicated one on TP rank 0; an expert on its EP rank, a dense
+        parameter on EP rank 0; each stage its own; the last stage's copy of the tied embedding not at all).
         """
-        c = self.layout.coords
-        owned = [n.param for n in self.named if n.saved and c["dp"] == 0
-                 and (n.split is not None or c["tp"] == 0)
-                 and (is_expert_param(n.param) or c["ep"] == 0)]
-        return clip_exact(self.module.parameters(), owned, max_norm, dist.group.WORLD)
+        params = list(self.module.parameters())
+        if self.replicated and self.cfg.parallelism.order == "fast":
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        elif self.replicated:
+            clip_exact(params, params, max_norm, self.layout.dense_group if self.sharded else None)
+        else:
+            c = self.layout.coords
+            owned = [n.param for n in self.named if n.saved and c["dp"] == 0
+                     and (n.split is not None or c["tp"] == 0)
+                     and (is_expert_param(n.param) or c["ep"] == 0)]
+            clip_exact(params, owned, max_norm, dist.group.WORLD)
 
     @torch.no_grad()
     def after_step(self) -> list[LayerStep]:
@@ -318,13 +382,47 @@ class LaidOut:
                                  a2a.seconds))
         return out
 
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def val_loss(self, data: TrainingData) -> float:
+        """The mean loss over every replica's validation batches of ``data`` (collective).
+
+        A replicated model, and every layout in the canonical order, sums batch i's losses pairwise over this
+        replica's micro-batches, then over the replicas (in the dense group's order), then over i in the canonical
+        tree: layout-independent bits in the canonical order. Other layouts in the fast order add them up and
+        take the mean over replicas.
+        """
+        batches = self.cfg.data.eval_batches
+        if self.cfg.parallelism.order == "fast" and not self.replicated:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i in range(batches):
+                for x, y in data.eval(index=i):
+                    loss = self.eval_loss(x, y)
+                    if loss is not None:
+                        total += loss.double()
+            return self._replica_mean(total / (batches * self.cfg.micro_batches))
+        sums = torch.zeros(batches, device=self.device)
+        for i in range(batches):
+            acc = PairwiseAccumulator()
+            for x, y in data.eval(index=i):
+                loss = self.eval_loss(x, y)
+                if loss is not None:  # None on a pipeline's earlier stages, which only pass activations on
+                    acc.add(loss.float())
+            if acc.count:
+                sums[i] = acc.result()
+        if self.sharded:  # FSDP leaves the root unit gathered after a forward alone; a step must start from shards
+            self.module.reshard()
+        dist.all_reduce(sums, group=self.layout.dense_group)
+        mean = canonical_sum(list(sums.unbind())) / (batches * self.cfg.global_micro_batches)
+        return self.from_last_stage(mean).item()  # a pipeline's last stage holds it
+
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """The loss of a forward alone, through the pipeline by point-to-point sends; None off the last stage."""
         self.module.eval()
         try:
             if self.pipeline is None:
-                return _cross_entropy(self.module(x), y)
+                return self.module(x, y)
             mine = self.layout.plan.group_of("pp", dist.get_rank())
             act = x
             if not self.is_first:
@@ -338,9 +436,15 @@ class LaidOut:
         finally:
             self.module.train()
 
+    def whole(self) -> nn.Module | None:
+        """The whole model as one module that generates text on this rank alone, where this rank holds it so (the
+        replicated model without FSDP); None where its parts are spread over ranks."""
+        return self.full if self.replicated and not self.sharded else None
+
     # ------------------------------------------------------------------ state
     def model_state(self) -> dict[str, torch.Tensor]:
-        """This rank's weights and buffers under global names (each expert on its own)."""
+        """This rank's weights and buffers under global names (each expert on its own; TP shares and FSDP shards
+        gathered: a collective over their groups)."""
         out: dict[str, torch.Tensor] = {}
         for n in self.named:
             if not n.saved:
@@ -355,12 +459,12 @@ class LaidOut:
         return out
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """AdamW's state per global name (experts split as the weights are, TP shares gathered) and its
-        hyper-parameters (a collective over the TP group)."""
+        """AdamW's state per global name (experts split as the weights are, TP shares and FSDP shards gathered)
+        and its hyper-parameters (a collective over the TP or FSDP group)."""
         return optimizer_state(self.named, optimizer)
 
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """Take this rank's share of a saved global state: weights, buffers and AdamW's state."""
+        """Take this rank's share of a state saved on any layout: weights, buffers and AdamW's state."""
         with torch.no_grad():
             for n in self.named:
                 n.param.copy_(n.share(_whole(model, n)))
@@ -372,10 +476,11 @@ class LaidOut:
 
     # ------------------------------------------------------------------ reporting
     def num_parameters(self) -> int:
-        """Parameters this rank holds (its stage, its experts; the tied copy not counted)."""
-        return sum(n.param.numel() for n in self.named if n.saved)
+        """Parameters this rank holds (its stage, its experts, its FSDP shards; the tied copy not counted)."""
+        return sum((n.param.to_local() if is_dtensor(n.param) else n.param).numel() for n in self.named if n.saved)
 
     def close(self) -> None:
+        """Remove DDP's hooks and switch the canonical steps' layers back to the fast order."""
         if self.ddp is not None:
             self.ddp.close()
         if self.steps is not None:
@@ -397,7 +502,7 @@ class TiedStages:
     Collective to build: every rank makes the pipelines' (first, last) groups in the same order.
     """
 
-    def __init__(self, net: LaidOut, steps: CanonicalSteps) -> None:
+    def __init__(self, net: RankModel, steps: CanonicalSteps) -> None:
         self.steps = steps
         self.group: dist.ProcessGroup | None = None
         self.role = "first" if net.is_first else "last" if net.is_last else ""
@@ -452,19 +557,6 @@ def _check_replica_order(laid: Layout, cfg: TrainConfig) -> None:
 def _unless_alone(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """``group``, or None when this rank is all of it (nothing to sum over)."""
     return group if dist.get_world_size(group) > 1 else None
-
-
-def plain_names(model: nn.Module) -> list[Named]:
-    """A model's parameters under their own names (the tied head once, as the token embedding): whole, or
-    sharded by FSDP."""
-    return [Named(name, p) for name, p in model.named_parameters()]
-
-
-def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A model's whole state under its own names, the head's tie to the token embedding left out (FSDP's shards
-    gathered: a collective over its group)."""
-    return {name: (t.full_tensor() if is_dtensor(t) else t).detach()
-            for name, t in model.state_dict().items() if name != "head.weight"}
 
 
 def optimizer_state(named: list[Named], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 Every ``save_every`` steps and at the end, all ranks hand the state to
 :class:`fireflyer.checkpoint.CheckpointManager` under ``OUT/ckpt/``: the step waits
 only for the snapshot to host memory, the ranks write disjoint shares of it in the
-background (the state is the same on every rank under DDP), and rank 0 commits it. A laid-out run
-(MoE experts, pipeline stages) saves with ``kind="sharded"``: each rank hands in its share
-under global names (:mod:`fireflyer.train.parallel`), and a load returns the whole model.
+background (the state is the same on every rank under DDP or FSDP), and rank 0 commits it. A run
+whose ranks hold different shares (MoE experts, pipeline stages, TP) saves with ``kind="sharded"``:
+each rank hands in its share under global names (:mod:`fireflyer.train.parallel`), and a load
+returns the whole model.
 A state holds all that the next step depends on: model and optimizer, the scheduler's
 position, the step, the RNG states, the config it ran under, and the loss history so
 far, and the hash of the training records. Batches are a pure function of (records, seed,
@@ -34,8 +35,9 @@ def ckpt_dir(out: str | Path) -> Path:
 
 def manager(out: str | Path, *, rank: int, world_size: int, every: int = 1 << 30,
             kind: str = "replicated") -> CheckpointManager:
-    """This rank's checkpoint manager for the run in ``out``: ``replicated`` (the dense demo, every rank
-    holds the same state) or ``sharded`` (a laid-out run: each rank its share, under global names)."""
+    """This rank's checkpoint manager for the run in ``out``: ``replicated`` (the dense model on data parallel,
+    every rank hands in the same whole state) or ``sharded`` (experts, stages or TP shares: each rank its share,
+    under global names)."""
     return CheckpointManager(ckpt_dir(out), every=every, keep_last=KEEP, kind=kind, rank=rank,
                              world_size=world_size)
 

@@ -1,16 +1,18 @@
-"""The training loop of one rank: data-parallel steps with haiscale DDP, evaluation, saving.
+"""The training loop of one rank: steps on the run's layout, evaluation, saving.
 
-Every rank holds a full replica of the model. A step reads the rank's own batch (record
-shards through the storage part, :mod:`fireflyer.train.data`), runs
-forward and backward through :class:`fireflyer.haiscale.DistributedDataParallel` (whose
-gradient allreduce over hfreduce overlaps backward), clips, and steps AdamW. The
-reported loss is the mean over ranks. Rank 0 saves the state, writes ``run.json`` and
-writes a text sample at the end; every rank takes part in every collective.
+Every run is laid out (:func:`fireflyer.haiscale.layout`): the rank holds its part of the model
+(:class:`~fireflyer.train.parallel.RankModel`), a whole replica under
+:class:`fireflyer.haiscale.DistributedDataParallel` for the dense model on data parallel (whose
+gradient allreduce over hfreduce overlaps backward), or its FSDP shards, pipeline stage, experts
+or TP shares. A step reads the rank's own batch (record shards through the storage part,
+:mod:`fireflyer.train.data`), runs forward and backward, clips, and steps AdamW. The reported loss
+is the mean over the global batch. Rank 0 writes ``run.json`` and a text sample at the end; every
+rank saves its share of the state and takes part in every collective.
 
 Steps are numbered from 1; ``state.step == k`` means k optimizer steps are done.
 
 A step is the global batch (``global_batch`` sequences, in micro-batches of ``micro_batch_size``),
-its micro-batches shared evenly among the ranks, each its own forward and backward
+its micro-batches shared evenly among the data replicas, each its own forward and backward
 (:meth:`DistributedDataParallel.accumulate`). With ``order = "canonical"`` every sum
 of a step is taken in one fixed pairwise tree over the global micro-batch index, on an hfreduce
 group made for it (``HFReduceConfig(order="canonical")``), and each rank runs one thread: the
@@ -23,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
@@ -31,22 +32,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fireflyer.haiscale import DistributedDataParallel, layout
+from fireflyer.haiscale import layout
 from fireflyer.hfreduce import HFReduceConfig
-from fireflyer.hfreduce.plans.canonical import PairwiseAccumulator, canonical_sum
 from fireflyer.train import state as saved
 from fireflyer.train.config import TrainConfig
 from fireflyer.train.data import SAMPLE_PROMPT, TrainingData
 from fireflyer.fsutil import write_json
-from fireflyer.train.model import GPT, ModelShape, lm_loss, split_linears
-from fireflyer.train.optim import build_optimizer, clip_exact
-from fireflyer.train.parallel import (TIED, LaidOut, describe, load_optimizer, optimizer_state, plain_names,
-                                     plain_state, replica_of, whole_model)
+from fireflyer.train.optim import build_optimizer
+from fireflyer.train.parallel import RankModel, describe, replica_of, whole_model
 from fireflyer.train.progress import StepStats, Throughput, make_progress
 from fireflyer.errors import UserError
 
 TIED_HEAD = "head.weight"
-"""The plain model's name of the output head, which is the token embedding's weight itself."""
+"""The whole model's name of the output head, which is the token embedding's weight itself."""
 COLLECTIVE_TIMEOUT = 120.0
 """Seconds one collective may take (capped by the job's own timeout): a lost peer fails fast."""
 
@@ -83,7 +81,7 @@ class Placement:
 
 
 class Trainer:
-    """Builds the data, model, DDP wrapper and optimizer for one rank, then runs the steps."""
+    """Builds the layout, data, model (its part on this rank) and optimizer for one rank, then runs the steps."""
 
     def __init__(self, cfg: TrainConfig, where: Placement, *, resume: int | None = None,
                  fail_at: int | None = None, managed: bool = False) -> None:
@@ -94,23 +92,16 @@ class Trainer:
         """Run as a platform task: answer suspend commands by saving the state and stopping."""
         """A step at which to raise, as a crashing rank would (fault injection for tests)."""
         self.history = History()
-        self.laid_out: LaidOut | None = None
-        """The layout path (model = moe, or pp > 1): this rank's stage, experts and groups."""
-        self.layout = None
-        self.group: dist.ProcessGroup | None = None
-        """The group gradients and losses are summed over: the default one, unless the order is canonical."""
-        self.ddp: DistributedDataParallel | None = None
-        self.sharded: torch.nn.Module | None = None
-        """The model sharded by FSDP (``fsdp``): steps go through fsdp_accumulate, the state is gathered to save."""
-        if cfg.model.kind == "moe" or cfg.parallelism.pp > 1 or cfg.parallelism.tp > 1:  # collective: before anything else talks
-            # a TP group sums in the canonical order in either order (its linears compute in blocks); the canonical
-            # order's data-parallel groups too
-            options = self._canonical_options() if cfg.parallelism.order == "canonical" or cfg.parallelism.tp > 1 else None
-            self.layout = layout(pp=cfg.parallelism.pp, ep=cfg.parallelism.ep, tp=cfg.parallelism.tp, pg_options=options)
+        par = cfg.parallelism
+        # collective: before anything else talks. A TP group sums in the canonical order in either order (its linears
+        # compute in blocks); the canonical order's data-parallel groups too
+        options = self._canonical_options() if par.order == "canonical" or par.tp > 1 else None
+        self.layout = layout(pp=par.pp, ep=par.ep, tp=par.tp, pg_options=options,
+                             timeout=min(COLLECTIVE_TIMEOUT, cfg.run.timeout))
         self._build_data()
         self._build_model()
         self.ckpt = saved.manager(cfg.run.out, rank=where.rank, world_size=where.world_size,
-                                  kind="sharded" if self.laid_out else "replicated")
+                                  kind="replicated" if self.net.replicated else "sharded")
         self.start_step = self._restore(resume) if resume is not None else 0
         self.resumed_from = self.start_step if resume is not None else None
         self.end_step = cfg.run.stop_at or cfg.run.steps
@@ -119,38 +110,17 @@ class Trainer:
     # ------------------------------------------------------------------ building
     def _build_data(self) -> None:
         w = self.where
-        rank, world = w.rank, w.world_size
-        if self.layout is not None:  # one batch per pipeline (data replica)
-            rank, world = replica_of(self.layout, self.cfg), self.cfg.replicas
-        self.data = TrainingData.open(self.cfg, rank=rank, world_size=world, device=w.device)
+        # one batch per data replica (a pipeline, a TP group; with neither, each rank)
+        self.data = TrainingData.open(self.cfg, rank=replica_of(self.layout, self.cfg), world_size=self.cfg.replicas,
+                                      device=w.device)
         self.tokenizer = self.data.tokenizer
         self._notes: list[str] = []
 
     def _build_model(self) -> None:
-        cfg = self.cfg
-        if self.layout is not None:
-            self.laid_out = LaidOut(cfg, self.layout, self.tokenizer.vocab_size, self.where.device)
-            self.model, self.ddp = self.laid_out.module, self.laid_out.ddp
-            self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-            return
-        shape = ModelShape(vocab_size=self.tokenizer.vocab_size, context=cfg.model.context, layers=cfg.model.layers,
-                           d_model=cfg.model.d_model, heads=cfg.model.heads)
-        torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        self.model = GPT(shape).to(self.where.device)
-        if cfg.parallelism.order == "canonical":
-            seconds = min(COLLECTIVE_TIMEOUT, cfg.run.timeout)
-            self.group = dist.new_group(backend="hfreduce", timeout=timedelta(seconds=seconds),
-                                        pg_options=self._canonical_options())
-            if cfg.parallelism.linear_blocks > 1:  # the linears every TP degree dividing linear_blocks computes alike
-                split_linears(self.model, blocks=cfg.parallelism.linear_blocks)
-        if cfg.parallelism.fsdp:  # each rank one shard of the weights, gradients and AdamW's state
-            from fireflyer.haiscale import fully_shard  # torch's FSDP: imported only by the runs that use it
-
-            self.sharded = fully_shard(self.model, group=self.group, order=cfg.parallelism.order)
-        else:
-            self.ddp = DistributedDataParallel(self.model, process_group=self.group, bucket_cap_mb=cfg.parallelism.bucket_cap_mb,
-                                               order=cfg.parallelism.order)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        self.net = RankModel(self.cfg, self.layout, self.tokenizer.vocab_size, self.where.device)
+        """This rank's part of the model, how it is held, and its step."""
+        self.model = self.net.module
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg)
 
     def _canonical_options(self) -> HFReduceConfig:
         """hfreduce groups that sum in the canonical order, with the job's collective timeout."""
@@ -168,17 +138,7 @@ class Trainer:
         rng = state["rng"]
         if "cpu" not in rng:  # saved per rank (a laid-out run): this rank's, else the first rank's
             rng = rng.get(f"rank{self.where.rank}", rng["rank0"])
-        if self.laid_out is not None:
-            self.laid_out.load(state["model"], state["optimizer"], self.optimizer)
-        else:  # a state saved on any layout: whole tensors under global names (the head is the token embedding)
-            names = plain_names(self.model)
-            if self.sharded is not None:  # this rank's shard of each
-                with torch.no_grad():
-                    for n in names:
-                        n.param.copy_(n.share(state["model"][n.name]))
-            else:
-                self.model.load_state_dict({TIED_HEAD: state["model"][TIED], **state["model"]})
-            load_optimizer(names, state["optimizer"], self.optimizer)
+        self.net.load(state["model"], state["optimizer"], self.optimizer)  # whole tensors under global names
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(rng["cpu"])
         if self.where.device.type == "cuda" and "cuda" in rng:
@@ -211,7 +171,7 @@ class Trainer:
                 loss, lr = self._train_step(step)
                 seconds = time.perf_counter() - t0
                 self.timing["train_s"] += seconds
-                imbalance = self.history.experts[-1]["imbalance"] if self.laid_out and self.history.experts else None
+                imbalance = self.history.experts[-1]["imbalance"] if self.history.experts else None
                 bar.update(StepStats(step, loss, lr, rate.add(seconds, cfg.tokens_per_step), self.allreduce_gbps(),
                                      imbalance))
                 if cfg.data.eval_interval and step % cfg.data.eval_interval == 0 and step != self.end_step:
@@ -236,56 +196,22 @@ class Trainer:
         return record
 
     def _train_step(self, step: int) -> tuple[float, float]:
-        if self.laid_out is not None:
-            return self._laid_out_step(step)
-        # Each micro-batch's forward and backward; the gradients averaged over every rank's micro-batches
-        # (in the canonical tree, for order = "canonical") when this returns, with the mean loss.
-        if self.sharded is not None:  # FSDP deals the step's micro-batches to the shards in turn
-            from fireflyer.haiscale import fsdp_accumulate, sharding_info
-
-            mine = sharding_info(self.sharded).micro_batch_indices(self.cfg.micro_batches)
-            mean = fsdp_accumulate(self.sharded, [self.data.micro_batch("train", g, at=step) for g in mine], lm_loss)
-        else:
-            mean = self.ddp.accumulate(self.data.train(step=step), lm_loss)
-        if self.cfg.optimizer.grad_clip and self.cfg.parallelism.order == "canonical":  # an exact norm: the same bits on every layout
-            shards = self.group if self.sharded is not None else None  # FSDP: each rank adds its own shards
-            clip_exact(self.model.parameters(), self.model.parameters(), self.cfg.optimizer.grad_clip, shards)
-        elif self.cfg.optimizer.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.history.loss.append(mean.item())
-        self.history.lr.append(lr)
-        return self.history.loss[-1], lr
-
-    def _laid_out_step(self, step: int) -> tuple[float, float]:
-        """A step of the layout path: the pipeline (or one forward), global clipping, the balancing step."""
-        net = self.laid_out
-        assert net is not None
+        """A step: forward and backward on the layout (the gradients reduced), global clipping, AdamW, the MoE
+        layers' balancing step; returns the global batch's mean loss and the step's learning rate."""
+        net = self.net
         self.optimizer.zero_grad(set_to_none=False)
-        loss = net.train_loss(self.data.train(step=step))
+        loss = net.train_loss(self.data, step)
         if self.cfg.optimizer.grad_clip:
             net.clip(self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         layers = net.after_step()
-        # the canonical order's loss is already the global batch's mean, the same on every rank
-        self.history.loss.append(loss.item() if self.cfg.parallelism.order == "canonical" else self._replica_mean(loss))
+        self.history.loss.append(loss)
         self.history.lr.append(lr)
         if layers or self.cfg.model.kind == "moe":
             self.history.experts.append(self._expert_record(layers))
         return self.history.loss[-1], lr
-
-    def _replica_mean(self, value: torch.Tensor | None) -> float:
-        """The mean over data replicas of a value the last stage holds, on every rank of its TP group (collective
-        over the world: TP rank 0 counts it)."""
-        buf = torch.zeros(1, dtype=torch.float64, device=self.where.device)
-        if value is not None and self.layout.coords["tp"] == 0:
-            buf += value.double()
-        dist.all_reduce(buf)
-        return buf.item() / self.cfg.replicas
 
     def _expert_record(self, layers: list) -> dict[str, Any]:
         """The step's MoE record: this stage's layers, the all-to-all totals and the worst imbalance of any
@@ -300,39 +226,10 @@ class Trainer:
                 "imbalance": worst.item(), "all_to_all_bytes": int(sums[0].item()),
                 "all_to_all_s": sums[1].item() / self.where.world_size}
 
-    @torch.no_grad()
     def _evaluate(self, step: int) -> float:
-        """Mean validation loss over every rank's fixed validation batches; recorded at ``step``."""
+        """Mean validation loss over every replica's fixed validation batches; recorded at ``step``."""
         t0 = time.perf_counter()
-        if self.laid_out is not None and self.cfg.parallelism.order != "canonical":
-            total = torch.zeros((), dtype=torch.float64, device=self.where.device)
-            for i in range(self.cfg.data.eval_batches):
-                for x, y in self.data.eval(index=i):
-                    loss = self.laid_out.eval_loss(x, y)
-                    if loss is not None:
-                        total += loss.double()
-            self.history.val.append([step, self._replica_mean(total / (self.cfg.data.eval_batches * self.cfg.micro_batches))])
-            self.timing["eval_s"] += time.perf_counter() - t0
-            return self.history.val[-1][1]
-        # Batch i's loss summed pairwise over this replica's micro-batches, then over the replicas (in the
-        # group's order), then over i in the canonical tree: layout-independent bits in the canonical order.
-        net = self.laid_out
-        self.model.eval()
-        sums = torch.zeros(self.cfg.data.eval_batches, device=self.where.device)
-        for i in range(self.cfg.data.eval_batches):
-            acc = PairwiseAccumulator()
-            for x, y in self.data.eval(index=i):
-                loss = lm_loss(self.model, (x, y)) if net is None else net.eval_loss(x, y)
-                if loss is not None:  # None on a pipeline's earlier stages, which only pass activations on
-                    acc.add(loss.float())
-            if acc.count:
-                sums[i] = acc.result()
-        self.model.train()
-        dist.all_reduce(sums, group=self.group if net is None else self.layout.dense_group)
-        mean = canonical_sum(list(sums.unbind())) / (self.cfg.data.eval_batches * self.cfg.global_micro_batches)
-        if net is not None:  # a pipeline's last stage holds it
-            mean = net.from_last_stage(mean)
-        self.history.val.append([step, mean.item()])
+        self.history.val.append([step, self.net.val_loss(self.data)])
         self.timing["eval_s"] += time.perf_counter() - t0
         return self.history.val[-1][1]
 
@@ -346,38 +243,33 @@ class Trainer:
         client.suspend_if_requested(self.ckpt, step, None if saved_now else (lambda: self._state(step)))
 
     def _save(self, step: int) -> None:
-        """Every rank hands the (replicated) state to the checkpoint manager; the step waits for the snapshot only."""
+        """Every rank hands its state to the checkpoint manager; the step waits for the snapshot only."""
         t0 = time.perf_counter()
         self.ckpt.save(step, self._state(step))
         self.timing["save_s"] += time.perf_counter() - t0
 
     def _state(self, step: int) -> dict[str, Any]:
+        """The state to save: the model and AdamW's state under global names, the scheduler, RNG and history
+        (a collective: TP shares and FSDP shards are gathered)."""
         rng = {"cpu": torch.get_rng_state()}
         if self.where.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
-        if self.laid_out is not None:  # each rank its share, under global names (kind="sharded")
-            return saved.payload(
-                step, config=self.cfg.to_dict(), vocab=self.tokenizer.chars, data_hash=self.data.prepared.key,
-                model=self.laid_out.model_state(), optimizer=self.laid_out.optimizer_state(self.optimizer),
-                scheduler=self.scheduler.state_dict(), rng={f"rank{self.where.rank}": rng},
-                history=self.history.to_dict(), layout=describe(self.layout))
+        # every rank of a replicated model saves the same whole state; a sharded one keeps what differs between
+        # ranks under keys of their own
+        own = {"rng": rng} if self.net.replicated else {"rng": {f"rank{self.where.rank}": rng},
+                                                        "layout": describe(self.layout)}
         return saved.payload(
-            step,
-            config=self.cfg.to_dict(),
-            vocab=self.tokenizer.chars,
-            data_hash=self.data.prepared.key,
-            model=plain_state(self.model),
-            optimizer=optimizer_state(plain_names(self.model), self.optimizer),
-            scheduler=self.scheduler.state_dict(),
-            rng=rng,
-            history=self.history.to_dict(),
-        )
+            step, config=self.cfg.to_dict(), vocab=self.tokenizer.chars, data_hash=self.data.prepared.key,
+            model=self.net.model_state(), optimizer=self.net.optimizer_state(self.optimizer),
+            scheduler=self.scheduler.state_dict(), history=self.history.to_dict(), **own)
 
     # ------------------------------------------------------------------ reporting
     def allreduce_gbps(self) -> float:
-        if self.ddp is None:  # a fault-tolerant run sums through torchft's group, not a DDP
+        """DDP's gradient allreduce rate so far; 0 where no DDP sums the gradients (FSDP, the canonical steps, a
+        fault-tolerant run's torchft group)."""
+        if self.net.ddp is None:
             return 0.0
-        s = self.ddp.stats()
+        s = self.net.ddp.stats()
         return s["allreduce_bytes"] / s["allreduce_seconds"] / 1e9 if s["allreduce_seconds"] > 0 else 0.0
 
     def sample(self) -> str:
@@ -386,8 +278,8 @@ class Trainer:
             return ""
         prompt = self.tokenizer.encode(SAMPLE_PROMPT).to(self.where.device)
         gen = torch.Generator(device=self.where.device).manual_seed(self.cfg.run.seed)
-        model = self.model
-        if self.laid_out is not None or self.sharded is not None:  # the whole model, from the saved state's names
+        model = self.net.whole()
+        if model is None:  # spread over ranks: the whole model, from the saved state's names
             state = saved.load_state(self.cfg.run.out, self.end_step)
             model = whole_model(self.cfg, self.tokenizer.vocab_size, state["model"]).to(self.where.device)
         model.eval()
@@ -409,14 +301,12 @@ class Trainer:
                 "stall_s": stall / n, "stall_s_max": worst.item(), "prefetched_shards": int(prefetched)}
 
     def _layout_summary(self) -> dict[str, Any]:
-        """The layout path's part of run.json, gathered from every rank (a collective; {} on the plain path).
+        """The layout's part of run.json, gathered from every rank (a collective).
 
         Each stage knows its own MoE layers' per-step records: they are merged by block index, so
         rank 0 reports every layer. Parameters: this rank's, and the whole model's (each global name once).
         """
-        if self.laid_out is None:
-            return {}
-        net = self.laid_out
+        net = self.net
         mine = {"experts": [e["layers"] for e in self.history.experts],
                 "names": {k: v.numel() for k, v in net.model_state().items()}, "held": net.num_parameters()}
         everyone: list[Any] = [None] * self.where.world_size
@@ -432,7 +322,7 @@ class Trainer:
     def _record(self, reader: dict[str, float], laid: dict[str, Any]) -> dict[str, Any]:
         cfg, w = self.cfg, self.where
         done = self.end_step - self.start_step
-        ddp = self.ddp.stats() if self.ddp is not None else None
+        ddp = self.net.ddp.stats() if self.net.ddp is not None else None
         t0 = time.perf_counter()
         text = self.sample()
         return {
@@ -444,7 +334,7 @@ class Trainer:
                       "device": str(w.device) if w.device.type == "cpu" else f"cuda x {w.world_size}",
                       "threads_per_rank": w.threads},
             "model": self._model_record(laid),
-            **({"layout": laid["layout"]} if laid else {}),
+            "layout": laid["layout"],
             **({"experts": self._experts_summary()} if self.history.experts else {}),
             "data": {**self.data.describe(), "tokens_per_step": cfg.tokens_per_step,
                      "micro_batches_per_step": cfg.global_micro_batches, "micro_batch_size": cfg.data.micro_batch_size,
@@ -460,9 +350,6 @@ class Trainer:
         }
 
     def _model_record(self, laid: dict[str, Any]) -> dict[str, Any]:
-        if not laid:
-            return {"parameters": self.model.num_parameters(), "vocab_size": self.tokenizer.vocab_size, "kind": "dense",
-                    "weights_sha256": weights_digest(saved.load_state(self.cfg.run.out, self.end_step)["model"])}
         cfg = self.cfg
         out = {"parameters": laid["parameters"]["whole_model"], "parameters_per_rank": laid["parameters"]["per_rank"],
                "vocab_size": self.tokenizer.vocab_size, "kind": cfg.model.kind,
@@ -481,12 +368,8 @@ class Trainer:
                 "tokens": [{k: v["tokens"] for k, v in e["layers"].items()} for e in h]}
 
     def close(self) -> None:
-        if self.ddp is not None:
-            self.ddp.close()
+        self.net.close()
         self.data.close()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
 
 
 def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
