@@ -8,7 +8,7 @@ STAMP_DEV := $(VENV)/.installed-dev
 INPUTS := pyproject.toml setup.py constraints.txt $(wildcard src/fireflyer/hfreduce/_core/*.[ch]) \
           src/fireflyer/hfreduce/backend/door.cpp
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-heavy bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,12 @@ $(STAMP_DEV): $(STAMP) $(INPUTS)
 demo: $(STAMP)
 	$(BIN)/fireflyer demo
 
+# The suite, less the tests marked heavy (whole jobs run many times over); test-heavy runs those; .ci/run runs both.
 test: $(STAMP_DEV)
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -m "not heavy" --durations=30
+
+test-heavy: $(STAMP_DEV)
+	$(BIN)/python -m pytest -q -m heavy --durations=15
 
 bench: $(STAMP_DEV)
 	$(BIN)/fireflyer bench allreduce

@@ -25,7 +25,8 @@ def one_process() -> dict:
         return _one_answer(cluster.run(cases.train, GLOBAL, STEPS))
 
 
-@pytest.mark.parametrize("layout", [[2], [4], [2, 2], [2, 2, 2, 2]], ids=lambda lay: "+".join(map(str, lay)))
+@pytest.mark.parametrize("layout", [[2], [4], [2, 2], pytest.param([2, 2, 2, 2], marks=pytest.mark.heavy)],
+                         ids=["2", "4", "2+2", "2+2+2+2"])
 def test_every_layout_gives_the_bits_of_one_process(layout, one_process):
     ranks = sum(layout)
     with LocalCluster(layout, env={"FIREFLYER_TEST_COMM": "0"}) as cluster:

@@ -19,7 +19,9 @@ from fireflyer import cli
 from fireflyer.testing.cli import fireflyer, one_error_line
 from fireflyer.train.config import TrainConfig, builtin_config
 
-pytestmark = pytest.mark.multiproc
+# The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
+# test's limit only has to catch a hang, on a busy host too.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 TINY = builtin_config("tiny")
 CFG = TrainConfig.from_toml(TINY)

@@ -15,7 +15,9 @@ import pytest
 from fireflyer.testing.cli import fireflyer, one_error_line
 from fireflyer.train.config import builtin_config
 
-pytestmark = pytest.mark.multiproc
+# The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
+# test's limit only has to catch a hang, on a busy host too.
+pytestmark = [pytest.mark.multiproc, pytest.mark.heavy, pytest.mark.timeout(1800)]
 
 TINY = str(builtin_config("tiny"))
 STEPS = 8

@@ -386,6 +386,7 @@ def test_a_node_killed_mid_run_leaves_the_bits_of_a_run_that_never_failed(straig
     assert "node1 lost, 3 -> 2 replicas" in printed
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 def test_a_node_that_comes_back_as_the_run_ends_finds_it_done(straight, tmp_path):
     """node1 is killed, restarts and reads the checkpoint, and is held there (SIGSTOP) until the others end the
@@ -418,6 +419,7 @@ def test_a_node_that_comes_back_as_the_run_ends_finds_it_done(straight, tmp_path
     assert log.count("failed (exitcode") == 1, log[-2000:]  # the kill's restart only
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 def test_two_nodes_lost_one_after_another_keep_the_bits(straight, tmp_path):
     run, _ = ft_run(tmp_path / "two", [(25, "node2"), (100, "node1")], "--order", "canonical")
@@ -426,6 +428,7 @@ def test_two_nodes_lost_one_after_another_keep_the_bits(straight, tmp_path):
     assert lost == [["node2"], ["node1"]], lost  # each kill, in turn; no live node was left out of a quorum
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 def test_without_the_canonical_order_the_summary_counts_the_dropped_micro_batches(tmp_path):
     run, printed = ft_run(tmp_path / "fast", [(50, "node1")], "--order", "fast")
@@ -443,6 +446,7 @@ def test_without_the_canonical_order_the_summary_counts_the_dropped_micro_batche
 
 # --- chaos: nodes lost at random moments, during an allreduce and during a heal, and a node stopped ----------
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 @pytest.mark.timeout(480)
 def test_three_nodes_killed_at_random_moments_keep_the_bits(straight, tmp_path):
@@ -476,6 +480,7 @@ def straight_2x2(tmp_path_factory) -> dict:
     return plain_canonical_run(tmp_path_factory.mktemp("ft") / "straight_2x2", RUN_2X2)
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 @pytest.mark.timeout(480)
 def test_two_nodes_one_killed_at_a_random_moment_the_other_during_its_heal_keep_the_bits(straight_2x2, tmp_path):
@@ -497,6 +502,7 @@ def test_two_nodes_one_killed_at_a_random_moment_the_other_during_its_heal_keep_
     print(f"{chaos.why()}; the heal's transfer {'was cut' if cut else 'had arrived'} when node0 died")
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 @pytest.mark.timeout(480)
 def test_a_node_stopped_past_the_timeout_then_resumed_keeps_the_bits(straight, tmp_path):

@@ -30,6 +30,7 @@ from fireflyer.train.fault_tolerant import node_ranks  # noqa: E402
 RUN = ["--preset", "moe", "--steps", "120", "--save-every", "10", "--eval-interval", "60", "--layers", "1"]
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 def test_a_moe_run_loses_a_node_heals_it_and_counts_what_its_absence_dropped(tmp_path):
     plain = tmp_path / "plain"

@@ -25,6 +25,7 @@ def run_json(out: Path) -> dict:
     return json.loads((out / "run.json").read_text())
 
 
+@pytest.mark.heavy
 @pytest.mark.multiproc
 def test_a_canonical_run_goes_on_fault_tolerant_on_another_layout_with_the_same_bits(tmp_path):
     straight, moved = tmp_path / "straight", tmp_path / "moved"

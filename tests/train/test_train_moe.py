@@ -20,7 +20,9 @@ import pytest
 from fireflyer import cli
 from fireflyer.train.config import builtin_config
 
-pytestmark = pytest.mark.multiproc
+# The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
+# test's limit only has to catch a hang, on a busy host too.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 TINY = str(builtin_config("tiny"))
 MOE = ["--model", "moe", "--experts", "4", "--expert-hidden", "16", "--shared-experts", "1", "--top-k", "2",

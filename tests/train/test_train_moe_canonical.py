@@ -14,7 +14,9 @@ import pytest
 from fireflyer.testing.cli import fireflyer
 from fireflyer.train.config import builtin_config
 
-pytestmark = pytest.mark.multiproc
+# The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
+# test's limit only has to catch a hang, on a busy host too.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 RUN = [str(builtin_config("tiny")), "--model", "moe", "--experts", "4", "--expert-hidden", "16", "--top-k", "2",
        "--layers", "2", "--bias-update-speed", "0.01", "--steps", "6", "--eval-interval", "3", "--save-every", "3",

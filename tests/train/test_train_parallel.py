@@ -11,7 +11,9 @@ import pytest
 from fireflyer.testing.cli import fireflyer
 from fireflyer.train.config import builtin_config
 
-pytestmark = pytest.mark.multiproc
+# The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
+# test's limit only has to catch a hang, on a busy host too.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 RUN = [str(builtin_config("tiny")), "--steps", "6", "--eval-interval", "3", "--save-every", "3", "--sample-tokens",
        "8", "--global-batch", "16", "--micro-batch-size", "4", "--layers", "2"]

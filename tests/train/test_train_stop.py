@@ -27,7 +27,9 @@ from fireflyer.checkpoint.manager import PERSIST_DELAY_ENV, committed_steps
 from fireflyer.testing.cli import fireflyer, one_error_line
 from fireflyer.train.outdir import resolve
 
-pytestmark = pytest.mark.multiproc
+# The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
+# test's limit only has to catch a hang, on a busy host too.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 RUN = ["--preset", "tiny", "--steps", "3000", "--save-every", "10", "--eval-interval", "8"]
 """A run that cannot end by itself within a test: saved every 10 steps of about 10 ms."""
