@@ -63,3 +63,16 @@ def test_the_moe_model_with_its_attention_over_a_tp_group_trains_the_model_of_on
     assert split["layout"]["tp"] == 2 and split["layout"]["ep"] == 2
     for step, (x, y) in enumerate(zip(one["loss"], split["history"]["loss"], strict=True), 1):
         assert abs(x - y) < 1e-4, (step, x, y)
+
+
+def test_fsdp_after_an_evaluation_with_no_save_between_trains_the_bits_of_ddp(tmp_path):
+    """Two micro-batches per rank, an evaluation at step 2 and no save until the end: a step after an evaluation
+    starts from FSDP's shards (an evaluation's forward leaves the root unit gathered), so canonical FSDP gives
+    canonical DDP's weights."""
+    run = [str(builtin_config("tiny")), "--steps", "4", "--eval-interval", "2", "--save-every", "4", "--sample-tokens",
+           "0", "--global-batch", "16", "--micro-batch-size", "4", "--layers", "2", "--order", "canonical",
+           "--nodes", "1", "--ranks-per-node", "2"]
+    ddp = train(tmp_path / "ddp", *run)
+    fsdp = train(tmp_path / "fsdp", *run, "--fsdp")
+    assert fsdp["history"]["loss"] == ddp["history"]["loss"]
+    assert fsdp["model"]["weights_sha256"] == ddp["model"]["weights_sha256"]

@@ -378,6 +378,7 @@ def fsdp_accumulate(module: nn.Module, micro_batches: Sequence[Any],
         raise UserError("this model steps its optimizer inside each backward, so it cannot accumulate micro-batches; "
                         "shard it without optimizer= to use fsdp_accumulate()")
     batches = list(micro_batches)
+    _reshard(module)
     if info.canonical is not None:
         return info.canonical.run(module, batches, loss_fn)
     if not batches:
@@ -395,6 +396,15 @@ def fsdp_accumulate(module: nn.Module, micro_batches: Sequence[Any],
         dist.all_reduce(total, group=info.group)
         total.div_(world)
     return total.reshape(())
+
+
+def _reshard(module: nn.Module) -> None:
+    """Free every unit's gathered parameters: the root unit keeps them after a forward (it does not reshard after
+    forward), and a forward without backward (an evaluation) leaves them so; a step must start from the shards,
+    whose ``.grad``s it zeroes and fills."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 class FullyShardedDataParallel(nn.Module):

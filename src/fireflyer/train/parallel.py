@@ -410,8 +410,6 @@ class RankModel:
                     acc.add(loss.float())
             if acc.count:
                 sums[i] = acc.result()
-        if self.sharded:  # FSDP leaves the root unit gathered after a forward alone; a step must start from shards
-            self.module.reshard()
         dist.all_reduce(sums, group=self.layout.dense_group)
         mean = canonical_sum(list(sums.unbind())) / (batches * self.cfg.global_micro_batches)
         return self.from_last_stage(mean).item()  # a pipeline's last stage holds it
