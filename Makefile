@@ -28,11 +28,14 @@ demo: $(STAMP)
 	$(BIN)/fireflyer demo
 
 # The suite, less the tests marked heavy (whole jobs run many times over); test-heavy runs those; .ci/run runs both.
+# Test files run side by side on WORKERS processes (pytest-xdist), a file's tests in one of them, in order; much of
+# the suite waits (for a timeout to pass, a daemon to poll, a peer to be named dead), so two workers fill two cores.
+WORKERS ?= 2
 test: $(STAMP_DEV)
-	$(BIN)/python -m pytest -q -m "not heavy" --durations=30
+	$(BIN)/python -m pytest -q -m "not heavy" -n $(WORKERS) --dist loadfile --durations=30
 
 test-heavy: $(STAMP_DEV)
-	$(BIN)/python -m pytest -q -m heavy --durations=15
+	$(BIN)/python -m pytest -q -m heavy -n $(WORKERS) --dist loadfile --durations=15
 
 bench: $(STAMP_DEV)
 	$(BIN)/fireflyer bench allreduce

@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 
+from fireflyer.testing import shm
 from fireflyer.testing.cases import exchange as X
 from fireflyer.testing.cluster import ClusterPool
 
@@ -91,12 +92,10 @@ def test_a_wait_timeout_fails_the_group_with_collective_timeout(clusters, layout
 
 
 def test_no_thread_or_shared_memory_is_left_after_destroy(clusters):
-    import os
-
     cluster = clusters("2x2")
-    before = set(os.listdir("/dev/shm"))
+    before = shm.segments()
     got = cluster.run(X.threads_and_shm, timeout=60)
     for r, rep in enumerate(got):
         assert rep["out"] == [float(p) for p in range(cluster.world_size)]
         assert rep["threads"] == [], (r, rep["threads"])
-    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("fireflyer-hfr")}
+    assert not shm.left_behind(before, ("fireflyer-hfr",))

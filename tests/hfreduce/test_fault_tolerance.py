@@ -30,6 +30,7 @@ from fireflyer import lifetime  # noqa: E402
 from fireflyer.hfreduce.errors import HFReduceError  # noqa: E402
 from fireflyer.hfreduce.backend.fault_tolerance import ProcessGroupHFReduce  # noqa: E402
 from fireflyer.ports import free_port  # noqa: E402
+from fireflyer.testing import shm  # noqa: E402
 from fireflyer.testing.waiting import wait_until  # noqa: E402
 from fireflyer.lighthouse import lighthouse_binary  # noqa: E402
 
@@ -147,7 +148,7 @@ def test_the_quorums_abort_ends_a_waiting_collective_at_once_and_leaves_nothing_
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "FIREFLYER_NODE_ID": "node-1"})
     threads_before = set(threading.enumerate())
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm.segments()
     pg = ProcessGroupHFReduce(timeout=timedelta(seconds=30))
     try:
         pg.configure(f"127.0.0.1:{port}/quorum-1", "replica-0", 0, 2, quorum_id=1)
@@ -170,5 +171,5 @@ def test_the_quorums_abort_ends_a_waiting_collective_at_once_and_leaves_nothing_
     while {t for t in threading.enumerate() if t.is_alive()} - threads_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert {t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()} == set()
-    assert not {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("fireflyer")}
+    assert not shm.left_behind(shm_before, ("fireflyer",))
     del store

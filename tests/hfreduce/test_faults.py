@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
 from fireflyer.testing.cases.hfr import (after_failure, allreduce_until_failure, arena_files, capture_refusals, intrude,
                                          keyed, mismatched, skip_collective)
+from fireflyer.testing import shm
 from fireflyer.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.multiproc
@@ -18,7 +18,7 @@ ENV = {"FIREFLYER_HFREDUCE_TIMEOUT": str(TIMEOUT), "FIREFLYER_HFREDUCE_CHUNK_BYT
 
 
 def _shm() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("fireflyer-hfr-")}
+    return shm.segments(("fireflyer-hfr-",))
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_dead_peer_is_named_on_every_survivor_within_the_timeout(layout, victim)
         for r, (outcome, left) in zip(survivors, [_ask(cluster, r, after_failure) for r in survivors]):
             assert outcome in ("PeerFailure", "ConnectionLost"), (r, outcome)
             assert left == [], (r, left)
-    assert _shm() - before == set()
+    assert shm.left_behind(before, ("fireflyer-hfr-",)) == set()
 
 
 def test_missing_rank_times_out_and_is_named():
@@ -88,8 +88,8 @@ def test_arena_is_private_and_gone_from_dev_shm_once_mapped():
     before = _shm()
     with LocalCluster([2], env=ENV) as cluster:
         seen = cluster.run(arena_files)
-        assert set(seen[0]) - before == set(), "the arena should be unlinked once every local rank mapped it"
-    assert _shm() - before == set()
+        assert shm.ours(set(seen[0]) - before) == set(), "the arena should be unlinked once every local rank mapped it"
+    assert shm.left_behind(before, ("fireflyer-hfr-",)) == set()
 
 
 def _ask(cluster: LocalCluster, rank: int, fn):

@@ -5,7 +5,6 @@ the losses of a run that was never interrupted."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fireflyer.testing import shm
 from fireflyer.testing.live_platform import LivePlatform, run_cli
 from fireflyer.train.config import builtin_config
 
@@ -65,7 +65,7 @@ def test_a_training_task_stopped_by_its_user_leaves_nothing_and_resumes_bitwise(
     run = ["train", "--preset", "tiny", "--steps", "3000", "--save-every", "10"]
     mark = lifetime.child_mark()
     monkeypatch.setenv(lifetime.MARK, mark)  # the daemon, its supervisors and the tasks' ranks are marked below it
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm.segments()
     out = tmp_path / "managed"
     p = LivePlatform(tmp_path / "home", "--nodes", "2")
     try:
@@ -82,7 +82,7 @@ def test_a_training_task_stopped_by_its_user_leaves_nothing_and_resumes_bitwise(
     finally:
         p.close()
     assert "stopped by its user" in done["attempts"][-1]["detail"], done
-    assert not {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith(("fireflyer", "torch"))}
+    assert not shm.left_behind(shm_before)
     last = committed_steps(str(out / "ckpt"))[-1]
     run_cli(*run, "--out", str(tmp_path / "straight"), "--stop-at", str(last + 2), timeout=180)
     run_cli("train", "--out", str(out), "--resume", "--stop-at", str(last + 2), timeout=180)

@@ -40,6 +40,7 @@ pytest.importorskip("torchft", reason="torchft is an optional extra: pip install
 from fireflyer import cli, lifetime  # noqa: E402
 from fireflyer.checkpoint.manager import committed_steps  # noqa: E402
 from fireflyer.hfreduce.plans.canonical import canonical_sum  # noqa: E402
+from fireflyer.testing import shm  # noqa: E402
 from fireflyer.testing.cli import fireflyer  # noqa: E402
 from fireflyer.testing.waiting import T, wait_until  # noqa: E402
 from fireflyer.train.fault_tolerant import (micro_blocks, node_ranks, own_blocks, tree_blocks,  # noqa: E402
@@ -103,10 +104,8 @@ LOST = re.compile(r"step \d+: (node\d+(?:, node\d+)*) lost; going on with")
 """The line a replica's rank 0 prints when a step fails on its node (the error follows)."""
 
 
-def shm_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("fireflyer")}
-
-
+HFREDUCE = ("fireflyer",)
+"""The names of hfreduce's /dev/shm segments begin so."""
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 """cgroup v1's cpu controller (cgroup v2 is tried at /sys/fs/cgroup when this is absent)."""
 
@@ -174,7 +173,7 @@ class Chaos:
     def __init__(self, out: Path, flags: list[str], name: str) -> None:
         self.rng = random.Random(f"{CHAOS_SEED}/{name}")
         self.out, self.mark = out, lifetime.child_mark()
-        self.shm, self.threads = shm_files(), threading.active_count()
+        self.shm, self.threads = shm.segments(HFREDUCE), threading.active_count()
         self.events: list[str] = []
         self.printed: list[str] = []
         self.t0 = time.monotonic()
@@ -294,10 +293,10 @@ class Chaos:
         printed = "".join(self.printed)
         assert self.proc.returncode == 0, f"{self.why()}\n{printed[-3000:]}"
         deadline = time.monotonic() + 10
-        while (lifetime.marked(self.mark) or shm_files() - self.shm) and time.monotonic() < deadline:
+        while (lifetime.marked(self.mark) or shm.new_since(self.shm, HFREDUCE)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert lifetime.marked(self.mark) == [], f"a process of the run is left; {self.why()}"
-        assert shm_files() - self.shm == set(), f"/dev/shm files left; {self.why()}"
+        assert shm.new_since(self.shm, HFREDUCE) == set(), f"/dev/shm files left; {self.why()}"
         assert threading.active_count() == self.threads, f"a thread of the test is left; {self.why()}"
         return json.loads((self.out / "run.json").read_text()), printed
 

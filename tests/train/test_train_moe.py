@@ -52,9 +52,6 @@ def runs(tmp_path_factory):
     train(TINY, *MOE, *GRID, "--out", str(root / "b"), "--stop-at", "4")
     out["c_out"] = train("--out", str(root / "b"), "--resume")["stdout"]
     out["c"] = json.loads((root / "b" / "run.json").read_text())
-    train(TINY, *MOE, *PIPE, "--out", str(root / "q"), "--stop-at", "5")  # off the save interval: resumes at 4
-    train("--out", str(root / "q"), "--resume")
-    out["q"] = json.loads((root / "q" / "run.json").read_text())
     out["root"] = root
     return out
 
@@ -92,8 +89,12 @@ def test_a_resumed_moe_run_equals_the_uninterrupted_one_bitwise(runs):
     assert c["sample"]["text"] == a["sample"]["text"]
 
 
+@pytest.mark.heavy  # two more whole jobs; the default tier resumes the EP x DP run above
 def test_a_resumed_pipeline_run_equals_the_uninterrupted_one_bitwise(runs):
-    p, q = runs["p"], runs["q"]
+    root = runs["root"]
+    train(TINY, *MOE, *PIPE, "--out", str(root / "q"), "--stop-at", "5")  # off the save interval: resumes at 4
+    train("--out", str(root / "q"), "--resume")
+    p, q = runs["p"], json.loads((root / "q" / "run.json").read_text())
     assert q["resumed_from"] == 5 and q["finished"]
     assert q["history"]["loss"] == p["history"]["loss"]
     # the stopped run also measured val at its last step (5): the rest are the uninterrupted run's

@@ -15,8 +15,10 @@ from fireflyer.testing.cli import fireflyer
 from fireflyer.train.config import builtin_config
 
 # The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
-# test's limit only has to catch a hang, on a busy host too.
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+# test's limit only has to catch a hang, on a busy host too. Heavy: nine whole jobs; the default tier keeps expert
+# parallel through the CLI (test_train_moe.py), EP x TP against one process (test_train_parallel.py) and the
+# canonical expert steps' bits against one process (tests/haiscale/test_moe_canonical.py).
+pytestmark = [pytest.mark.multiproc, pytest.mark.heavy, pytest.mark.timeout(900)]
 
 RUN = [str(builtin_config("tiny")), "--model", "moe", "--experts", "4", "--expert-hidden", "16", "--top-k", "2",
        "--layers", "2", "--bias-update-speed", "0.01", "--steps", "6", "--eval-interval", "3", "--save-every", "3",

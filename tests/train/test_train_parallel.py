@@ -29,16 +29,31 @@ def train(out, *args: str) -> dict:
     return {**json.loads((out / "run.json").read_text()), "stdout": done.stdout}
 
 
+class Runs:
+    """The module's runs by name, each trained the first time a test asks for it: a heavy test's run is trained
+    only in the heavy tier."""
+
+    def __init__(self, root) -> None:
+        self.root, self.done = root, {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self.done:
+            if name == "moved":  # stopped as TP, resumed as FSDP
+                train(self.root / name, *RUN, *LAYOUTS["tp"], "--stop-at", "3")
+                self.done[name] = train(self.root / name, "--resume", "--tp", "1", *LAYOUTS["fsdp"])
+            else:
+                self.done[name] = train(self.root / name, *RUN, *LAYOUTS[name])
+        return self.done[name]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    out = {name: train(root / name, *RUN, *flags) for name, flags in LAYOUTS.items()}
-    train(root / "moved", *RUN, *LAYOUTS["tp"], "--stop-at", "3")
-    out["moved"] = train(root / "moved", "--resume", "--tp", "1", *LAYOUTS["fsdp"])
-    return out
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("parallel"))
 
 
-@pytest.mark.parametrize("name", ["tp", "pp-tp", "fsdp", "moved"])
+# PP x TP is heavy: the default tier has pipelines against one process in test_train_moe.py and tests/haiscale, and
+# the heavy layout matrix (test_train_canonical.py) checks PP x TP's bits.
+@pytest.mark.parametrize("name", ["tp", pytest.param("pp-tp", marks=pytest.mark.heavy), "fsdp", "moved"])
 def test_tensor_parallel_and_fsdp_train_the_model_of_one_process(runs, name):
     one, other = runs["one"]["history"], runs[name]["history"]
     assert len(other["loss"]) == 6 and other["loss"][-1] < other["loss"][0]

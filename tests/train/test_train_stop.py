@@ -24,6 +24,7 @@ import pytest
 
 from fireflyer import cli, lifetime
 from fireflyer.checkpoint.manager import PERSIST_DELAY_ENV, committed_steps
+from fireflyer.testing import shm
 from fireflyer.testing.cli import fireflyer, one_error_line
 from fireflyer.train.outdir import resolve
 
@@ -57,10 +58,6 @@ def in_flight(out: Path) -> int | None:
         held.append({int(m) for m in re.findall(r"holds its part of step (\d+) back", text)})
     both = [s for s in held[0] & held[1] if s > done[-1] and s not in done]
     return min(both) if both else None
-
-
-def shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 def start(out: Path, *extra: str, mark: str, env: dict[str, str] | None = None, stdout=subprocess.DEVNULL
@@ -156,11 +153,18 @@ def stop_run(how: str, when: str, out: Path, mark: str, baseline: Baseline) -> t
     return p, time.monotonic(), target
 
 
-@pytest.mark.parametrize("when", ["training", "saving"])
-@pytest.mark.parametrize("how", ["sigint", "sigterm", "sigkill", "timeout"])
+# Each way of stopping and each moment in the default tier (4 cells); the other 4 of the 8 in the heavy one.
+CELLS = [("sigint", "saving"), ("sigterm", "training"), ("sigkill", "saving"), ("timeout", "training"),
+         pytest.param("sigint", "training", marks=pytest.mark.heavy),
+         pytest.param("sigterm", "saving", marks=pytest.mark.heavy),
+         pytest.param("sigkill", "training", marks=pytest.mark.heavy),
+         pytest.param("timeout", "saving", marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize("how, when", CELLS)
 def test_a_stopped_run_leaves_nothing_behind_and_resumes_bitwise(how, when, baseline, tmp_path):
     out, mark = tmp_path / "run", lifetime.child_mark()
-    before = shm()
+    before = shm.segments()
     p, stopped_at, target = stop_run(how, when, out, mark, baseline)
     code = p.wait(timeout=GRACE + 30)
     err = p.stderr.read()
@@ -168,7 +172,7 @@ def test_a_stopped_run_leaves_nothing_behind_and_resumes_bitwise(how, when, base
     while lifetime.marked(mark) and time.monotonic() < stopped_at + GRACE + 5:
         time.sleep(0.1)
     assert lifetime.marked(mark) == [], f"left running: {lifetime.marked(mark)}"
-    assert not {f for f in shm() - before if f.startswith(("fireflyer", "torch"))}, "a shared-memory segment is left"
+    assert not shm.left_behind(before), "a shared-memory segment is left"
     assert code == CODES[how], err[-2000:]
     if how == "timeout":
         assert "did not finish within" in one_error_line(subprocess.CompletedProcess([], code, "", err))
