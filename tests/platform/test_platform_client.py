@@ -11,6 +11,7 @@ from fireflyer.platform import client
 from fireflyer.platform.executors.base import Launch, Timeouts
 from fireflyer.platform.layout import AttemptDir
 from fireflyer.platform.attempt.rank import rank_env
+from fireflyer.testing.waiting import wait_until
 
 
 @pytest.fixture
@@ -55,6 +56,33 @@ def test_inside_an_attempt_the_flags_are_files(outside, tmp_path, monkeypatch):
         client.set_whole_life_state(2**40)
     with pytest.raises(ValueError, match="32-bit int"):
         client.set_whole_life_state("7")  # type: ignore[arg-type]
+
+
+def test_suspend_if_requested_announces_the_suspend_it_decides_and_only_that(tmp_path):
+    """The announcement comes from the call that decides: a request that arrives after the caller last looked
+    at the flag is still announced before the save, and no request means no announcement."""
+    adir = AttemptDir(tmp_path / "attempt")
+    adir.create()
+    code = ("from fireflyer.platform import client\n"
+            "class Manager:\n"
+            "    def save(self, step, state, blocking): print('saved', step, state)\n"
+            "    def wait(self): print('committed')\n"
+            "said = lambda: print('announced')\n"
+            "assert client.suspend_if_requested(Manager(), 3, lambda: 'state', announce=said) is False\n"
+            "from fireflyer.platform.layout import AttemptDir\n"
+            f"AttemptDir({str(adir.root)!r}).raise_flag('suspend', 'preempted')\n"
+            "client.suspend_if_requested(Manager(), 4, lambda: 'state', announce=said)\n")
+    job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={"FIREFLYER_TASK_DIR": str(adir.root), "PATH": "/usr/bin:/bin"})
+    try:  # go_suspend waits for the platform to stop the process: the test stops it, as the platform would
+        wait_until(lambda: adir.has_flag("can_suspend") or job.poll() is not None, timeout=60,
+                   what="the job to say it can suspend")
+    finally:
+        job.terminate()
+        out, err = job.communicate(timeout=30)
+    assert adir.has_flag("can_suspend"), err
+    assert out.split("\n")[:3] == ["announced", "saved 4 state", "committed"]
+    assert adir.has_flag("received")
 
 
 def test_go_suspend_raises_the_flag_and_ends_the_process_if_nobody_stops_it(tmp_path):

@@ -173,13 +173,17 @@ def set_whole_life_state(state: int) -> bool:
     return True
 
 
-def suspend_if_requested(manager: Any, step: int, state: Callable[[], Any] | None, *, group: Any = None) -> bool:
+def suspend_if_requested(manager: Any, step: int, state: Callable[[], Any] | None, *, group: Any = None,
+                         announce: Callable[[], None] | None = None) -> bool:
     """If a suspend was requested: save ``state()`` as ``step``, wait until it is committed, go_suspend.
 
     A collective: every rank of ``group`` (default: the whole job, when torch.distributed
     is initialised) calls it at the same step. ``state=None`` means ``step`` was just
-    handed to the manager already; only its commit is waited for. Returns False when
-    nothing was requested; otherwise it does not return.
+    handed to the manager already; only its commit is waited for. ``announce``, where given,
+    is called on every rank once the ranks have agreed to suspend and before the save (the
+    place for a log line: the decision is this call's, so a line printed from an earlier look
+    at the flag could miss a request that arrives in between). Returns False when nothing was
+    requested; otherwise it does not return.
     """
     wanted = receive_suspend_command() if rank() == 0 or not _dist_ready() else False
     if _dist_ready():
@@ -191,6 +195,8 @@ def suspend_if_requested(manager: Any, step: int, state: Callable[[], Any] | Non
         wanted = bool(flag.item())
     if not wanted:
         return False
+    if announce is not None:
+        announce()
     if state is not None:
         manager.save(step, state(), blocking=True)
     manager.wait()

@@ -237,10 +237,12 @@ class Trainer:
         """The platform's suspend handshake: all ranks agree, save ``step``, and stop (see platform.client)."""
         from fireflyer.platform import client
 
-        if client.rank() == 0 and client.receive_suspend_command():
+        def announce() -> None:  # rank 0's bar prints it; the others' are silent
             bar.note(f"suspend requested: saving step {step}, then stopping; the platform resumes the run later")
             bar.close()
-        client.suspend_if_requested(self.ckpt, step, None if saved_now else (lambda: self._state(step)))
+
+        client.suspend_if_requested(self.ckpt, step, None if saved_now else (lambda: self._state(step)),
+                                    announce=announce)
 
     def _save(self, step: int) -> None:
         """Every rank hands its state to the checkpoint manager; the step waits for the snapshot only."""
