@@ -17,8 +17,8 @@ TIMEOUT = 6.0
 ENV = {"FIREFLYER_HFREDUCE_TIMEOUT": str(TIMEOUT), "FIREFLYER_HFREDUCE_CHUNK_BYTES": "65536"}
 
 
-def _shm() -> set[str]:
-    return shm.segments(("fireflyer-hfr-",))
+HFR = ("fireflyer-hfr-",)
+"""The names of hfreduce's /dev/shm segments begin so."""
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def _shm() -> set[str]:
     ids=["1x4-rank2", "2x2-rank3", "2x2-rank0", "1+1+2-lone-rank1"],
 )
 def test_dead_peer_is_named_on_every_survivor_within_the_timeout(layout, victim):
-    before = _shm()
+    before = shm.segments(HFR)
     with LocalCluster(layout, env=ENV) as cluster:
         node = next(i for i, hi in enumerate(_cumsum(layout)) if victim < hi)
         for r in range(cluster.world_size):
@@ -42,7 +42,7 @@ def test_dead_peer_is_named_on_every_survivor_within_the_timeout(layout, victim)
         for r, (outcome, left) in zip(survivors, [_ask(cluster, r, after_failure) for r in survivors]):
             assert outcome in ("PeerFailure", "ConnectionLost"), (r, outcome)
             assert left == [], (r, left)
-    assert shm.left_behind(before, ("fireflyer-hfr-",)) == set()
+    assert shm.left_behind(before, HFR) == set()
 
 
 def test_missing_rank_times_out_and_is_named():
@@ -85,11 +85,11 @@ def test_intruder_is_refused_logged_and_never_summed():
 
 
 def test_arena_is_private_and_gone_from_dev_shm_once_mapped():
-    before = _shm()
+    before = shm.segments(HFR)
     with LocalCluster([2], env=ENV) as cluster:
         seen = cluster.run(arena_files)
         assert shm.ours(set(seen[0]) - before) == set(), "the arena should be unlinked once every local rank mapped it"
-    assert shm.left_behind(before, ("fireflyer-hfr-",)) == set()
+    assert shm.left_behind(before, HFR) == set()
 
 
 def _ask(cluster: LocalCluster, rank: int, fn):

@@ -13,6 +13,7 @@ import re
 import time
 
 from fireflyer import lifetime
+from fireflyer.hfreduce.transport.procs import pid_alive
 
 SHM_DIR = "/dev/shm"
 PREFIXES = ("fireflyer", "torch")
@@ -43,7 +44,7 @@ def ours(names: set[str]) -> set[str]:
         pid = creator(name)
         if pid is None or pid == os.getpid() or pid in session:
             return True
-        return not os.path.exists(f"/proc/{pid}")  # a creator that is gone left it: counted
+        return not pid_alive(pid)  # a creator that is gone (or a zombie) left it: counted
 
     return {name for name in names if mine(name)}
 
