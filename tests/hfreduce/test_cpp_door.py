@@ -53,6 +53,13 @@ def test_a_per_call_timeout_through_the_cpp_door_raises_the_named_error_and_the_
         assert "rank 2" in r["error"], r["error"]
         assert r["took"] < 30, "a 1 s timeout must not wait for the group's default"
         assert r["again"] is not None and r["again"].split(":")[0] == r["error"].split(":")[0], r
+        # The flight record: the first allreduce completed in the door's own ledger, the timed-out one moved to
+        # the recorder and failed there, and nothing is left in flight.
+        first, failed = r["records"][0], r["records"][1]
+        assert first["state"] == "completed" and first["error"] is None, r["records"]
+        assert failed["error"] is not None and failed["time_failed_ns"] is not None, r["records"]
+        assert failed["record_id"] > first["record_id"]
+        assert r["in_flight"] == 0 and r["settled"] >= 2, r
 
 
 def test_the_choice_of_door_is_range_checked(monkeypatch):

@@ -41,6 +41,67 @@ def test_the_ring_wraps_at_capacity_and_keeps_the_newest(tmp_path):
     assert [e["collective_seq_id"] for e in fr.entries()] == [3, 4, 5]
 
 
+class Kept:
+    """A ledger as the C++ door keeps one (its protocol, flight.Ledger): collectives the recorder never saw."""
+
+    def __init__(self, fr: FlightRecorder) -> None:
+        self.fr, self.rows, self.current = fr, [], None
+
+    def run(self, seq: int, *, done: bool = True) -> None:
+        now = 1_000 + seq
+        self.rows.append([next(self.fr.record_ids), seq, now, now, now + 1 if done else None, 60_000, 7,
+                          ([[8]], F32, [[8]], F32)])
+        self.current = None if done else seq
+
+    def counts(self):
+        return (int(self.current is not None), sum(r[4] is not None for r in self.rows), len(self.rows))
+
+    def last(self):
+        seqs = [r[1] for r in self.rows]
+        done = [r[1] for r in self.rows if r[4] is not None]
+        return (max(seqs, default=-1), max(seqs, default=-1), max(done, default=-1))
+
+    def open_collectives(self):
+        return [] if self.current is None else [(self.current, "allreduce")]
+
+    def records(self):
+        return [tuple(r) for r in self.rows[-self.fr.capacity:]]
+
+
+def test_a_ledgers_collectives_are_merged_into_everything_the_recorder_reports(tmp_path):
+    fr = recorder(tmp_path, capacity=4)
+    kept = Kept(fr)
+    fr.attach(kept)
+    allreduce(fr, 0)
+    fr.completed(0)
+    kept.run(1)
+    kept.run(2)
+    allreduce(fr, 3, op="broadcast")
+    kept.run(4, done=False)
+    # the newest 4 by record id, the ledger's and the recorder's side by side
+    assert [e["collective_seq_id"] for e in fr.entries()] == [1, 2, 3, 4]
+    assert [e["state"] for e in fr.entries()] == ["completed", "completed", "scheduled", "started"]
+    assert fr.entries()[0]["input_sizes"] == [[8]] and fr.entries()[0]["duration_ms"] == 1e-6
+    assert fr.in_flight() == 2 and fr.settled == 3
+    assert fr.open_collectives() == [(3, "broadcast"), (4, "allreduce")]
+    info = fr._group_info()
+    assert (info["recorded"], info["dropped"]) == (5, 1)
+    assert (info["last_enqueued_collective"], info["last_started_collective"],
+            info["last_completed_collective"]) == (4, 4, 2)
+    dumped = json.loads(flight.json_path(tmp_path, 0).read_text()) if fr.dump("test") else None
+    assert [e["collective_seq_id"] for e in dumped["entries"]] == [1, 2, 3, 4]
+
+
+def test_a_ledger_is_held_weakly(tmp_path):
+    fr = recorder(tmp_path, capacity=4)
+    kept = Kept(fr)
+    fr.attach(kept)
+    kept.run(0)
+    assert fr.settled == 1
+    del kept
+    assert fr.settled == 0 and fr.entries() == [] and fr.in_flight() == 0
+
+
 def test_a_reused_slot_keeps_nothing_of_the_collective_it_held(tmp_path):
     fr = recorder(tmp_path, capacity=2)
     allreduce(fr, 0, n=7)

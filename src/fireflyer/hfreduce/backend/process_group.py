@@ -105,6 +105,7 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         if compiled is not None:
             self._door = compiled.Door(self.comm.fast_door, weakref.ref(self), DOOR_OPS,
                                        self.comm.core.node_run_capsule)
+            self.comm.flight.attach(self._door)  # the collectives it records itself
 
     @property
     def door(self) -> str:

@@ -45,7 +45,8 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Callable, Iterator
+from typing import Any, Mapping, Protocol
 
 from fireflyer.fsutil import atomic_write
 from fireflyer.hfreduce import env as names
@@ -198,6 +199,27 @@ class _Entry:
         self.frames = frames
 
 
+class Ledger(Protocol):
+    """Collectives that another keeper recorded for a recorder: the C++ door's own ring of the allreduces it
+    claimed and ran without Python (``backend/door.cpp``). :meth:`FlightRecorder.attach` merges it into
+    everything the recorder reports and dumps. Every method is read with the GIL held, the ledger's writer
+    holding it too, so each answer is whole."""
+
+    def counts(self) -> tuple[int, int, int]:
+        """(in flight, settled, recorded)."""
+
+    def last(self) -> tuple[int, int, int]:
+        """The last (scheduled, started, completed) collective numbers, -1 for none."""
+
+    def open_collectives(self) -> list[tuple[int, str]]:
+        """``(seq, op)`` of those in flight, oldest first."""
+
+    def records(self) -> list[tuple]:
+        """Oldest first: (record_id, seq, created_ns, started_ns, completed_ns or None, timeout_ms, thread_id,
+        (input sizes, input dtypes, output sizes, output dtypes)); the last :attr:`FlightRecorder.capacity`
+        at most, each with a record id from :attr:`FlightRecorder.record_ids`."""
+
+
 class FlightRecorder:
     """A ring buffer of one process group's recent collectives on this rank, and its dumps.
 
@@ -217,6 +239,9 @@ class FlightRecorder:
     It also knows, even with recording off, which collectives are in flight on this rank
     (:meth:`in_flight`, :meth:`open_collectives`) and how many it has settled (:attr:`settled`):
     what a timeout's diagnosis and the group's watch (:mod:`~fireflyer.hfreduce.engine.watch`) read.
+
+    A :class:`Ledger` attached with :meth:`attach` (the C++ door's) is part of all of these: its
+    collectives are counted, listed and dumped with the recorder's own.
     """
 
     def __init__(self, *, rank: int, world_size: int, global_ranks: list[int], group_name: str,
@@ -245,7 +270,8 @@ class FlightRecorder:
         self._by_seq: dict[int, _Entry] = {}  # a collective's seq, or minus a send's or receive's p2p number
         self._open: dict[int, str] = {}  # keys recorded and not yet settled, oldest first -> op
         self._p2p = 0
-        self.settled = 0  # records completed or failed so far
+        self._settled = 0  # records completed or failed so far
+        self._ledger: Callable[[], Ledger | None] | None = None
         self._recorded = 0
         self._last = {SCHEDULED: -1, STARTED: -1, COMPLETED: -1}
         self._file: _RankFile | None = None
@@ -253,6 +279,32 @@ class FlightRecorder:
         if capacity:
             self._file = _RankFile.of(self.dump_dir, self.global_rank)
             self.pg_id = self._file.join(self)
+
+    # ------------------------------------------------------------------ a ledger
+    def attach(self, ledger: Ledger) -> None:
+        """Merge ``ledger``'s collectives into this recorder's (held weakly: the ledger's owner holds the
+        recorder)."""
+        self._ledger = weakref.ref(ledger)
+
+    def _kept(self) -> Ledger | None:
+        return self._ledger() if self._ledger is not None else None
+
+    @property
+    def keeps_stacks(self) -> bool:
+        """Each record keeps its caller's Python stack (``FIREFLYER_HFREDUCE_TRACE_STACK``): a ledger cannot."""
+        return self._stack
+
+    @property
+    def record_ids(self) -> Iterator[int] | None:
+        """The process-wide record ids a ledger's records take theirs from (``next()``); None when recording
+        is off."""
+        return self._file.ids if self._file is not None else None
+
+    @property
+    def settled(self) -> int:
+        """Collectives completed or failed so far on this rank."""
+        ledger = self._kept()
+        return self._settled + (ledger.counts()[1] if ledger is not None else 0)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -325,16 +377,19 @@ class FlightRecorder:
 
     def _closed(self, key: int) -> None:  # under the lock
         if self._open.pop(key, None) is not None:
-            self.settled += 1
+            self._settled += 1
 
     def in_flight(self) -> int:
         """How many recorded collectives, sends and receives have not yet completed or failed on this rank."""
-        return len(self._open)
+        ledger = self._kept()
+        return len(self._open) + (ledger.counts()[0] if ledger is not None else 0)
 
     def open_collectives(self) -> list[tuple[int, str]]:
         """``(seq, op)`` of the collectives (not sends or receives) in flight on this rank, oldest first."""
+        ledger = self._kept()
         with self._lock:
-            return [(k, op) for k, op in self._open.items() if k >= 0]
+            ours = [(k, op) for k, op in self._open.items() if k >= 0]
+        return sorted(ours + ledger.open_collectives()) if ledger is not None else ours
 
     def started(self, seq: int) -> None:
         with self._lock:
@@ -381,9 +436,20 @@ class FlightRecorder:
     # ------------------------------------------------------------------ reading and dumping
     def entries(self) -> list[dict]:
         """The buffer, oldest first, as the JSON dump's entries (torch's fields and hfreduce's extras); copies."""
+        ledger = self._kept()
         with self._lock:
-            ring = self._ring[self._next:] + self._ring[: self._next]
-            return [self._entry_dict(e) for e in ring if e is not None]
+            ring = [e for e in self._ring[self._next:] + self._ring[: self._next] if e is not None]
+            if ledger is not None and self.capacity:
+                ring = sorted(ring + [self._ledger_entry(r) for r in ledger.records()],
+                              key=lambda e: e.record_id)[-self.capacity:]
+            return [self._entry_dict(e) for e in ring]
+
+    @staticmethod
+    def _ledger_entry(record: tuple) -> _Entry:
+        record_id, seq, created_ns, started_ns, completed_ns, timeout_ms, thread_id, trace = record
+        e = _Entry(record_id, seq, "allreduce", trace[0], trace[1], trace[2], trace[3], timeout_ms, None)
+        e.created_ns, e.started_ns, e.completed_ns, e.thread_id = created_ns, started_ns, completed_ns, thread_id
+        return e
 
     def dump(self, reason: str) -> Path | None:
         """Write this rank's dump (every group of this process that shares the folder); return the pickle's path.
@@ -397,15 +463,18 @@ class FlightRecorder:
         return self._file.dump(str(reason))
 
     def _group_info(self) -> dict:
+        ledger = self._kept()
+        held, last = ((ledger.counts()[2], ledger.last()) if ledger is not None else (0, (-1, -1, -1)))
         with self._lock:
+            recorded = self._recorded + held
             return {
                 "name": self._name, "desc": self._desc, "pg_id": self.pg_id, "rank": self.rank,
                 "world_size": self.world_size, "global_ranks": list(self.global_ranks),
-                "capacity": self.capacity, "recorded": self._recorded,
-                "dropped": max(0, self._recorded - self.capacity),
-                "last_enqueued_collective": self._last[SCHEDULED],
-                "last_started_collective": self._last[STARTED],
-                "last_completed_collective": self._last[COMPLETED],
+                "capacity": self.capacity, "recorded": recorded,
+                "dropped": max(0, recorded - self.capacity),
+                "last_enqueued_collective": max(self._last[SCHEDULED], last[0]),
+                "last_started_collective": max(self._last[STARTED], last[1]),
+                "last_completed_collective": max(self._last[COMPLETED], last[2]),
             }
 
     def _entry_dict(self, e: _Entry) -> dict:

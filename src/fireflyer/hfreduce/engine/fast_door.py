@@ -6,13 +6,21 @@ descriptor it does not judge, or a registered peer buffer), when the node stage'
 loop finishes it from there.
 
 A call goes through four steps, each a method, so that the C++ door (``backend/door.cpp``)
-runs the middle one without Python and this module keeps the rules:
+can follow them without Python and this module keeps the rules:
 
 1. :meth:`FastDoor.slot`: what the door packs for the core for this dtype, shape and op (kept per shape);
 2. :meth:`FastDoor.enter`: the collective's number, flight record and deadline, when the engine is free;
 3. the descriptor and the core's run (:meth:`FastDoor.run` here, ``door.cpp`` in C++);
 4. :meth:`FastDoor.done` when the core finished it, else :meth:`FastDoor.settle` (a mismatch or a registered
    peer finished in Python, or the failure raised).
+
+The C++ door asks :meth:`FastDoor.slot` once per shape and does steps 2 to 4 itself: it claims the
+engine with the jobs' own locks and numbers (:attr:`FastDoor.parts`), and records the collective in a
+ring of its own that the flight recorder merges (:class:`~fireflyer.hfreduce.diagnosis.flight.Ledger`).
+What the core does not finish it hands back: :meth:`FastDoor.adopt` moves the record to the flight
+recorder, then :meth:`FastDoor.settle` settles it as the Python door's. Where the tensor is a
+registered buffer, or the recorder keeps Python stacks, it calls :meth:`FastDoor.enter` and
+:meth:`FastDoor.done` instead.
 """
 
 from __future__ import annotations
@@ -102,6 +110,24 @@ class FastDoor:
     def core_comm(self) -> bytes:
         """The core's ``hfr_comm`` for this communicator."""
         return self._node.core_comm
+
+    @property
+    def parts(self) -> tuple[Jobs, Failures, NodeStage, FlightRecorder]:
+        """What the C++ door claims and records with itself, as :meth:`enter` and :meth:`done` do: the jobs,
+        the failures, the node stage and the flight recorder."""
+        return self._jobs, self._failures, self._node, self._flight
+
+    def default_timeout(self) -> float:
+        """The communicator's timeout, in seconds: a call's when it gives none."""
+        return self._timeout()
+
+    def adopt(self, slot: Slot, seq: int, seconds: float) -> None:
+        """Collective ``seq``, claimed and recorded by the C++ door, which did not finish: the flight recorder
+        takes its record over (scheduled and started), so that :meth:`settle` settles it as its own."""
+        trace = slot.trace
+        self._flight.record(seq, "allreduce", input_sizes=trace[0], input_dtypes=trace[1], output_sizes=trace[2],
+                            output_dtypes=trace[3], timeout_s=seconds)
+        self._flight.started(seq)
 
     # ------------------------------------------------------------------ the four steps
     def slot(self, tensor: torch.Tensor, op: Op) -> Slot | None:

@@ -57,6 +57,10 @@ class Jobs:
 
     ``execute(job)`` runs one to completion (raising its failure); ``stopped()`` is told when
     the engine thread ends, after :meth:`close`. ``timeout()`` is the communicator's default.
+
+    ``seq``, ``pending``, ``submit_lock`` and ``exec_lock`` are the claim's state. The C++ door
+    (``backend/door.cpp``) takes and gives back a claim with them exactly as :meth:`claim` and
+    :meth:`release` do, so nothing else may change how they are used without changing it too.
     """
 
     def __init__(self, *, rank: int, world_size: int, flight: FlightRecorder, failures: Failures,
@@ -70,9 +74,9 @@ class Jobs:
         self._execute = execute
         self._stopped = stopped
         self._timeout = timeout
-        self._submit_lock = threading.Lock()
-        self._exec_lock = threading.Lock()
-        self._pending = 0  # collectives submitted and not yet finished
+        self.submit_lock = threading.Lock()  # numbering and pending
+        self.exec_lock = threading.Lock()  # held while a collective runs (the engine thread's, or a claim's)
+        self.pending = 0  # collectives submitted and not yet finished
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"hfreduce-{rank}", daemon=True)
 
@@ -111,14 +115,14 @@ class Jobs:
             job.stream_event = torch.cuda.Event()
             job.stream_event.record(torch.cuda.current_stream(cuda[0].device))
         small = inline and not cuda and plan.desc.numel * plan.desc.dtype.itemsize <= INLINE_BYTES
-        with self._submit_lock:
+        with self.submit_lock:
             job.seq = plan.seq = self.seq
             self.seq += 1
             self._record(job)
-            inline = small and self._pending == 0
-            self._pending += 1
+            inline = small and self.pending == 0
+            self.pending += 1
             if inline:
-                self._exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
+                self.exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
             else:
                 self._queue.put(job)
         if inline:
@@ -165,21 +169,21 @@ class Jobs:
         recorder (in order, under the lock), or None when the engine is busy. The caller
         runs it and then calls :meth:`release`, whatever happens.
         """
-        with self._submit_lock:
-            if self._pending:
+        with self.submit_lock:
+            if self.pending:
                 return None
             seq = self.seq
             self.seq += 1
             record(seq)
-            self._pending += 1
-            self._exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
+            self.pending += 1
+            self.exec_lock.acquire()  # free: nothing is pending, so the engine thread is idle
         return seq
 
     def number(self, record: Callable[[int], None]) -> int:
         """The next number of the group's collectives, for one that runs off the engine (across nodes by
         the exchange, or an all-to-all, gather or scatter): ``record(seq)`` enters it in the flight recorder
         under the lock, so the numbers follow the order of the calls, as the engine's own do."""
-        with self._submit_lock:
+        with self.submit_lock:
             seq = self.seq
             self.seq += 1
             record(seq)
@@ -195,9 +199,9 @@ class Jobs:
 
     def release(self) -> None:
         """The collective a caller ran itself is over (its outcome settled): later ones may run."""
-        self._exec_lock.release()
-        with self._submit_lock:
-            self._pending -= 1
+        self.exec_lock.release()
+        with self.submit_lock:
+            self.pending -= 1
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -210,10 +214,10 @@ class Jobs:
             if job is None:
                 self._stopped()
                 return
-            with self._exec_lock:
+            with self.exec_lock:
                 self._run_job(job)
-            with self._submit_lock:
-                self._pending -= 1
+            with self.submit_lock:
+                self.pending -= 1
 
     def _run_job(self, job: Job) -> None:
         """Run one collective to completion and settle its future. Callers hold ``_exec_lock``."""

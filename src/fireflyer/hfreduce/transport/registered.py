@@ -52,6 +52,8 @@ class SharedBuffers:
         self.enabled = enabled and local_size > 1 and fdshare.SUPPORTED
         self._count = 0
         self._segments: dict[int, _Segment] = {}
+        self.version = 0
+        """Changes whenever this rank's registered buffers do: a reader of :meth:`spans` may keep them until then."""
         self._servers: list[fdshare.FdServer] = []  # rank 0's descriptor servers, until close
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,6 +99,7 @@ class SharedBuffers:
         peers = [torch.frombuffer(mm, dtype=torch.uint8, count=slot, offset=k * slot) for k in range(self._local_size)]
         mine = peers[self._local_rank]
         self._segments[index] = _Segment(slot, peers, mine.data_ptr())
+        self.version += 1
         return mine[: numel * dtype.itemsize].view(dtype)
 
     def release(self, tensor: torch.Tensor) -> None:
@@ -104,6 +107,7 @@ class SharedBuffers:
         found = self.locate(tensor)
         if found is not None:
             self._segments.pop(found[0], None)
+            self.version += 1
 
     def locate(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         """(buffer index, byte offset) when ``tensor`` is a contiguous CPU tensor inside one of this rank's slots."""
@@ -118,6 +122,10 @@ class SharedBuffers:
                 return index, ptr - seg.base
         return None
 
+    def spans(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each of this rank's registered buffers: what :meth:`locate_bytes` finds in."""
+        return [(seg.base, seg.slot_bytes) for seg in self._segments.values()]
+
     def peer_view(self, index: int, local_rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Local rank ``local_rank``'s registered buffer ``index`` as a flat tensor, from byte ``offset``."""
         seg = self._segments.get(index)
@@ -131,3 +139,4 @@ class SharedBuffers:
             server.close()
         self._servers = []
         self._segments.clear()
+        self.version += 1

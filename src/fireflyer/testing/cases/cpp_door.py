@@ -83,8 +83,11 @@ def late_peer(ctx, prefix: str, late_rank: int, timeout_s: float) -> dict:
         dist.all_reduce(torch.ones(16))
     except Exception as exc:  # noqa: BLE001
         again = f"{type(exc).__name__}: {exc}"
+    flight = group.comm.flight
+    records = {e["collective_seq_id"]: {k: e[k] for k in ("state", "error", "time_failed_ns", "record_id")}
+               for e in flight.entries()}
     return {"door": group.door, "late": False, "error": error, "took": took, "again": again,
-            "calls": group.door_calls}
+            "calls": group.door_calls, "records": records, "in_flight": flight.in_flight(), "settled": flight.settled}
 
 
 def unbuildable_door(ctx, prefix: str, folder: str) -> dict:
