@@ -41,6 +41,9 @@ int64_t hfr_dead_peer(run_state *st, int64_t now) {
     return -1;
 }
 
+/* Until when this process's waits skip their yields (CLOCK_MONOTONIC ns; see hfr_wait_one). */
+static int64_t crowded_until;
+
 int hfr_wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t chunk, int late) {
     const hfr_comm *c = st->comm;
     volatile int32_t *w = flag(c, stage, k);
@@ -79,10 +82,16 @@ int hfr_wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t ch
             return HFR_TIMEOUT;
         /* A few yields hand the core to a peer that shares it (cheap when one is runnable); a
            yield with nobody else to run returns at once, so they are counted, not timed: a rank
-           whose peer is far away sleeps instead of spinning through its yields. */
-        if (yields < c->yields) {
+           whose peer is far away sleeps instead of spinning through its yields. A yield that
+           came back late handed the core to some other busy process for a whole time slice: for
+           a while every wait then sleeps at once, as a sleeper that is woken runs before such a
+           process and a yielder runs after it. */
+        if (yields < c->yields && t >= __atomic_load_n(&crowded_until, __ATOMIC_RELAXED)) {
             yields++;
             sched_yield();
+            int64_t after = now_ns();
+            if (after - t > CROWDED_YIELD_NS)
+                __atomic_store_n(&crowded_until, after + CROWDED_HOLD_NS, __ATOMIC_RELAXED);
             continue;
         }
         struct timespec ts = slice_until(deadline, t);
