@@ -18,7 +18,7 @@
 #define NSTAGES 4
 #define SLICE_NS 50000000LL    /* futex sleeps at most this long between checks */
 #define LIVENESS_NS 50000000LL /* how often the local peers' processes are looked at */
-#define CROWDED_YIELD_NS 200000LL /* a yield that took longer ran another process's time slice ... */
+#define CROWDED_YIELD_NS 1000000LL /* a yield that took longer ran another process's time slice ... */
 #define CROWDED_HOLD_NS 100000000LL /* ... and the waits of the next 100 ms sleep at once */
 #define MAX_LOCAL 256
 

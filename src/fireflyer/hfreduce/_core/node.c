@@ -83,14 +83,18 @@ int hfr_wait_one(run_state *st, int stage, int64_t k, int64_t target, int64_t ch
         /* A few yields hand the core to a peer that shares it (cheap when one is runnable); a
            yield with nobody else to run returns at once, so they are counted, not timed: a rank
            whose peer is far away sleeps instead of spinning through its yields. A yield that
-           came back late handed the core to some other busy process for a whole time slice: for
-           a while every wait then sleeps at once, as a sleeper that is woken runs before such a
-           process and a yielder runs after it. */
-        if (yields < c->yields && t >= __atomic_load_n(&crowded_until, __ATOMIC_RELAXED)) {
+           came back late, and with the flag still short, handed the core to some other busy
+           process for a whole time slice (a peer that kept it as long would have published): for
+           a while every one-shot wait then sleeps at once, as a sleeper that is woken runs before
+           such a process and a yielder runs after it. Only one-shot collectives judge so: the
+           ranks they wait for have a call's work to do, while a pipeline's peer may rightly keep
+           the core longer (a chunk's copies and sums), and its waits keep their yields. */
+        int one_shot = st->job->mode == HFR_MODE_ONESHOT || st->job->mode == HFR_MODE_ALL_TO_ALL;
+        if (yields < c->yields && !(one_shot && t < __atomic_load_n(&crowded_until, __ATOMIC_RELAXED))) {
             yields++;
             sched_yield();
             int64_t after = now_ns();
-            if (after - t > CROWDED_YIELD_NS)
+            if (one_shot && after - t > CROWDED_YIELD_NS && !reached(__atomic_load_n((int32_t *)w, __ATOMIC_ACQUIRE), target))
                 __atomic_store_n(&crowded_until, after + CROWDED_HOLD_NS, __ATOMIC_RELAXED);
             continue;
         }
