@@ -7,8 +7,8 @@ ahead of it runs in the caller's thread instead (``submit`` inline, :meth:`Jobs.
 and :meth:`Jobs.claim` for the compiled core's fast door): handing it to the engine
 thread and back would cost more than the collective itself.
 
-Two locks keep that ordered: ``_submit_lock`` guards the numbering and ``_pending`` (the
-collectives submitted and not yet finished), ``_exec_lock`` is held by whoever executes
+Two locks keep that ordered: ``submit_lock`` guards the numbering and ``pending`` (the
+collectives submitted and not yet finished), ``exec_lock`` is held by whoever executes
 one. A caller may run a collective itself only when nothing is pending, and a collective
 stops counting as pending only once its future is settled, so futures complete in the
 order their collectives were submitted.
