@@ -37,7 +37,9 @@ if rank == 0:
         what = "KeyboardInterrupt"
     except Exception as exc:  # noqa: BLE001
         what = type(exc).__name__ + ("+KeyboardInterrupt" if "KeyboardInterrupt" in str(exc) else "")
-    print(f"RESULT {what} {time.monotonic() - t0:.2f}", flush=True)
+    # One write, its newline included: torch's threads may write to the same pipe (stderr) meanwhile.
+    sys.stdout.write(f"RESULT {what} {time.monotonic() - t0:.2f}\n")
+    sys.stdout.flush()
 else:
     time.sleep(float(os.environ.get("STAY_AWAY_S", "3")))
     # Rank 0 may have staged its input before the interrupt: then this call can still complete,
@@ -54,5 +56,6 @@ else:
         outcomes.append(f"{what}:{time.monotonic() - t0:.2f}")
         if not what.startswith("sum"):
             break
-    print("RESULT " + ",".join(outcomes) + " 0", flush=True)
+    sys.stdout.write("RESULT " + ",".join(outcomes) + " 0\n")
+    sys.stdout.flush()
 os._exit(0)  # the group is failed; skip the teardown's waits
