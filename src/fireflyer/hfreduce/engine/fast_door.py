@@ -124,10 +124,14 @@ class FastDoor:
     def adopt(self, slot: Slot, seq: int, seconds: float) -> None:
         """Collective ``seq``, claimed and recorded by the C++ door, which did not finish: the flight recorder
         takes its record over (scheduled and started), so that :meth:`settle` settles it as its own."""
+        self._record(slot, seq, seconds)
+        self._flight.started(seq)
+
+    def _record(self, slot: Slot, seq: int, seconds: float) -> None:
+        """Collective ``seq``, of ``slot``'s shape, enters the flight recorder (scheduled)."""
         trace = slot.trace
         self._flight.record(seq, "allreduce", input_sizes=trace[0], input_dtypes=trace[1], output_sizes=trace[2],
                             output_dtypes=trace[3], timeout_s=seconds)
-        self._flight.started(seq)
 
     # ------------------------------------------------------------------ the four steps
     def slot(self, tensor: torch.Tensor, op: Op) -> Slot | None:
@@ -162,10 +166,7 @@ class FastDoor:
         if timeout is not None and not timeout > 0:
             raise UserError(f"a collective's timeout must be positive seconds, got {timeout}")
         seconds = timeout or self._timeout()
-        trace = slot.trace
-        seq = jobs.claim(lambda seq: self._flight.record(seq, "allreduce", input_sizes=trace[0],
-                                                         input_dtypes=trace[1], output_sizes=trace[2],
-                                                         output_dtypes=trace[3], timeout_s=seconds))
+        seq = jobs.claim(lambda seq: self._record(slot, seq, seconds))
         if seq is None:
             return None
         g = node.chunk
