@@ -168,7 +168,8 @@ def _can_build() -> bool:
 
 @pytest.mark.skipif(not _can_build(), reason="no C compiler or no Python headers: the core cannot be built here")
 def test_the_core_is_built_and_is_the_default_path():
-    from fireflyer.hfreduce.engine import compiled, kernels
+    from fireflyer.hfreduce import compiled
+    from fireflyer.hfreduce.engine import kernels
     from fireflyer.hfreduce.config import HFReduceConfig
 
     assert compiled.CORE is not None, "pip built no compiled core although a compiler and Python's headers exist"

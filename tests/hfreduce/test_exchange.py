@@ -3,7 +3,8 @@
 Every case runs on an hfreduce default group and on a gloo group of the same ranks, and
 the bytes received must be the same: sizes 0, 1, primes and large (beyond a mailbox
 ring), every dtype, uneven splits (zeros included), non-contiguous tensors, world sizes
-1 to 8 on one or several emulated nodes. Point-to-point runs in the patterns the
+1 to 8 on one or several emulated nodes, with synchronous calls driven in the compiled core, and in
+2 x 2 with two ranks driving them in Python against two in the core. Point-to-point runs in the patterns the
 pipeline uses: both sides sending first in one batch_isend_irecv, blocking pairs, many
 messages in flight, tags received out of order, and a rank sending to itself.
 """
@@ -28,6 +29,10 @@ LAYOUTS = {
     "1x4": [4],
     "2x1": [1, 1],
     "2x2": ([2, 2], {"FIREFLYER_HFREDUCE_MAILBOX_BYTES": "65536"}),
+    # ranks 1 and 2 drive their synchronous calls in Python (transport/progress.py), 0 and 3 in the compiled
+    # core: each side of every ring and socket meets the other drive, and the bytes must still be gloo's
+    "2x2-mixed": ([2, 2], {"FIREFLYER_HFREDUCE_MAILBOX_BYTES": "65536"},
+                  {1: {"FIREFLYER_HFREDUCE_CORE_EXCHANGE": "0"}, 2: {"FIREFLYER_HFREDUCE_CORE_EXCHANGE": "0"}}),
     "3x1": [1, 1, 1],
     "3+2+1": [3, 2, 1],
     "4x2": [2, 2, 2, 2],
@@ -37,8 +42,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
 def cluster(request):
     spec = LAYOUTS[request.param]
-    layout, env = spec if isinstance(spec, tuple) else (spec, {})
-    with LocalCluster(layout, env={**ENV, **env}) as c:
+    layout, env, rank_envs = (*spec, {})[:3] if isinstance(spec, tuple) else (spec, {}, {})
+    with LocalCluster(layout, env={**ENV, **env}, rank_envs=rank_envs) as c:
         yield c
 
 

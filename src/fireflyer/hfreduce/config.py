@@ -49,6 +49,10 @@ class HFReduceConfig:
     core_trees: bool = True
     """With ``core``: run the tree stage's sends, receives and combines in the compiled core too
     (``False``: the Python loop of trees.py, on the same frames; ranks may mix the two)."""
+    core_exchange: bool = True
+    """With ``core``: a synchronous all-to-all, gather, scatter or cross-node step drives its rings and sockets
+    in the compiled core (``False``: the Python loop of transport/progress.py, on the same frames; ranks may
+    mix the two)."""
     spin: int = 64
     """Busy polls of a flag before a waiting rank yields its core (compiled core)."""
     yields: int = 16
@@ -116,7 +120,8 @@ class HFReduceConfig:
         ``timeout`` beats the environment's (see :attr:`timeout` for the one rule)."""
         kw: dict = {}
         for name, conv in (("chunk_bytes", int), ("depth", int), ("timeout", float), ("ifaddr", str),
-                           ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag), ("spin", int), ("yields", int),
+                           ("oneshot_bytes", int), ("core", _flag), ("core_trees", _flag),
+                           ("core_exchange", _flag), ("spin", int), ("yields", int),
                            ("arena", str), ("order", str), ("door", str)):
             value = _env_field(name, conv)
             if value is not None:

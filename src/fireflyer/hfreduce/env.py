@@ -12,7 +12,7 @@ from fireflyer import launch
 PREFIX = "FIREFLYER_HFREDUCE_"
 """``FIREFLYER_HFREDUCE_<FIELD>`` overrides the default of the :class:`HFReduceConfig` field ``<field>``
 (``CHUNK_BYTES``, ``DEPTH``, ``TIMEOUT``, ``IFADDR``, ``ONESHOT_BYTES``, ``CORE``, ``CORE_TREES``,
-``SPIN``, ``YIELDS``, ``ARENA``, ``ORDER``, ``DOOR``)."""
+``CORE_EXCHANGE``, ``SPIN``, ``YIELDS``, ``ARENA``, ``ORDER``, ``DOOR``)."""
 
 
 def field(name: str) -> str:

@@ -102,14 +102,14 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
 
 
 class LocalCluster:
-    """``LocalCluster([2, 2])``: two emulated nodes of two ranks each.
+    """``LocalCluster([2, 2])``: two emulated nodes of two ranks each; ``rank_envs`` adds variables for some ranks.
 
     With ``parent_store=True`` the job's TCPStore lives in this process (as torchrun's
     agent holds it), so any rank may die, and :meth:`respawn` can start it again.
     """
 
     def __init__(self, layout: Sequence[int], *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 parent_store: bool = False) -> None:
+                 parent_store: bool = False, rank_envs: dict[int, dict[str, str]] | None = None) -> None:
         if not layout or any(n < 1 for n in layout):
             raise UserError(f"layout needs one positive rank count per node, got {list(layout)}")
         self.layout = list(layout)
@@ -124,6 +124,7 @@ class LocalCluster:
         self._env = dict(env or {})
         # As a launcher does: one secret in every rank's environment, not in the store.
         self._env.setdefault(JOB_SECRET, secrets.token_hex(32))
+        self._rank_envs = dict(rank_envs or {})  # on top of env, for some ranks only
         self._places = []
         self._port = free_port()
         self.store = None
@@ -153,7 +154,8 @@ class LocalCluster:
         answers, outbox = self._mp.Pipe(duplex=False)
         p = self._mp.Process(
             target=_rank_main,
-            args=(rank, self.world_size, node, local, size, self._port, self._env, inbox, outbox, self.store is None,
+            args=(rank, self.world_size, node, local, size, self._port, {**self._env, **self._rank_envs.get(rank, {})},
+                  inbox, outbox, self.store is None,
                   dict(os.environ), os.getpid()),
             daemon=True,
         )

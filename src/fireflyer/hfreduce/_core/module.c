@@ -118,6 +118,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 PyObject *hfr_py_node_run(PyObject *self, PyObject *args); /* node_py.c */
 PyObject *hfr_py_tree_run(PyObject *self, PyObject *args); /* node_py.c */
+PyObject *hfr_py_exchange_drive(PyObject *self, PyObject *args); /* node_py.c */
 
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))py_reduce, METH_VARARGS | METH_KEYWORDS,
@@ -134,6 +135,9 @@ static PyMethodDef methods[] = {
     {"tree_run", hfr_py_tree_run, METH_VARARGS,
      "tree_run(comm, job) -> (rc, link, sending, chunk, stage, local_rank, kind, seq, frame_chunk, nbytes, digest): "
      "one tree's reduce-up or broadcast-down of one collective over handed-over sockets (tree.h), GIL released."},
+    {"exchange_drive", hfr_py_exchange_drive, METH_VARARGS,
+     "exchange_drive(items, slice_ns, spin_ns) -> (rc, index): one synchronous exchange's transfers over rings and "
+     "sockets, packed hfx_items written back in place (exchange.h), GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

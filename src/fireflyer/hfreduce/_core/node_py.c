@@ -1,4 +1,4 @@
-/* The Python doors to hfr_node_run and hfr_tree_run.
+/* The Python doors to hfr_node_run, hfr_tree_run and hfx_drive.
  *
  * _core.node_run(comm: bytes, job: bytes) -> (rc, stage, local_rank, chunk, late):
  * comm and job are the int64 fields of hfr_comm and hfr_job (node.h) packed in order. The GIL is
@@ -9,6 +9,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "exchange.h"
 #include "node.h"
 #include "tree.h"
 
@@ -103,4 +104,28 @@ PyObject *hfr_py_tree_run(PyObject *self, PyObject *args) {
                          (long long)w.stage, (long long)w.local_rank, (long long)w.kind, (long long)w.seq,
                          (long long)w.frame_chunk, (long long)w.nbytes, (const char *)w.digest,
                          (Py_ssize_t)sizeof w.digest);
+}
+
+/* _core.exchange_drive(items: bytearray, slice_ns, spin_ns) -> (rc, index): the packed hfx_items of one
+ * synchronous exchange (exchange.h), moved with the GIL released and their progress written back. */
+PyObject *hfr_py_exchange_drive(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer items;
+    long long slice_ns, spin_ns;
+    if (!PyArg_ParseTuple(args, "w*LL", &items, &slice_ns, &spin_ns))
+        return NULL;
+    if (items.len <= 0 || items.len % (Py_ssize_t)sizeof(hfx_item) || slice_ns < 0 || spin_ns < 0) {
+        PyErr_Format(PyExc_ValueError, "exchange_drive: items must be a whole number (at least 1) of %zd-byte items "
+                     "and the times not negative", sizeof(hfx_item));
+        PyBuffer_Release(&items);
+        return NULL;
+    }
+    int64_t index = -1;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hfx_drive((hfx_item *)items.buf, (int64_t)(items.len / (Py_ssize_t)sizeof(hfx_item)), slice_ns, spin_ns,
+                   &index);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&items);
+    return Py_BuildValue("(iL)", rc, (long long)index);
 }

@@ -4,7 +4,7 @@ Construction is the rendezvous: through the job's store every rank learns the gr
 layout (which ranks share a node), the group's key (derived from the launcher's secret,
 :func:`~fireflyer.hfreduce.config.launcher_secret`, and only without one carried by the
 store), and every peer's pid. Its settings are an :class:`HFReduceConfig` (by default
-from the environment); the compiled core comes from ``engine/compiled.py``. Then come the parts,
+from the environment); the compiled core comes from ``compiled.py``. Then come the parts,
 one module each:
 
 * ``transport/arena.py``      the node's shared memory and the flags that hand chunks between local ranks;
@@ -62,7 +62,7 @@ from fireflyer.hfreduce.plans.topology import Layout, binomial_links, tree_links
 from fireflyer.hfreduce.engine.trees import TreeStage
 from fireflyer.hfreduce.engine.watch import Watch
 
-from fireflyer.hfreduce.engine.compiled import CORE as _core  # None without a built core: the Python reference runs
+from fireflyer.hfreduce.compiled import CORE as _core  # None without a built core: the Python reference runs
 
 __all__ = ["INLINE_BYTES", "SECRET_ENV", "Communicator", "HFReduceConfig", "launcher_secret"]
 _log = logging.getLogger("fireflyer.hfreduce")
@@ -404,7 +404,7 @@ class Communicator:
                         timeout=lambda: self.config.timeout, describe=self.describe, check=self.check,
                         fail=self.fail, name=f"{NAME_PREFIX}{job}-x{self.node}-{os.getpid()}",
                         private=private, setup_timeout=self.config.timeout, flight=self.flight,
-                        number=self._jobs.number)
+                        number=self._jobs.number, compiled=self.config.core and self.config.core_exchange)
 
     @property
     def last_number(self) -> int:

@@ -45,8 +45,8 @@ import torch
 
 from fireflyer.hfreduce import env
 from fireflyer.hfreduce.config import read
-from fireflyer.hfreduce.engine.compiled import CORE as _core
-from fireflyer.hfreduce.engine.compiled import MISSING as _core_missing
+from fireflyer.hfreduce.compiled import CORE as _core
+from fireflyer.hfreduce.compiled import MISSING as _core_missing
 from fireflyer.hfreduce.plans.plan import DTYPES, LOW_PRECISION, Op, Reducer, acc_dtype, check_dtype, check_op
 from fireflyer.errors import UserError
 

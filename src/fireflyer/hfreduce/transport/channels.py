@@ -12,7 +12,8 @@ bytes, digest) and its payload. Each channel can be driven three ways: a part th
 waits, on the caller's thread (``send_now``: an ``isend`` whose bytes fit returns done);
 fully, waiting as needed, on the channel's own thread (``send``, ``header``/``payload``;
 :mod:`~fireflyer.hfreduce.transport.endpoints`); and in non-blocking steps (``step``) by a caller
-that drives several channels at once (:mod:`~fireflyer.hfreduce.transport.progress`).
+that drives several channels at once (:mod:`~fireflyer.hfreduce.transport.progress`), in Python or in the
+compiled core, to which each channel describes itself (``core_kind``, ``core_fields``, ``core_back``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ DIRECT = 0x44495243  # a ring frame whose payload the receiver reads from the se
 _ADDRESS = struct.Struct("<Q")
 INLINE_BYTES = 1 << 20  # the most a caller copies into a ring itself in send_now (more: the sending thread)
 TAG = 0x5858  # the listener tag of exchange connections
-_HEAD, _BODY, _ACK, DONE = 0, 1, 2, 3  # Transfer.stage
+_HEAD, _BODY, _ACK, DONE = 0, 1, 2, 3  # Transfer.stage (the compiled core's too: _core/exchange.h)
+RING_OUT, RING_IN, TCP_OUT, TCP_IN = 1, 2, 3, 4  # core_kind: the compiled core's hfx_item kinds
+_NO_RING = (0, 0, 0, 0, 0, 0, 0)
 
 
 class Foreign(Exception):
@@ -181,6 +184,18 @@ class RingOut:
     def sleep_on(self, tr: Transfer) -> tuple[int, int]:
         return self.ring.word("ack" if tr.stage == _ACK else "tail")
 
+    core_kind = RING_OUT
+
+    def core_fields(self) -> tuple[int, ...]:
+        """For the compiled core: the ring's words and bytes, this side's counters, the direct-read threshold,
+        no socket."""
+        return (*self.ring.layout(), *self.ring.counters(True), self._direct, -1)
+
+    def core_back(self, count: int, acks: int, direct: int) -> None:
+        """Take back what a compiled drive moved: the counters, and a direct threshold it dropped to 0."""
+        self.ring.set_counters(True, count, acks)
+        self._direct = direct
+
     def driving(self, on: bool) -> None:
         pass
 
@@ -201,9 +216,12 @@ class RingIn:
     def _parse(self, raw: bytes, what: str | Transfer) -> tuple[int, int, int, int, bytes]:
         kind, space, key, nbytes, dig = FRAME.unpack(raw)
         if kind not in (DATA, DIRECT):
-            what = what if isinstance(what, str) else what.what
-            raise HFReduceError(f"garbled frame from {self.ring.peer_desc} in the node's mailboxes while {what}")
+            raise self.garbled(what if isinstance(what, str) else what.what)
         return kind, space, key, nbytes, dig
+
+    def garbled(self, what: str) -> HFReduceError:
+        """The error of a frame of no known kind."""
+        return HFReduceError(f"garbled frame from {self.ring.peer_desc} in the node's mailboxes while {what}")
 
     def header(self, check, deadline: float, what: str) -> tuple[int, int, int, bytes]:
         kind, space, key, nbytes, dig = self._parse(self.ring.read_bytes(FRAME.size, check, deadline, what), what)
@@ -253,6 +271,15 @@ class RingIn:
 
     def sleep_on(self, tr: Transfer) -> tuple[int, int]:
         return self.ring.word("head")
+
+    core_kind = RING_IN
+
+    def core_fields(self) -> tuple[int, ...]:
+        """For the compiled core: the ring's words and bytes, this side's counters, the sender's pid, no socket."""
+        return (*self.ring.layout(), *self.ring.counters(False), self._pid, -1)
+
+    def core_back(self, count: int, acks: int, direct: int) -> None:
+        self.ring.set_counters(False, count, acks)
 
     def driving(self, on: bool) -> None:
         pass
@@ -355,10 +382,20 @@ class TcpOut:
     def sleep_on(self, tr: Transfer) -> socket.socket:
         return self.link.sock
 
+    core_kind = TCP_OUT
+
+    def core_fields(self) -> tuple[int, ...]:
+        """For the compiled core: no ring, the link's socket (non-blocking while driven)."""
+        return (*_NO_RING, 0, self.link.sock.fileno())
+
+    def core_back(self, count: int, acks: int, direct: int) -> None:
+        pass
+
     def abort(self, text: str) -> None:
+        # shut down, not closed: a compiled drive may still hold the descriptor's number (the exchange closes it)
         if self.link is not None:
             self.link.send_error(text)
-            self.link.close()
+            self.link.shutdown()
 
 
 class TcpIn:
@@ -433,6 +470,10 @@ class TcpIn:
     def sleep_on(self, tr: Transfer) -> socket.socket:
         return self.link.sock
 
+    core_kind = TCP_IN
+    core_fields = TcpOut.core_fields
+    core_back = TcpOut.core_back
+
     def abort(self) -> None:
         if self.link is not None:
-            self.link.close()
+            self.link.shutdown()

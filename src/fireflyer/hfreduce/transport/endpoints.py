@@ -31,6 +31,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._busy = 0  # transfers queued for the thread or in its hands, and driving callers
         self._wire = threading.Lock()  # held by whoever writes the transport: the thread, or a driving caller
+        self._nonblocking = False  # the driving caller made the transport non-blocking (undone on release)
         self.thread: threading.Thread | None = None
 
     def post(self, tr: Transfer) -> None:
@@ -56,17 +57,21 @@ class Outbox:
             self.thread.start()
         self._queue.put(tr)
 
-    def claim(self) -> bool:
-        """For a driving caller: the channel, if nothing is ahead of it (call :meth:`release` after)."""
+    def claim(self, nonblocking: bool = True) -> bool:
+        """For a driving caller: the channel, if nothing is ahead of it (call :meth:`release` after);
+        ``nonblocking``: the caller steps it in Python, so its socket must not block meanwhile."""
         with self._lock:
             if self._busy or not self.transport.inline or not self._wire.acquire(blocking=False):
                 return False
             self._busy += 1
-        self.transport.driving(True)
+        self._nonblocking = nonblocking
+        if nonblocking:
+            self.transport.driving(True)
         return True
 
     def release(self) -> None:
-        self.transport.driving(False)
+        if self._nonblocking:
+            self.transport.driving(False)
         with self._lock:
             self._busy -= 1
             self._wire.release()
@@ -110,6 +115,7 @@ class Inbox:
         self._posted: dict[tuple[int, int], deque[Transfer]] = {}
         self._waiting = 0  # posted receives not yet matched
         self._reading = False  # the thread is on the wire, or a driving caller holds it
+        self._nonblocking = False  # the driving caller made the transport non-blocking (undone on release)
         self._early: dict[tuple[int, int], deque[tuple[bytes, torch.Tensor]]] = {}
         self._stop = False
         self.thread: threading.Thread | None = None
@@ -135,25 +141,30 @@ class Inbox:
             self.thread.start()
         self._cond.notify_all()
 
-    def claim(self, key: tuple[int, int]) -> bool:
-        """For a driving caller: the channel, if nothing is posted ahead and no frame for ``key`` came early."""
+    def claim(self, key: tuple[int, int], nonblocking: bool = True) -> bool:
+        """For a driving caller: the channel, if nothing is posted ahead and no frame for ``key`` came early
+        (``nonblocking`` as for :meth:`Outbox.claim`)."""
         with self._cond:
             if self._waiting or self._reading or key in self._early or self.transport is None \
                     or not self.transport.inline:
                 return False
             self._reading = True
-        self.transport.driving(True)
+        self._nonblocking = nonblocking
+        if nonblocking:
+            self.transport.driving(True)
         return True
 
     def release(self, hand_over: Transfer | None = None) -> None:
         """Give the channel back; ``hand_over``: a receive the caller could not finish (a frame of another call
         was ahead of it, untouched), which the thread takes from here."""
-        self.transport.driving(False)
+        if self._nonblocking:
+            self.transport.driving(False)
         with self._cond:
             self._reading = False
             if hand_over is not None:
                 self._wait_for(hand_over)
-            self._cond.notify_all()
+            elif self._waiting:  # receives posted meanwhile: the thread reads from here (else it sleeps on)
+                self._cond.notify_all()
 
     def deliver(self, key: tuple[int, int], dig: bytes, data: torch.Tensor, copy: bool = True) -> None:
         """A whole frame (sent to itself, or read before its receive was posted): into its posted receive,

@@ -48,7 +48,7 @@ from fireflyer.hfreduce.transport.endpoints import Inbox, Outbox
 from fireflyer.hfreduce.errors import CollectiveMismatch, CollectiveTimeout, HFReduceError, error_to_text, fresh
 from fireflyer.hfreduce.diagnosis.flight import FlightRecorder, dtype_name, trace_of
 from fireflyer.hfreduce.transport.mailbox import Mailboxes
-from fireflyer.hfreduce.transport.progress import drive
+from fireflyer.hfreduce.transport.progress import drive, steps_in_python
 from fireflyer.hfreduce.plans.topology import Layout
 from fireflyer.hfreduce.transport.transfers import (
     COLLECTIVE,
@@ -131,8 +131,9 @@ class Exchange:
                  timeout: Callable[[], float], describe: Callable[[int], str], check: Callable[[], None],
                  fail: Callable[[BaseException], HFReduceError], name: str, private: bool = True,
                  setup_timeout: float = 60.0, flight: FlightRecorder | None = None,
-                 number: Callable[[Callable[[int], None]], int] | None = None) -> None:
+                 number: Callable[[Callable[[int], None]], int] | None = None, compiled: bool = True) -> None:
         self.rank = rank
+        self._compiled = compiled  # synchronous calls drive their channels in the compiled core, where it is built
         self.world_size = layout.world_size
         self.describe = describe
         self._me = describe(rank)
@@ -343,17 +344,18 @@ class Exchange:
                 receiving = [Transfer(op, peer, False, k, data, dig, me) for peer, k, data, dig in recvs]
                 for tr in sending + receiving:
                     op.add(tr)
+                stepping = steps_in_python(self._compiled)
                 self._ops[op_id] = op
                 for tr in sending:
                     if tr.peer == self.rank:  # to itself: hand it over now
                         self._inbox(tr.peer).deliver(tr.key, tr.digest, tr.data)
                         op.done(tr)
-                    elif drive_here and self._outbox(tr.peer).claim():
+                    elif drive_here and self._outbox(tr.peer).claim(stepping):
                         claimed_out.append((self._outbox(tr.peer), tr))
                     else:
                         self._outbox(tr.peer).post(tr)
                 for tr in receiving:
-                    if drive_here and tr.peer != self.rank and self._inbox(tr.peer).claim(tr.key):
+                    if drive_here and tr.peer != self.rank and self._inbox(tr.peer).claim(tr.key, stepping):
                         claimed_in.append((self._inbox(tr.peer), tr))
                     else:
                         self._inbox(tr.peer).post(tr)
@@ -361,7 +363,7 @@ class Exchange:
             op.fail(error if self._closed or error is self._error else self.failed(error))
             return op
         if claimed_out or claimed_in:
-            drive(self, op, claimed_out, claimed_in)
+            drive(self, op, claimed_out, claimed_in, compiled=self._compiled)
         op.done(None)  # completes a call with nothing to move (world size 1, or all of it local)
         return op
 

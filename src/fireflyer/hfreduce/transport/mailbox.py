@@ -243,6 +243,24 @@ class Ring:
         self._tail = self._words[self._tail_i] & _MASK
         self._acks = (self._words[self._ack_i] & _MASK) >> 1  # direct reads asked for (sender) or answered (receiver)
 
+    # -- for the compiled core's drive (``_core/exchange.c``), which moves the ring's bytes itself -----
+    def layout(self) -> tuple[int, int, int, int, int]:
+        """Addresses of the head, tail and ack words and of the ring's bytes, and the ring's size."""
+        return self._head_addr, self._tail_addr, self._ack_addr, self._box._base + self._offset, self._size
+
+    def counters(self, sending: bool) -> tuple[int, int]:
+        """This side's own counter (the head when ``sending``, else the tail) and its direct reads asked for
+        or answered."""
+        return (self._head if sending else self._tail), self._acks
+
+    def set_counters(self, sending: bool, count: int, acks: int) -> None:
+        """Take back the counters a compiled drive moved (it published what it wrote or consumed itself)."""
+        if sending:
+            self._head = count
+        else:
+            self._tail = count
+        self._acks = acks
+
     # -- waiting -------------------------------------------------------------------
     def _sleep(self, index: int, addr: int, seen: int, check: Callable[[], None], deadline: float, what: str) -> None:
         check()
@@ -459,15 +477,21 @@ def read_remote(pid: int, address: int, dst: torch.Tensor, check: Callable[[], N
         local, remote = _IoVec(base + done, k), _IoVec(address + done, k)
         got = _vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
-            err = ctypes.get_errno()
+            err = ctypes.get_errno() if got < 0 else 0
             if done == 0 and err in _REFUSED:
                 return False
-            check()  # the group's own failure first, if it has one
-            if err == errno.ESRCH or not pid_alive(pid):  # the liveness check looks only now and then
-                raise PeerFailure(f"{peer_desc} (pid {pid}) died while this rank was reading {k} bytes from it")
-            raise HFReduceError(f"reading {k} bytes from {peer_desc} (pid {pid}) failed: "
-                                f"{os.strerror(err) if got < 0 else 'nothing read'}")
+            raise remote_read_failure(pid, k, err, check, peer_desc)
         done += got
         if done < n:
             check()
     return True
+
+
+def remote_read_failure(pid: int, nbytes: int, err: int, check: Callable[[], None], peer_desc: str) -> HFReduceError:
+    """Why reading ``nbytes`` from ``pid`` failed with ``err`` (0: nothing read): the group's own failure where it
+    has one (raised), the peer's death, or the error itself."""
+    check()
+    if err == errno.ESRCH or not pid_alive(pid):  # the liveness check looks only now and then
+        return PeerFailure(f"{peer_desc} (pid {pid}) died while this rank was reading {nbytes} bytes from it")
+    return HFReduceError(f"reading {nbytes} bytes from {peer_desc} (pid {pid}) failed: "
+                         f"{os.strerror(err) if err else 'nothing read'}")

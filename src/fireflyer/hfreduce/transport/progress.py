@@ -11,19 +11,30 @@ It drives only the channels it can claim, those with nothing queued ahead of thi
 call; the others, and a receive that meets a frame of another call first, go to the
 channel threads as usual. Every wait has the call's deadline and checks the group's
 failure state, as the threads' waits do.
+
+Where hfreduce's compiled core is built, the passes run there (``_core/exchange.c``: the
+same frames, ring counters and direct reads, with the GIL released), in slices of at most
+10 ms between which this module checks the group and the deadline; what needs Python (a
+frame of another call, a mismatch, a lost link, a peer's error) comes back here and is
+handled as the Python loop handles it. ``compiled=False`` (the config's ``core_exchange``)
+keeps the loop here; ranks may mix the two.
 """
 
 from __future__ import annotations
 
+import os
 import select
+import struct
 import time
 from typing import TYPE_CHECKING
 
 from fireflyer.hfreduce import env as names
+from fireflyer.hfreduce.compiled import CORE
 from fireflyer.hfreduce.transport import futex
-from fireflyer.hfreduce.transport.channels import DONE, Foreign, Owner
+from fireflyer.hfreduce.transport.channels import DONE, Foreign, Owner, RingIn
+from fireflyer.hfreduce.transport.mailbox import remote_read_failure
 from fireflyer.hfreduce.config import read
-from fireflyer.hfreduce.errors import CollectiveTimeout
+from fireflyer.hfreduce.errors import CollectiveTimeout, HFReduceError
 from fireflyer.hfreduce.transport.transfers import Op, Transfer
 
 if TYPE_CHECKING:
@@ -36,10 +47,25 @@ _NAP = 0.002  # seconds of one sleep; the wait ends early when the channel it wa
 _MIXED_NAP = 0.0002  # with both rings and sockets pending: a socket wakes the wait, a ring is polled this often
 
 
-def drive(ex: Owner, op: Op, sends: list[tuple["Outbox", Transfer]], recvs: list[tuple["Inbox", Transfer]]) -> None:
-    """Move the claimed transfers of ``op``; every channel is released before this returns."""
+def steps_in_python(compiled: bool) -> bool:
+    """Whether :func:`drive` with ``compiled`` steps the channels in Python, so that a claimed socket must be
+    non-blocking meanwhile (the compiled core's system calls never block, whatever the socket's mode)."""
+    return not (compiled and CORE is not None)
+
+
+def drive(ex: Owner, op: Op, sends: list[tuple["Outbox", Transfer]], recvs: list[tuple["Inbox", Transfer]],
+          compiled: bool = True) -> None:
+    """Move the claimed transfers of ``op`` (in the compiled core where it is built and ``compiled``); every
+    channel is released before this returns."""
     active: list[tuple[object, Transfer, bool]] = [(box, tr, True) for box, tr in sends] + \
         [(box, tr, False) for box, tr in recvs]
+    if compiled and CORE is not None:
+        _drive_compiled(ex, op, active)
+    else:
+        _drive_here(ex, op, active)
+
+
+def _drive_here(ex: Owner, op: Op, active: list[tuple[object, Transfer, bool]]) -> None:
     idle = 0
     try:
         while active:
@@ -95,3 +121,72 @@ def _nap(active: list) -> None:
         futex.wait(address, value, _NAP)
     else:
         select.select(socks_r, socks_w, [], _MIXED_NAP if words else _NAP)
+
+
+# -- in the compiled core ------------------------------------------------------------------------
+
+# _core/exchange.h's hfx_item: kind, stage, pos, data, nbytes, space, key, digest; head, tail and ack
+# addresses, ring, ring_bytes, count, acks, direct, fd; got_kind, got_space, got_key, got_nbytes,
+# got_digest; err.
+_ITEM = struct.Struct("<7q16s9q4q16sq")
+_STAGE_AT = 8  # byte offset of the stage, for closing an item the caller took over
+_SLICE_NS = 10_000_000  # the longest a compiled drive runs before the group and the deadline are checked
+(_ALL_DONE, _AGAIN, _FOREIGN, _MISMATCH, _LOST, _ERROR_FRAME, _GARBLED, _REMOTE) = range(8)
+
+
+def _drive_compiled(ex: Owner, op: Op, active: list[tuple[object, Transfer, bool]]) -> None:
+    """The passes of :func:`_drive_here` in the compiled core, in slices; the same handling of what comes back."""
+    items = bytearray(_ITEM.size * len(active))
+    for i, (box, tr, _) in enumerate(active):
+        t = box.transport
+        _ITEM.pack_into(items, i * _ITEM.size, t.core_kind, tr.stage, tr.pos, tr.data.data_ptr(), tr.data.numel(),
+                        tr.key[0], tr.key[1], tr.digest, *t.core_fields(), 0, 0, 0, 0, bytes(16), 0)
+    left = set(range(len(active)))  # items still the caller's: neither finished nor handed to a thread
+    spin_ns = int(_SPIN_S * 1e9)
+    try:
+        while left:
+            rc, index = CORE.exchange_drive(items, _SLICE_NS, spin_ns)
+            for i in list(left):
+                box, tr, _ = active[i]
+                fields = _ITEM.unpack_from(items, i * _ITEM.size)
+                tr.stage, tr.pos = fields[1], fields[2]
+                box.transport.core_back(fields[13], fields[14], fields[15])
+                if tr.stage == DONE:
+                    left.discard(i)
+                    box.release()
+                    op.done(tr)
+            if rc == _ALL_DONE or (rc == _AGAIN and not left):
+                return
+            if rc == _AGAIN:
+                ex.check()
+                if time.monotonic() > op.deadline:
+                    tr = active[min(left)][1]
+                    raise CollectiveTimeout(f"timed out waiting for {ex.describe(tr.peer)} while {tr.what}")
+                continue
+            box, tr, _ = active[index]
+            if rc == _FOREIGN:  # another call's frame first: the channel's thread sorts it out
+                left.discard(index)
+                struct.pack_into("<q", items, index * _ITEM.size + _STAGE_AT, DONE)
+                box.release(hand_over=tr)
+                continue
+            _raise(ex, box, tr, rc, _ITEM.unpack_from(items, index * _ITEM.size))
+    except BaseException as exc:  # noqa: BLE001 - the group fails, and this call with it
+        for i in left:
+            active[i][0].release()
+        ex.failed(exc)
+
+
+def _raise(ex: Owner, box, tr: Transfer, rc: int, fields: tuple) -> None:
+    """Raise what stopped a compiled drive at ``tr``, as the Python loop raises it."""
+    got_nbytes, got_digest, err = fields[20], fields[21], fields[22]
+    if rc == _MISMATCH:
+        ex.expect(tr, got_digest, got_nbytes)
+    elif rc == _LOST:
+        raise box.transport.link.lost(tr.what) from (OSError(err, os.strerror(err)) if err else None)
+    elif rc == _ERROR_FRAME:
+        box.transport.link.recv_header(ex.check, tr.op.deadline, tr.what)  # raises the peer's error, or "garbled"
+    elif rc == _GARBLED and isinstance(box.transport, RingIn):
+        raise box.transport.garbled(tr.what)
+    elif rc == _REMOTE:
+        raise remote_read_failure(fields[15], got_nbytes, err, ex.check, box.transport.ring.peer_desc)
+    raise HFReduceError(f"the compiled exchange stopped with code {rc} while {tr.what}")
