@@ -33,7 +33,6 @@ flight notes there whom it was waiting on.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from datetime import timedelta
