@@ -132,6 +132,7 @@ def test_batches_are_seeded_by_rank_and_step():
         assert int(x.max()) < shape.vocab_size
 
 
+@pytest.mark.heavy  # the MoE model's training is in the default tier (tests/train/test_train_parallel.py)
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_quick_run_through_the_cli(tmp_path):

@@ -38,7 +38,8 @@ def one_process() -> dict:
     return _reference(GLOBAL)
 
 
-@pytest.mark.parametrize("layout", [[1], [2], [4], [2, 2]], ids=["1x1", "1x2", "1x4", "2x2"])
+@pytest.mark.parametrize("layout", [pytest.param([1], marks=pytest.mark.heavy), pytest.param([2], marks=pytest.mark.heavy),
+                                    [4], [2, 2]], ids=["1x1", "1x2", "1x4", "2x2"])
 def test_every_layout_gives_the_bits_of_one_process(layout, one_process):
     ranks = sum(layout)
     with LocalCluster(layout, env=ENV) as cluster:

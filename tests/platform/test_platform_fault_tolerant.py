@@ -115,6 +115,7 @@ def call(server: Server, method: str, path: str, token: str, body: Any = None) -
         conn.close()
 
 
+@pytest.mark.heavy  # a whole fault-tolerant run; the scheduler's side is tested above without one
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_a_fault_tolerant_task_keeps_running_when_a_node_is_killed_and_records_the_replacement(tmp_path):

@@ -870,7 +870,8 @@ def test_a_running_task_is_suspended_resumed_and_stopped_through_the_api(tmp_pat
 # ---------------------------------------------------------------------- fuzzing the spec
 @pytest.mark.skipif(shutil.which("st", path=os.path.dirname(sys.executable)) is None
                     and shutil.which("st") is None, reason="schemathesis is not installed")
-@pytest.mark.parametrize("user", ["root", "alice"])  # an admin, and a user who meets 403s
+# an admin (heavy: the default tier fuzzes as the user who meets 403s), and that user
+@pytest.mark.parametrize("user", [pytest.param("root", marks=pytest.mark.heavy), "alice"])
 def test_schemathesis_finds_no_server_errors_and_no_schema_violations(tmp_path, user):
     home = make_home(tmp_path / "home", nodes=2)
     tokens = add_users(home)

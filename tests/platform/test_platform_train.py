@@ -21,6 +21,9 @@ pytestmark = pytest.mark.multiproc
 STEPS = 300
 
 
+# Both are whole training runs under a daemon (heavy); the default tier preempts, stops and resumes tasks in
+# test_platform_local.py and test_platform_slurm.py, and stops and resumes training runs in tests/train.
+@pytest.mark.heavy
 def test_a_preempted_training_run_resumes_to_the_same_losses(tmp_path):
     tiny = str(builtin_config("tiny"))
     fireflyer = [sys.executable, "-m", "fireflyer"]
@@ -55,6 +58,7 @@ def test_a_preempted_training_run_resumes_to_the_same_losses(tmp_path):
     assert managed["history"]["val"] == straight["history"]["val"]
 
 
+@pytest.mark.heavy
 def test_a_training_task_stopped_by_its_user_leaves_nothing_and_resumes_bitwise(tmp_path, monkeypatch):
     """``fireflyer stop`` on a task running ``fireflyer train``: within the platform's kill grace plus 5 s no
     process of the task is left (by the mark every process of it carries) nor a /dev/shm segment, and the run

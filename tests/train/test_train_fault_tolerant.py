@@ -370,6 +370,7 @@ def same_bits(run: dict, straight: dict, why: str = "") -> None:
 
 
 
+@pytest.mark.heavy  # the default tier kills a replica through torchft on hfreduce (tests/hfreduce/test_fault_tolerance.py)
 @pytest.mark.multiproc
 def test_a_node_killed_mid_run_leaves_the_bits_of_a_run_that_never_failed(straight, tmp_path):
     run, printed = ft_run(tmp_path / "one", [(60, "node1")], "--order", "canonical", rejoin=True)

@@ -23,6 +23,9 @@ from fireflyer.train.config import builtin_config
 # The module's runs are set up in the first test's fixture: several whole jobs, each with its own time limit, so the
 # test's limit only has to catch a hang, on a busy host too.
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+# The module's runs are heavy (about 100 s): the default tier trains the MoE model over a TP group
+# (test_train_parallel.py) and its experts in tests/haiscale.
+heavy_runs = pytest.mark.heavy
 
 TINY = str(builtin_config("tiny"))
 MOE = ["--model", "moe", "--experts", "4", "--expert-hidden", "16", "--shared-experts", "1", "--top-k", "2",
@@ -56,6 +59,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@heavy_runs
 def test_the_moe_run_reports_its_layout_experts_and_all_to_all(runs):
     run = runs["a"]
     assert run["finished"] and len(run["history"]["loss"]) == 8
@@ -77,6 +81,7 @@ def test_the_moe_run_reports_its_layout_experts_and_all_to_all(runs):
     assert run["sample"]["text"].startswith(run["sample"]["prompt"])
 
 
+@heavy_runs
 def test_a_resumed_moe_run_equals_the_uninterrupted_one_bitwise(runs):
     a, c = runs["a"], runs["c"]
     assert c["resumed_from"] == 4 and c["finished"]
@@ -89,7 +94,7 @@ def test_a_resumed_moe_run_equals_the_uninterrupted_one_bitwise(runs):
     assert c["sample"]["text"] == a["sample"]["text"]
 
 
-@pytest.mark.heavy  # two more whole jobs; the default tier resumes the EP x DP run above
+@heavy_runs  # two more whole jobs
 def test_a_resumed_pipeline_run_equals_the_uninterrupted_one_bitwise(runs):
     root = runs["root"]
     train(TINY, *MOE, *PIPE, "--out", str(root / "q"), "--stop-at", "5")  # off the save interval: resumes at 4
@@ -102,6 +107,7 @@ def test_a_resumed_pipeline_run_equals_the_uninterrupted_one_bitwise(runs):
     assert q["experts"]["tokens"] == p["experts"]["tokens"]
 
 
+@heavy_runs
 def test_the_sharded_checkpoint_holds_every_expert_under_its_global_name(runs):
     from fireflyer.train import state as saved
 
@@ -115,6 +121,7 @@ def test_the_sharded_checkpoint_holds_every_expert_under_its_global_name(runs):
     assert sorted(state["rng"]) == [f"rank{r}" for r in range(4)]
 
 
+@heavy_runs
 @pytest.mark.parametrize("other", ["p", "s"])
 def test_pipeline_x_experts_and_one_process_train_the_same_model(runs, other):
     """pp=2 x ep=2 and one process holding every expert reach the losses of ep=2 x dp=2 to rounding."""
@@ -127,6 +134,7 @@ def test_pipeline_x_experts_and_one_process_train_the_same_model(runs, other):
     assert a["experts"]["tokens"][0] == o["experts"]["tokens"][0]  # the same routing on the first step
 
 
+@heavy_runs
 def test_the_pipeline_run_places_one_stage_per_node(runs):
     lay = runs["p"]["layout"]
     assert lay["pp"] == 2 and lay["ep"] == 2 and lay["dp"] == 1

@@ -153,8 +153,11 @@ def stop_run(how: str, when: str, out: Path, mark: str, baseline: Baseline) -> t
     return p, time.monotonic(), target
 
 
-# Each way of stopping and each moment in the default tier (4 cells); the other 4 of the 8 in the heavy one.
-CELLS = [("sigint", "saving"), ("sigterm", "training"), ("sigkill", "saving"), ("timeout", "training"),
+# Two ways of stopping, at each moment, in the default tier (a signal handled while training, a kill while
+# saving); the other 6 of the 8 in the heavy one.
+CELLS = [("sigterm", "training"), ("sigkill", "saving"),
+         pytest.param("sigint", "saving", marks=pytest.mark.heavy),
+         pytest.param("timeout", "training", marks=pytest.mark.heavy),
          pytest.param("sigint", "training", marks=pytest.mark.heavy),
          pytest.param("sigterm", "saving", marks=pytest.mark.heavy),
          pytest.param("sigkill", "training", marks=pytest.mark.heavy),
@@ -231,6 +234,7 @@ def test_overwrite_deletes_the_earlier_run_and_says_what_went(tmp_path, capsys):
     assert "ckpt/ (step 200), config.json, logs/ were deleted" in capsys.readouterr().out
 
 
+@pytest.mark.heavy  # two whole demo runs
 def test_the_demo_replaces_its_own_earlier_run_only(tmp_path, capsys):
     demo = ["demo", "--preset", "tiny", "--steps", "2", "--save-every", "0", "--out", str(tmp_path / "demo")]
     first = fireflyer(*demo)
