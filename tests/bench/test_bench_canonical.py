@@ -133,6 +133,7 @@ def test_bad_input_through_the_cli_is_one_line(args, words):
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("fireflyer bench: error:")
 
 
+@pytest.mark.heavy  # the canonical order's bits are in the default tier (tests/hfreduce, tests/haiscale)
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_quick_run_through_the_cli(tmp_path):

@@ -45,6 +45,7 @@ def test_bf16_weights_too():
     assert spread == {**alone, "stats": spread["stats"]}
 
 
+@pytest.mark.heavy  # what the canonical order is for, shown; the default tier checks the canonical bits
 def test_the_fast_order_depends_on_the_layout(one_process):
     """The control: the usual accumulation (each loss divided by m, the ranks' average) agrees with one
     process to rounding, but not in its bits, so the test above can fail."""

@@ -66,6 +66,7 @@ def test_bf16_weights_sum_in_fp32_and_round_once():
     assert got["stats"]["synchronous"] > 0 and got["stats"]["overlapped"] == 0
 
 
+@pytest.mark.heavy  # what the canonical order is for, shown; the default tier checks the canonical bits
 def test_the_fast_order_depends_on_the_layout(one_process):
     """The control: FSDP2's own accumulation (each loss divided by m, the ranks' average) agrees with one
     process to rounding, but not in its bits, so the tests above can fail."""

@@ -39,7 +39,8 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.heavy) if n == "4x2" else n for n in LAYOUTS],
+                ids=list(LAYOUTS))  # eight ranks: the heavy tier (3+2+1 stays for three uneven nodes)
 def cluster(request):
     spec = LAYOUTS[request.param]
     layout, env, rank_envs = (*spec, {})[:3] if isinstance(spec, tuple) else (spec, {}, {})

@@ -94,6 +94,7 @@ def straight_sha(tmp_path: Path, lighthouse: str) -> str:
     return rows(alone, "solo")[-1]["sha"]
 
 
+@pytest.mark.heavy  # the default tier heals a restarted replica from a live one (the kill test below)
 def test_a_late_replica_heals_from_a_live_one_and_both_end_with_the_same_weights(tmp_path, lighthouse):
     hold = tmp_path / "hold"
     a = replica("a", lighthouse, tmp_path, STEPS, 0.15, "--hold", str(hold))

@@ -35,7 +35,11 @@ LAYOUTS = {
 LARGE = 1 << 20  # bytes of the large cases' tensors
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
+HEAVY = {"4x2", "1+2+3"}  # eight and six ranks: the heavy tier (2+1 stays for uneven nodes, 3x2 for three)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in LAYOUTS],
+                ids=list(LAYOUTS))
 def cluster(request):
     layout, env = LAYOUTS[request.param]
     with LocalCluster(layout, env={**ENV, **env}) as c:

@@ -42,8 +42,11 @@ CELLS = [
     ("1x4", "plain", "during", "sync", 1), ("1x4", "plain", "during", "async", 3), ("1x4", "plain", "during", "future", 2),
     ("2x2", "plain", "between", "sync", 3), ("2x2", "plain", "between", "async", 0), ("2x2", "plain", "between", "future", 2),
     ("2x2", "plain", "during", "sync", 0), ("2x2", "plain", "during", "async", 3), ("2x2", "plain", "during", "future", 1),
-    ("3+1", "plain", "between", "sync", 3), ("3+1", "plain", "between", "async", 1), ("3+1", "plain", "between", "future", 0),
-    ("3+1", "plain", "during", "sync", 3), ("3+1", "plain", "during", "async", 0), ("3+1", "plain", "during", "future", 3),
+    ("3+1", "plain", "between", "sync", 3), ("3+1", "plain", "during", "sync", 3),  # its async and future styles: heavy
+    pytest.param(("3+1", "plain", "between", "async", 1), marks=pytest.mark.heavy),
+    pytest.param(("3+1", "plain", "between", "future", 0), marks=pytest.mark.heavy),
+    pytest.param(("3+1", "plain", "during", "async", 0), marks=pytest.mark.heavy),
+    pytest.param(("3+1", "plain", "during", "future", 3), marks=pytest.mark.heavy),
     ("1x4", "plain", "absent", "future", 3), ("2x2", "plain", "absent", "sync", 2), ("3+1", "plain", "absent", "async", 3),
     ("1x4", "plain", "size", "sync", 0), ("1x4", "plain", "dtype", "async", 3), ("1x4", "plain", "op", "future", 3),
     ("2x2", "plain", "size", "sync", 0), ("2x2", "plain", "dtype", "sync", 3), ("2x2", "plain", "op", "async", 3),

@@ -147,6 +147,7 @@ def data_runs(tmp_path_factory):
             "stamp": stamp}
 
 
+@pytest.mark.heavy  # three runs on a text of the user's; the default tier builds and reads records in tests/storage
 def test_a_run_resumed_off_the_save_interval_and_across_an_epoch_equals_an_uninterrupted_one(data_runs):
     straight, resumed = data_runs["a"], data_runs["c"]
     steps_per_epoch = straight["data"]["records"]["train"] // CFG.data.global_batch
@@ -158,6 +159,7 @@ def test_a_run_resumed_off_the_save_interval_and_across_an_epoch_equals_an_unint
     assert resumed["sample"] == straight["sample"]
 
 
+@pytest.mark.heavy  # three runs on a text of the user's; the default tier builds and reads records in tests/storage
 def test_the_records_are_built_by_the_first_run_and_reused_by_the_others(data_runs):
     first, *later = data_runs["outs"]
     assert "built in" in first and all("reused" in out and "built in" not in out for out in later)
@@ -166,6 +168,7 @@ def test_the_records_are_built_by_the_first_run_and_reused_by_the_others(data_ru
     assert [p for p in data_runs["cache"].iterdir() if not p.name.startswith(".")] == [dataset]
 
 
+@pytest.mark.heavy  # three runs on a text of the user's; the default tier builds and reads records in tests/storage
 def test_run_json_and_the_summary_show_the_data_and_its_reader(data_runs):
     data = data_runs["c"]["data"]
     assert data["source"] == str(data_runs["text"].resolve()) and data["hash"] == data_runs["dataset"].name
