@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "arena.h" /* now_ns, cpu_relax */
+
 #define FRAME_DATA 0x44415441u   /* links.DATA */
 #define FRAME_DIRECT 0x44495243u /* channels.DIRECT */
 #define PIECE (1LL << 20)        /* mailbox.PIECE: bytes copied between two announcements */
@@ -42,20 +44,6 @@ struct waitv { /* the kernel's struct futex_waitv */
     uint32_t flags;
     uint32_t reserved;
 };
-
-static int64_t clock_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
 
 static inline int32_t *word(int64_t addr) { return (int32_t *)(intptr_t)addr; }
 static inline uint32_t load(int64_t addr) { return (uint32_t)__atomic_load_n(word(addr), __ATOMIC_ACQUIRE); }
@@ -400,7 +388,7 @@ static void nap(hfx_item *items, int64_t n, int64_t left, struct pollfd *fds, st
     int64_t t = min64(left, NAP_NS);
     static int no_waitv = 0;
     if (!no_waitv && nw > 1) {
-        int64_t until = clock_ns() + t;
+        int64_t until = now_ns() + t;
         struct timespec abs = {until / 1000000000LL, until % 1000000000LL};
         long r = syscall(SYS_futex_waitv, wv, (unsigned)nw, 0u, &abs, CLOCK_MONOTONIC);
         if (r >= 0 || errno != ENOSYS)
@@ -422,7 +410,7 @@ int hfx_drive(hfx_item *items, int64_t n, int64_t slice_ns, int64_t spin_ns, int
         items[0].err = ENOMEM;
         return HFX_LOST;
     }
-    int64_t start = clock_ns(), end = start + slice_ns, spin_until = 0;
+    int64_t start = now_ns(), end = start + slice_ns, spin_until = 0;
     int idle = 0, rc = HFX_AGAIN;
     for (;;) {
         int moved = 0, pending = 0;
@@ -460,13 +448,13 @@ int hfx_drive(hfx_item *items, int64_t n, int64_t slice_ns, int64_t spin_ns, int
             idle = 0;
             continue;
         }
-        int64_t now = clock_ns();
+        int64_t now = now_ns();
         if (now >= end)
             break;
         if (++idle == 1)
             spin_until = now + spin_ns;
         if (now < spin_until) {
-            relax();
+            cpu_relax();
             continue;
         }
         nap(items, n, end - now, fds, wv);
