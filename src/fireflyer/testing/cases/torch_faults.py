@@ -274,6 +274,10 @@ def monitored(ctx, absent: list[int], wait_all: bool, seconds: float) -> dict:
         ctx.store.wait([f"{_CELL['name']}/release"], timedelta(seconds=90))
         report: dict = {"victim": True}
     else:
+        # the present ranks meet first, so that on a loaded host none of them is late to the barrier itself
+        _passed(ctx, "present")
+        ctx.store.wait([f"{_CELL['name']}/present/{r}" for r in range(ctx.world_size) if r not in absent],
+                       timedelta(seconds=60))
         report = _outcome(lambda: pg.monitored_barrier(timedelta(seconds=seconds), wait_all_ranks=wait_all))
         if ctx.rank == 0:  # it has given up on them: let the absent ranks go on
             ctx.store.set(f"{_CELL['name']}/release", "1")
@@ -298,14 +302,25 @@ def _step(model: nn.Module, width: int = 1024) -> None:
 
 
 def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
-    """A training step through torch DDP, FSDP2 or haiscale DDP while the victim dies or stays away."""
+    """A training step through torch DDP, FSDP2 or haiscale DDP while the victim dies or stays away.
+
+    Every rank builds its model and imports its wrapper first, and the ranks meet on the store before the
+    wrapper's first collective: on a loaded host a rank may take seconds to get there, and the set-up must not
+    spend the group's short timeout that the absent cells test."""
+    bare = _model()
+    if who == "fsdp":
+        from torch.distributed.fsdp import fully_shard  # noqa: F401 - imported before the meeting
+    elif who == "haiscale":
+        from fireflyer.haiscale import DistributedDataParallel  # noqa: F401
+    _passed(ctx, "built")
+    _wait_passed(ctx, "built")
     if who == "ddp":
-        model = nn.parallel.DistributedDataParallel(_model())
+        model = nn.parallel.DistributedDataParallel(bare)
     elif who == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        model = _model()
+        model = bare
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -314,7 +329,7 @@ def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
     elif who == "haiscale":
         from fireflyer.haiscale import DistributedDataParallel
 
-        model = DistributedDataParallel(_model())
+        model = DistributedDataParallel(bare)
     else:
         raise UserError(who)
     _step(model)  # one good step through the wrapper
