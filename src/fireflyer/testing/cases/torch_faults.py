@@ -308,30 +308,26 @@ def wrapped(ctx, who: str, fault: str, victim: int) -> dict:
     wrapper's first collective: on a loaded host a rank may take seconds to get there, and the set-up must not
     spend the group's short timeout that the absent cells test."""
     bare = _model()
-    if who == "fsdp":
-        from torch.distributed.fsdp import fully_shard  # noqa: F401 - imported before the meeting
+    if who == "fsdp":  # imported before the meeting
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
     elif who == "haiscale":
-        from fireflyer.haiscale import DistributedDataParallel  # noqa: F401
+        from fireflyer.haiscale import DistributedDataParallel
+    elif who != "ddp":
+        raise UserError(who)
     _passed(ctx, "built")
     _wait_passed(ctx, "built")
     if who == "ddp":
         model = nn.parallel.DistributedDataParallel(bare)
     elif who == "fsdp":
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
         model = bare
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif who == "haiscale":
-        from fireflyer.haiscale import DistributedDataParallel
-
-        model = DistributedDataParallel(bare)
     else:
-        raise UserError(who)
+        model = DistributedDataParallel(bare)
     _step(model)  # one good step through the wrapper
     _passed(ctx, "good-step")
     if ctx.rank == victim:
