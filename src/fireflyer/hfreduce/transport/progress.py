@@ -59,10 +59,10 @@ def drive(ex: Owner, op: Op, sends: list[tuple["Outbox", Transfer]], recvs: list
     channel is released before this returns."""
     active: list[tuple[object, Transfer, bool]] = [(box, tr, True) for box, tr in sends] + \
         [(box, tr, False) for box, tr in recvs]
-    if compiled and CORE is not None:
-        _drive_compiled(ex, op, active)
-    else:
+    if steps_in_python(compiled):
         _drive_here(ex, op, active)
+    else:
+        _drive_compiled(ex, op, active)
 
 
 def _drive_here(ex: Owner, op: Op, active: list[tuple[object, Transfer, bool]]) -> None:
