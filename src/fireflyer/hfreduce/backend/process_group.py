@@ -322,8 +322,13 @@ class HFReduceProcessGroup(ExchangeCollectives, dist.ProcessGroup):
         if self.rank() == 0:
             missing = []
             for r in range(1, self.size()):
+                key = f"arrived/{r}"
+                if missing:  # the wait is spent: the rest are asked once, not given a round trip's worth of time
+                    if not store.check([key]):
+                        missing.append(r)
+                    continue
                 try:
-                    store.wait([f"arrived/{r}"], timedelta(seconds=limit) if not missing else timedelta(milliseconds=1))
+                    store.wait([key], timedelta(seconds=limit))
                 except Exception:  # noqa: BLE001 - torch raises its own store timeout flavours
                     missing.append(r)
                     if not wait_all_ranks:
