@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from fireflyer.validator.checks.cpu import SHARED
+
 pytestmark = pytest.mark.multiproc
 
 
@@ -23,14 +25,23 @@ def quick_report():
 
 
 def test_quick_run_passes_or_warns_on_the_generic_cpu_profile(quick_report):
+    """The built-in floors pass this 2-core machine. A throughput check that got under half of its cores' time
+    (other work on a busy host) may fail them, as it would on a shared node; it must say so, and the report's
+    verdict and exit code must follow."""
     done, report = quick_report
     checks = {c["name"]: c for c in report["checks"]}
     assert report["profile"] in ("generic-cpu", "generic-gpu")
-    assert not [c for c in checks.values() if c["status"] == "FAIL"], done.stdout
-    assert done.returncode == 0 and report["exit_code"] == 0
-    assert report["status"] in ("PASS", "WARN")
+    shared = {name for name, c in checks.items()
+              if c["details"].get("cpu_share", 1.0) < SHARED and "other work shares this node" in c["reason"]}
+    failed = {name for name, c in checks.items() if c["status"] == "FAIL"}
+    assert failed <= shared, done.stdout
     for name in ("cpu_gemm", "cpu_stress", "memory_bandwidth", "storage", "allreduce", "nic", "cpu_freq"):
-        assert checks[name]["status"] in ("PASS", "WARN"), checks[name]
+        assert checks[name]["status"] in (("PASS", "WARN", "FAIL") if name in shared else ("PASS", "WARN")), checks[name]
+    if failed:
+        assert done.returncode == 1 and report["exit_code"] == 1 and report["status"] == "FAIL"
+    else:
+        assert done.returncode == 0 and report["exit_code"] == 0
+        assert report["status"] in ("PASS", "WARN")
     assert report["seconds"] < 60
 
 

@@ -42,6 +42,21 @@ def seconds(timeout: Any) -> float | None:
     return value if value > 0 else None
 
 
+_DONE = threading.Event()
+_DONE.set()
+
+
+def _succeeded(future: torch.futures.Future) -> bool:
+    """Whether ``future`` has completed without an error."""
+    if not future.done():
+        return False
+    try:
+        future.value()
+    except BaseException:  # noqa: BLE001 - its error: the Work made by ``then`` below carries it
+        return False
+    return True
+
+
 class HFReduceWork(dist.Work):
     """One collective (or a coalesced batch) in flight on this rank."""
 
@@ -53,6 +68,12 @@ class HFReduceWork(dist.Work):
         self._seqs = seqs
         self._what = what
         self._error: BaseException | None = None
+        if len(futures) == 1 and _succeeded(futures[0]):  # a call its caller drove to the end: nothing to wait on
+            self._batch = False
+            self._done = _DONE
+            self._future = torch.futures.Future()
+            self._future.set_result(result)
+            return
         self._done = threading.Event()
         # The future torch sees must carry a C++-level error for C++ consumers (DDP's reducer
         # reads its value and would misread an exception object as a result), so it is made

@@ -32,6 +32,7 @@ flight notes there whom it was waiting on.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -92,16 +93,22 @@ def split_rows(t: torch.Tensor, splits: list[int] | None, world: int, what: str)
     return splits
 
 
-def _pieces(flat: torch.Tensor, rows: list[int], t: torch.Tensor) -> list[tuple[torch.Tensor, bytes]]:
+@functools.lru_cache(maxsize=512)
+def _spans(shape: tuple[int, ...], dtype: torch.dtype, splits: tuple[int, ...], world: int,
+           what: str) -> tuple[tuple[int, int, bytes], ...]:
+    """Per rank, the byte range of an all_to_all_single tensor of ``shape`` that goes to (or comes from) it, and
+    its digest. Cached: a training loop makes the same few calls again and again."""
+    rows = split_rows(torch.empty(shape, dtype=dtype, device="meta"), list(splits), world, what)
     row = 1
-    for d in t.shape[1:]:
+    for d in shape[1:]:
         row *= d
-    out, off, size = [], 0, t.element_size()
+    size = dtype.itemsize
+    out, off = [], 0
     for r in rows:
         n = r * row
-        out.append((flat[off : off + n * size], digest(Kind.ALL_TO_ALL, t.dtype, n)))
+        out.append((off, off + n * size, digest(Kind.ALL_TO_ALL, dtype, n)))
         off += n * size
-    return out
+    return tuple(out)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -215,13 +222,15 @@ class Exchange:
                           input_splits: list[int] | None, *, timeout: float | None = None, sync: bool = False) -> Op:
         """Rows (dim 0) ``input_splits[r]`` of ``input`` go to rank ``r``, in rank order; ``output`` takes
         ``output_splits[r]`` rows from rank ``r``. Empty or None splits: equal parts."""
-        rows_in = split_rows(input, input_splits, self.world_size, "input")
-        rows_out = split_rows(output, output_splits, self.world_size, "output")
+        w = self.world_size
+        send_spans = _spans(tuple(input.shape), input.dtype, tuple(input_splits or ()), w, "input")
+        recv_spans = _spans(tuple(output.shape), output.dtype, tuple(output_splits or ()), w, "output")
         if _overlap(input, output):
             input = input.clone()  # in place: the rows sent must not be overwritten by the rows received
         finish: list = []
         src, dst = source_bytes(input), dest_bytes(output, finish)
-        send, recv = _pieces(src, rows_in, input), _pieces(dst, rows_out, output)
+        send = [(src[a:b], dig) for a, b, dig in send_spans]
+        recv = [(dst[a:b], dig) for a, b, dig in recv_spans]
         return self._all_to_all("all_to_all_single", recv, send, [output], finish, timeout, sync,
                                 ([input], [output]))
 
@@ -336,28 +345,32 @@ class Exchange:
             error = self._refusal()
             if error is None:
                 me = self._me
-                if not keyed:
-                    sends = [(peer, key, data, dig) for peer, data, dig in sends]
-                    recvs = [(peer, key, data, dig) for peer, data, dig in recvs]
-                sending = [Transfer(op, peer, True, k, data, dig, me) for peer, k, data, dig in sends]
-                receiving = [Transfer(op, peer, False, k, data, dig, me) for peer, k, data, dig in recvs]
-                for tr in sending + receiving:
-                    op.add(tr)
+                if keyed:
+                    sending = [Transfer(op, peer, True, k, data, dig, me) for peer, k, data, dig in sends]
+                    receiving = [Transfer(op, peer, False, k, data, dig, me) for peer, k, data, dig in recvs]
+                else:
+                    sending = [Transfer(op, peer, True, key, data, dig, me) for peer, data, dig in sends]
+                    receiving = [Transfer(op, peer, False, key, data, dig, me) for peer, data, dig in recvs]
+                op.add_all(sending)
+                op.add_all(receiving)
                 stepping = steps_in_python(self._compiled)
                 self._ops[op_id] = op
                 for tr in sending:
                     if tr.peer == self.rank:  # to itself: hand it over now
                         self._inbox(tr.peer).deliver(tr.key, tr.digest, tr.data)
                         op.done(tr)
-                    elif drive_here and self._outbox(tr.peer).claim(stepping):
-                        claimed_out.append((self._outbox(tr.peer), tr))
+                        continue
+                    out = self._outbox(tr.peer)
+                    if drive_here and out.claim(stepping):
+                        claimed_out.append((out, tr))
                     else:
-                        self._outbox(tr.peer).post(tr)
+                        out.post(tr)
                 for tr in receiving:
-                    if drive_here and tr.peer != self.rank and self._inbox(tr.peer).claim(tr.key, stepping):
-                        claimed_in.append((self._inbox(tr.peer), tr))
+                    box = self._inbox(tr.peer)
+                    if drive_here and tr.peer != self.rank and box.claim(tr.key, stepping):
+                        claimed_in.append((box, tr))
                     else:
-                        self._inbox(tr.peer).post(tr)
+                        box.post(tr)
         if error is not None:
             op.fail(error if self._closed or error is self._error else self.failed(error))
             return op

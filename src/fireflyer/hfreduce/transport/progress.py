@@ -129,7 +129,12 @@ def _nap(active: list) -> None:
 # addresses, ring, ring_bytes, count, acks, direct, fd; got_kind, got_space, got_key, got_nbytes,
 # got_digest; err.
 _ITEM = struct.Struct("<7q16s9q4q16sq")
-_STAGE_AT = 8  # byte offset of the stage, for closing an item the caller took over
+# Byte offsets of the stage (then pos), and of count, acks and direct: what a drive changes.
+_STAGE_AT = struct.calcsize("<q")
+_BACK_AT = struct.calcsize("<7q16s5q")
+_PROGRESS = struct.Struct("<2q")
+_BACK = struct.Struct("<3q")
+_NO_DIGEST = bytes(16)
 _SLICE_NS = 10_000_000  # the longest a compiled drive runs before the group and the deadline are checked
 (_ALL_DONE, _AGAIN, _FOREIGN, _MISMATCH, _LOST, _ERROR_FRAME, _GARBLED, _REMOTE) = range(8)
 
@@ -140,7 +145,7 @@ def _drive_compiled(ex: Owner, op: Op, active: list[tuple[object, Transfer, bool
     for i, (box, tr, _) in enumerate(active):
         t = box.transport
         _ITEM.pack_into(items, i * _ITEM.size, t.core_kind, tr.stage, tr.pos, tr.data.data_ptr(), tr.data.numel(),
-                        tr.key[0], tr.key[1], tr.digest, *t.core_fields(), 0, 0, 0, 0, bytes(16), 0)
+                        tr.key[0], tr.key[1], tr.digest, *t.core_fields(), 0, 0, 0, 0, _NO_DIGEST, 0)
     left = set(range(len(active)))  # items still the caller's: neither finished nor handed to a thread
     spin_ns = int(_SPIN_S * 1e9)
     try:
@@ -148,9 +153,9 @@ def _drive_compiled(ex: Owner, op: Op, active: list[tuple[object, Transfer, bool
             rc, index = CORE.exchange_drive(items, _SLICE_NS, spin_ns)
             for i in list(left):
                 box, tr, _ = active[i]
-                fields = _ITEM.unpack_from(items, i * _ITEM.size)
-                tr.stage, tr.pos = fields[1], fields[2]
-                box.transport.core_back(fields[13], fields[14], fields[15])
+                at = i * _ITEM.size
+                tr.stage, tr.pos = _PROGRESS.unpack_from(items, at + _STAGE_AT)
+                box.transport.core_back(*_BACK.unpack_from(items, at + _BACK_AT))
                 if tr.stage == DONE:
                     left.discard(i)
                     box.release()

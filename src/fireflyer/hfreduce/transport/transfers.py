@@ -110,7 +110,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 # -- transfers and calls -----------------------------------------------------------------------
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     op: "Op"
     peer: int
@@ -156,6 +156,9 @@ class Op:
 
     def add(self, tr: Transfer) -> None:
         self._pending.add(tr)
+
+    def add_all(self, transfers: list[Transfer]) -> None:
+        self._pending.update(transfers)
 
     def waiting_on(self) -> list[str]:
         """``["receiving from rank 2", "sending to rank 3"]``: what is left, for timeout messages."""

@@ -16,6 +16,22 @@ from typing import Any, ClassVar
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
 
 
+def cpu_share(cpu_seconds: float, wall_seconds: float, threads: int) -> float:
+    """The share of its cores a measurement got: CPU seconds over wall seconds times threads (1.0 on a quiet
+    node; far less where other work shares the cores, and then a low rate says so, not that the node is slow)."""
+    return round(cpu_seconds / max(wall_seconds * max(threads, 1), 1e-9), 3)
+
+
+def note_share(out: Findings, share: float) -> None:
+    """Say so in the reason where a measurement got under half of its cores' time."""
+    if share < SHARED:
+        out.note(f"it got {share:.0%} of its cores' time: other work shares this node")
+
+
+SHARED = 0.5
+"""Below this :func:`cpu_share`, a throughput check says that the node was shared while it measured."""
+
+
 class CpuGemm(Check):
     """fp32 matrix multiply on every core: sustained GFLOP/s."""
 
@@ -33,13 +49,16 @@ class CpuGemm(Check):
         a, b = torch.randn(n, n), torch.randn(n, n)
         c = torch.empty(n, n)
         torch.mm(a, b, out=c)  # warm-up: thread pool, packing buffers
-        iters, t0 = 0, time.perf_counter()
+        iters, t0, c0 = 0, time.perf_counter(), time.process_time()
         while iters < 2 or ctx.time_left() > 0:
             torch.mm(a, b, out=c)
             iters += 1
         seconds = time.perf_counter() - t0
+        threads = torch.get_num_threads()
         out.metric("gflops", 2 * n**3 * iters / seconds / 1e9)
-        out.details.update(n=n, iterations=iters, threads=torch.get_num_threads())
+        out.details.update(n=n, iterations=iters, threads=threads,
+                           cpu_share=cpu_share(time.process_time() - c0, seconds, threads))
+        note_share(out, out.details["cpu_share"])
 
 
 class CpuStress(Check):
@@ -66,7 +85,7 @@ class CpuStress(Check):
             pairs.append((a, b, (a.double() @ b.double()).float()))
         c = torch.empty(n, n)
         iters = wrong = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while iters < len(pairs) or ctx.time_left() > 0:
             a, b, ref = pairs[iters % len(pairs)]
             torch.mm(a, b, out=c)
@@ -77,7 +96,9 @@ class CpuStress(Check):
             iters += 1
         seconds = time.perf_counter() - t0
         out.metric("gflops", 2 * n**3 * iters / seconds / 1e9)
-        out.details.update(n=n, iterations=iters, wrong_elements=wrong)
+        out.details.update(n=n, iterations=iters, wrong_elements=wrong, threads=torch.get_num_threads(),
+                           cpu_share=cpu_share(time.process_time() - c0, seconds, torch.get_num_threads()))
+        note_share(out, out.details["cpu_share"])
         if wrong:
             out.fail(f"{wrong} wrong elements in {iters} verified products: the CPU computes wrong results")
         else:
@@ -103,6 +124,7 @@ class MemoryBandwidth(Check):
         c.copy_(a)
         best_copy = best_triad = 0.0
         trials = 0
+        w0, c0 = time.perf_counter(), time.process_time()
         while trials < 2 or ctx.time_left() > 0:
             t0 = time.perf_counter()
             c.copy_(a)
@@ -116,7 +138,10 @@ class MemoryBandwidth(Check):
             out.fail("triad produced a wrong value")
         out.metric("copy", best_copy)
         out.metric("triad", best_triad)
-        out.details.update(buffer_mib=mib, trials=trials, threads=torch.get_num_threads())
+        threads = torch.get_num_threads()
+        out.details.update(buffer_mib=mib, trials=trials, threads=threads,
+                           cpu_share=cpu_share(time.process_time() - c0, time.perf_counter() - w0, threads))
+        note_share(out, out.details["cpu_share"])
 
 
 def read_cpu_frequencies(sysfs_root: str = "/sys", procfs_root: str = "/proc") -> dict[str, object]:
