@@ -133,13 +133,14 @@ def go_suspend(*, timeout: float = 60.0) -> NoReturn:
             sys.exit(0)
         raise UsageError("go_suspend() outside a platform task: nothing would stop or resume this process "
                            f"(set {SIMULATE_ENV}=SECONDS to try the protocol locally)")
-    adir.raise_flag("can_suspend", f"rank {rank()} pid {os.getpid()} {time.time():.3f}")
     try:  # the state is saved: the platform's SIGTERM ends this process as it is, with nothing left to finish
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except ValueError:  # not the main thread: whatever handler the job set stays
         pass
+    # What the job printed goes out before the flag: the platform may stop the process the moment it sees it.
     sys.stdout.flush()
     sys.stderr.flush()
+    adir.raise_flag("can_suspend", f"rank {rank()} pid {os.getpid()} {time.time():.3f}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(0.1)
