@@ -22,7 +22,6 @@ from typing import Any, Callable, Sequence
 
 from fireflyer import lifetime
 from fireflyer.launch import JOB_SECRET, rank_env
-from fireflyer.ports import free_port
 from fireflyer.errors import UserError
 
 
@@ -76,7 +75,14 @@ def _rank_main(rank: int, world: int, node: int, local_rank: int, local_size: in
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a hung rank for its stacks
     comm = None
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, host_store and rank == 0, timeout=datetime.timedelta(seconds=60))
+        if host_store and rank == 0:  # the store's port is the one the kernel gives it, told to the others through
+            # the parent: a port chosen beforehand may be taken meanwhile (any connection's ephemeral port)
+            store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=60),
+                                  wait_for_workers=False)
+            os.environ["MASTER_PORT"] = str(store.port)
+            outbox.send((rank, "port", store.port))
+        else:
+            store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
         if env.get("FIREFLYER_TEST_COMM", "1") == "1":
             from fireflyer.hfreduce import Communicator, HFReduceConfig
 
@@ -126,25 +132,27 @@ class LocalCluster:
         self._env.setdefault(JOB_SECRET, secrets.token_hex(32))
         self._rank_envs = dict(rank_envs or {})  # on top of env, for some ranks only
         self._places = []
-        self._port = free_port()
+        self._port = 0  # the store's, once it has one: never chosen beforehand (see _rank_main)
         self.store = None
         if parent_store:
             import datetime
 
             import torch.distributed as dist
 
-            self.store = dist.TCPStore("127.0.0.1", self._port, self.world_size + 1, True,
+            self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, True,
                                        timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        rank = 0
+            self._port = self.store.port
         for node, size in enumerate(layout):
             for local in range(size):
                 self._places.append((node, local, size))
-                inbox = self._mp.Queue()
-                self._inboxes.append(inbox)
-                self.procs.append(self._start(rank, inbox))
-                rank += 1
+        deadline = time.monotonic() + start_timeout
         try:
-            self._collect(start_timeout, "start")
+            for rank in range(self.world_size):
+                self._inboxes.append(self._mp.Queue())
+                self.procs.append(self._start(rank, self._inboxes[rank]))
+                if rank == 0 and self.store is None:  # rank 0 hosts the store: the others need its port first
+                    self._port = self._store_port(deadline)
+            self._collect(max(deadline - time.monotonic(), 1.0), "start")
         except BaseException:
             self.close()
             raise
@@ -202,6 +210,23 @@ class LocalCluster:
                 return
             if r == rank and status == "error":
                 raise RankFailed({rank: value})
+
+    def _store_port(self, deadline: float) -> int:
+        """The port of the store rank 0 has started (its first answer), or its failure raised."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._dump_stacks([0])
+                raise TimeoutError("rank 0 did not start the job's store in time")
+            item = self._next(min(left, 0.5), only=0)
+            if item is None:
+                if not self.procs[0].is_alive():
+                    raise RankFailed({0: f"process exited with code {self.procs[0].exitcode}"})
+                continue
+            _, status, value = item
+            if status == "port":
+                return int(value)
+            raise RankFailed({0: value if status == "error" else f"answered {status!r} before its store's port"})
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout
