@@ -45,6 +45,19 @@ def test_success_reports_success_everywhere():
     assert work.get_future().wait() is out
 
 
+def test_a_collective_that_failed_before_its_work_was_made_raises_everywhere():
+    """A call its caller drove to the end gets a Work at once; one that failed on the way must still raise."""
+    fut = torch.futures.Future()
+    fut.set_exception(PeerFailure("rank 3 (node 1, local rank 1), pid 42, died"))
+    work = _work([fut])
+    with pytest.raises(PeerFailure, match="rank 3"):
+        work.wait()
+    with pytest.raises(Exception, match="rank 3"):
+        work.get_future().wait()
+    assert work.is_completed() and not work.is_success()
+    assert isinstance(work.exception(), PeerFailure)
+
+
 def test_a_failure_raises_the_engines_class_from_wait_and_reports_it():
     fut = torch.futures.Future()
     work = _work([fut])

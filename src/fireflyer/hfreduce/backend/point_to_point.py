@@ -90,8 +90,8 @@ class ExchangeCollectives:
         # One node: a one-shot through the arena, in the engine's order (node_all_to_all.py).
         if self.comm.num_nodes == 1:
             w = self.size()
-            p = node_all_to_all.plan(self.comm, output, input, split_rows(output, out_splits, w, "output"),
-                                     split_rows(input, in_splits, w, "input"), even=not out_splits and not in_splits)
+            p = node_all_to_all.plan(self.comm, output, input, split_rows(output.shape, out_splits, w, "output"),
+                                     split_rows(input.shape, in_splits, w, "input"), even=not out_splits and not in_splits)
             if p is not None:
                 return self._work([p], [output], opts, "all_to_all_single", [input], [output])
         op = exchange.all_to_all_single(output, input, out_splits, in_splits, timeout=_timeout(opts),

@@ -69,7 +69,6 @@ class HFReduceWork(dist.Work):
         self._what = what
         self._error: BaseException | None = None
         if len(futures) == 1 and _succeeded(futures[0]):  # a call its caller drove to the end: nothing to wait on
-            self._batch = False
             self._done = _DONE
             self._future = torch.futures.Future()
             self._future.set_result(result)

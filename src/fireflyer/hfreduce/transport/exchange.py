@@ -37,7 +37,7 @@ import json
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -76,11 +76,11 @@ def direct_bytes() -> int:
     return value
 
 
-def split_rows(t: torch.Tensor, splits: list[int] | None, world: int, what: str) -> list[int]:
-    """Rows per rank of an all_to_all_single tensor, checked as gloo checks them."""
-    if t.dim() == 0:
+def split_rows(shape: Sequence[int], splits: list[int] | None, world: int, what: str) -> list[int]:
+    """Rows per rank of an all_to_all_single tensor of ``shape``, checked as gloo checks them."""
+    if not len(shape):
         raise UserError(f"hfreduce all_to_all_single needs an {what} tensor with at least one dimension (rows)")
-    n = t.shape[0]
+    n = shape[0]
     if not splits:
         if n % world:
             raise UserError(f"hfreduce all_to_all_single: the {what}'s dim 0 ({n}) does not divide into {world} "
@@ -98,7 +98,7 @@ def _spans(shape: tuple[int, ...], dtype: torch.dtype, splits: tuple[int, ...], 
            what: str) -> tuple[tuple[int, int, bytes], ...]:
     """Per rank, the byte range of an all_to_all_single tensor of ``shape`` that goes to (or comes from) it, and
     its digest. Cached: a training loop makes the same few calls again and again."""
-    rows = split_rows(torch.empty(shape, dtype=dtype, device="meta"), list(splits), world, what)
+    rows = split_rows(shape, list(splits), world, what)
     row = 1
     for d in shape[1:]:
         row *= d
