@@ -151,7 +151,7 @@ class LocalCluster:
                 self._inboxes.append(self._mp.Queue())
                 self.procs.append(self._start(rank, self._inboxes[rank]))
                 if rank == 0 and self.store is None:  # rank 0 hosts the store: the others need its port first
-                    self._port = self._store_port(deadline)
+                    self._port = int(self._answer(0, "port", deadline, "start the job's store in time"))
             self._collect(max(deadline - time.monotonic(), 1.0), "start")
         except BaseException:
             self.close()
@@ -195,38 +195,25 @@ class LocalCluster:
         old.join(5)
         self._inboxes[rank] = self._mp.Queue()
         self.procs[rank] = self._start(rank, self._inboxes[rank])
-        deadline = time.monotonic() + timeout
+        self._answer(rank, "ready", time.monotonic() + timeout, f"restart within {timeout:.0f}s")
+
+    def _answer(self, rank: int, want: str, deadline: float, what: str) -> Any:
+        """The value of ``rank``'s next answer, which must be ``want``: its error (or its death) raised as
+        :class:`RankFailed`, its silence past ``deadline`` as a TimeoutError saying it did not ``what``."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"rank {rank} did not restart within {timeout:.0f}s")
+                self._dump_stacks([rank])
+                raise TimeoutError(f"rank {rank} did not {what}")
             item = self._next(min(left, 0.5), only=rank)
             if item is None:
                 if not self.procs[rank].is_alive():
                     raise RankFailed({rank: f"process exited with code {self.procs[rank].exitcode}"})
                 continue
-            r, status, value = item
-            if r == rank and status == "ready":
-                return
-            if r == rank and status == "error":
-                raise RankFailed({rank: value})
-
-    def _store_port(self, deadline: float) -> int:
-        """The port of the store rank 0 has started (its first answer), or its failure raised."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._dump_stacks([0])
-                raise TimeoutError("rank 0 did not start the job's store in time")
-            item = self._next(min(left, 0.5), only=0)
-            if item is None:
-                if not self.procs[0].is_alive():
-                    raise RankFailed({0: f"process exited with code {self.procs[0].exitcode}"})
-                continue
             _, status, value = item
-            if status == "port":
-                return int(value)
-            raise RankFailed({0: value if status == "error" else f"answered {status!r} before its store's port"})
+            if status == want:
+                return value
+            raise RankFailed({rank: value if status == "error" else f"answered {status!r} where {want!r} was due"})
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout
