@@ -18,7 +18,7 @@ from fireflyer.validator.checks import (
     CheckSettings,
     RunOptions,
 )
-from fireflyer.validator.checks.cpu import read_cpu_frequencies
+from fireflyer.validator.checks.cpu import cpu_share, read_cpu_frequencies
 from fireflyer.validator.checks.links import ib_ports, net_links, parse_ib_rate
 from fireflyer.validator.checks.xid_log import parse_xids, since_filter
 from fireflyer.validator.drain import (
@@ -381,3 +381,10 @@ def test_cpu_stress_verifies_its_products():
     result = ALL_CHECKS["cpu_stress"]().run(ctx_for(ALL_CHECKS["cpu_stress"], quick=True))
     assert result.status == Status.PASS, result.reason
     assert result.details["wrong_elements"] == 0 and result.details["iterations"] >= 4
+
+
+def test_cpu_share_is_the_cpu_time_a_measurement_got_over_its_wall_time_and_threads():
+    assert cpu_share(2.0, 1.0, 2) == 1.0  # two threads busy for the whole second: a quiet node
+    assert cpu_share(1.0, 1.0, 2) == 0.5
+    assert cpu_share(0.333, 1.0, 1) == 0.333  # a third of one core: two other processes shared it
+    assert cpu_share(1.0, 1.0, 0) == 1.0 and cpu_share(0.0, 0.0, 1) == 0.0  # no thread count, no time: no error

@@ -31,6 +31,8 @@ def test_quick_run_passes_or_warns_on_the_generic_cpu_profile(quick_report):
     done, report = quick_report
     checks = {c["name"]: c for c in report["checks"]}
     assert report["profile"] in ("generic-cpu", "generic-gpu")
+    for name in ("cpu_gemm", "cpu_stress", "memory_bandwidth"):  # every CPU throughput check says what it got
+        assert 0 < checks[name]["details"]["cpu_share"], checks[name]
     shared = {name for name, c in checks.items()
               if c["details"].get("cpu_share", 1.0) < SHARED and "other work shares this node" in c["reason"]}
     failed = {name for name, c in checks.items() if c["status"] == "FAIL"}

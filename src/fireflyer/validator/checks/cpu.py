@@ -16,20 +16,26 @@ from typing import Any, ClassVar
 from fireflyer.validator.checks.base import Check, CheckContext, Findings, SkipCheck
 
 
+SHARED = 0.5
+"""Below this :func:`cpu_share`, a throughput check says that the node was shared while it measured."""
+
+
 def cpu_share(cpu_seconds: float, wall_seconds: float, threads: int) -> float:
     """The share of its cores a measurement got: CPU seconds over wall seconds times threads (1.0 on a quiet
     node; far less where other work shares the cores, and then a low rate says so, not that the node is slow)."""
     return round(cpu_seconds / max(wall_seconds * max(threads, 1), 1e-9), 3)
 
 
-def note_share(out: Findings, share: float) -> None:
-    """Say so in the reason where a measurement got under half of its cores' time."""
+def record_share(out: Findings, cpu_started: float, wall_seconds: float) -> None:
+    """Put the measurement's threads and :func:`cpu_share` (since ``cpu_started``, a ``process_time``) in its
+    details, and say so in the reason where it got under :data:`SHARED` of its cores' time."""
+    import torch
+
+    threads = torch.get_num_threads()
+    share = cpu_share(time.process_time() - cpu_started, wall_seconds, threads)
+    out.details.update(threads=threads, cpu_share=share)
     if share < SHARED:
         out.note(f"it got {share:.0%} of its cores' time: other work shares this node")
-
-
-SHARED = 0.5
-"""Below this :func:`cpu_share`, a throughput check says that the node was shared while it measured."""
 
 
 class CpuGemm(Check):
@@ -54,11 +60,9 @@ class CpuGemm(Check):
             torch.mm(a, b, out=c)
             iters += 1
         seconds = time.perf_counter() - t0
-        threads = torch.get_num_threads()
         out.metric("gflops", 2 * n**3 * iters / seconds / 1e9)
-        out.details.update(n=n, iterations=iters, threads=threads,
-                           cpu_share=cpu_share(time.process_time() - c0, seconds, threads))
-        note_share(out, out.details["cpu_share"])
+        out.details.update(n=n, iterations=iters)
+        record_share(out, c0, seconds)
 
 
 class CpuStress(Check):
@@ -96,9 +100,8 @@ class CpuStress(Check):
             iters += 1
         seconds = time.perf_counter() - t0
         out.metric("gflops", 2 * n**3 * iters / seconds / 1e9)
-        out.details.update(n=n, iterations=iters, wrong_elements=wrong, threads=torch.get_num_threads(),
-                           cpu_share=cpu_share(time.process_time() - c0, seconds, torch.get_num_threads()))
-        note_share(out, out.details["cpu_share"])
+        out.details.update(n=n, iterations=iters, wrong_elements=wrong)
+        record_share(out, c0, seconds)
         if wrong:
             out.fail(f"{wrong} wrong elements in {iters} verified products: the CPU computes wrong results")
         else:
@@ -138,10 +141,8 @@ class MemoryBandwidth(Check):
             out.fail("triad produced a wrong value")
         out.metric("copy", best_copy)
         out.metric("triad", best_triad)
-        threads = torch.get_num_threads()
-        out.details.update(buffer_mib=mib, trials=trials, threads=threads,
-                           cpu_share=cpu_share(time.process_time() - c0, time.perf_counter() - w0, threads))
-        note_share(out, out.details["cpu_share"])
+        out.details.update(buffer_mib=mib, trials=trials)
+        record_share(out, c0, time.perf_counter() - w0)
 
 
 def read_cpu_frequencies(sysfs_root: str = "/sys", procfs_root: str = "/proc") -> dict[str, object]:
